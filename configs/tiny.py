@@ -1,0 +1,48 @@
+"""A tiny model with the full structure (SWA, Full, Reuse, Reindex, Engram, CED) for CPU runs.
+
+  python -m launch.ledger --config=configs/tiny.py
+"""
+
+import ml_collections
+
+from configs import common
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  del arg
+  model = dict(
+      vocab_size=2048,
+      hidden_size=64,
+      num_hidden_layers=12,
+      num_attention_heads=4,
+      head_dim=32,
+      qk_rope_head_dim=16,
+      q_lora_rank=32,
+      o_groups=2,
+      o_lora_rank=32,
+      sliding_window=16,
+      # encoder 0-5: SWA, SWA+Engram, Full, Reuse, Full+Engram, Reuse (m = 2);
+      # decoder 6-11: Full, Reuse, Reindex, Reuse, Reindex, Reuse (m = 1).
+      compress_ratios=(0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1),
+      kv_source_layer_ids=(2, 4, 6),
+      index_source_layer_ids=(2, 4, 6, 8, 10),
+      index_n_heads=2,
+      index_head_dim=16,
+      index_topk=8,
+      candidate_source_layer_id=6,
+      candidate_topk_blocks=4,
+      candidate_block_size=2,
+      yarn_enabled=False,  # pre-training phase: plain RoPE (MODEL.md §4.5)
+      n_routed_experts=8,
+      num_experts_per_tok=2,
+      moe_intermediate_size=32,
+      hc_mult=4,
+      engram_layer_ids=(1, 4),
+      engram_n_heads=2,
+      engram_head_dim=16,
+      engram_vocab_size=1009,  # small tables: the prime search starts here
+      engram_compressed_vocab_size=2048,
+      seq_len=128,
+      dtype="float32",
+  )
+  return common.base_config(model=model)

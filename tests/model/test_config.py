@@ -1,0 +1,45 @@
+import pytest
+
+from configs import common, flash, tiny
+from dsv41_jax.config import ConfigError, ModelConfig
+from dsv41_jax.layer_plan import build_layer_plan
+
+
+def test_flash_plan_matches_model_md_section_2():
+  plan = build_layer_plan(ModelConfig())
+  modes = [l.mode for l in plan]
+  assert modes[:2] == ["swa", "swa"]
+  assert [l.index for l in plan if l.mode == "full"] == [2, 8, 14, 20]
+  assert [l.index for l in plan if l.mode == "reindex"] == [24, 28, 32, 36]
+  assert all(plan[i].kv_source == 20 for i in range(20, 40))
+  assert [plan[i].index_source for i in (21, 25, 39)] == [20, 24, 36]
+  assert [plan[i].kv_source for i in (3, 9, 19)] == [2, 8, 14]
+  assert [l.index for l in plan if l.engram] == [1, 14]
+  assert all(l.is_encoder == (l.index < 20) for l in plan)
+  # Repeated units are compiled once: 6 segments for 40 layers.
+  segs = [(s.first_layer, s.unit_len, s.repeats) for s in plan.segments]
+  assert segs == [(0, 1, 1), (1, 1, 1), (2, 6, 2), (14, 6, 1), (20, 4, 1), (24, 4, 4)]
+  assert sum(s.unit_len * s.repeats for s in plan.segments) == 40
+
+
+def test_tiny_config_exercises_every_mode():
+  cfg = common.model_config(tiny.get_config())
+  modes = {l.mode for l in build_layer_plan(cfg)}
+  assert modes == {"swa", "full", "reindex", "reuse"}
+  assert common.model_config(flash.get_config()) == ModelConfig()
+
+
+@pytest.mark.parametrize("changes, names", [
+    (dict(num_attention_heads=60), ["num_attention_heads", "o_groups"]),
+    (dict(kv_source_layer_ids=(3, 8, 14, 20)), ["kv_source_layer_ids", "index_source_layer_ids"]),
+    (dict(kv_source_layer_ids=(1, 8, 14, 20)), ["kv_source_layer_ids", "layer 1"]),
+    (dict(seq_len=512), ["index_topk", "seq_len"]),
+    (dict(seq_len=64, index_topk=16), ["sliding_window", "seq_len"]),
+    (dict(engram_layer_ids=(1, 40)), ["engram_layer_ids"]),
+    (dict(engram_vocab_size=0), ["engram_vocab_size"]),
+])
+def test_inconsistent_configs_name_their_fields(changes, names):
+  with pytest.raises(ConfigError) as err:
+    ModelConfig(**changes)
+  for n in names:
+    assert n in str(err.value)
