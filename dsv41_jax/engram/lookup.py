@@ -1,0 +1,144 @@
+"""Engram table lookup, gate and injection as pure functions (MODEL.md §7.3, V4.1 form).
+
+The table of one Engram layer holds all (order, head) sub-tables concatenated by row offset and is
+row-partitioned over the mesh's `engram` axis ("engram-parallel", §7.4). `engram_lookup` runs in a
+`shard_map` over that axis: every shard sees all of its group's row ids, gathers the rows it owns
+(zeros for the others) and the partial results are summed with `psum`. The gradient is the gather's
+own transpose, a row scatter-add into the owning shard; no dense one-hot over rows is formed.
+
+Gate (per token and mHC stream i, ε = rms_norm_eps):
+  dot_i = Σ_d X_i,d·w_i,d·k_i,d · rsqrt(mean_d X_i² + ε) · rsqrt(mean_d k_i² + ε) · d^{-1/2}
+  α_i   = sigmoid(sign(dot_i) · sqrt(max(|dot_i|, 1e-6)))        w = q_w ⊙ k_w
+  X_i  ← X_i + α_i · v                                             α_i = 0 where the token mask is False
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+ENGRAM_AXIS = "engram"
+# Table rows are padded to a multiple of this, so they split evenly over any power-of-two engram
+# axis up to this size. Padded rows are never addressed by a hash id.
+ROW_PAD_MULTIPLE = 1024
+FP8_BLOCK = 32          # columns per FP8 scale (MODEL.md §1: Engram tables FP8, one scale per 32)
+FP8_MAX = 448.0         # largest finite float8_e4m3fn
+
+
+def padded_rows(num_rows: int, multiple: int = ROW_PAD_MULTIPLE) -> int:
+  return -(-int(num_rows) // multiple) * multiple
+
+
+def _engram_axis_size() -> int:
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty or ENGRAM_AXIS not in mesh.axis_names:
+    return 1
+  return int(mesh.shape[ENGRAM_AXIS])
+
+
+def _gather_owned(table_RxD: jax.Array, ids: jax.Array, row_start) -> jax.Array:
+  """Rows `ids − row_start` of a table slice; ids the slice does not own give zero rows.
+
+  Unowned ids are sent out of range and filled with zeros, so the transpose (a scatter-add in
+  'drop' mode) touches only owned rows.
+  """
+  rows = table_RxD.shape[0]
+  local = ids - row_start
+  local = jnp.where((local >= 0) & (local < rows), local, rows)
+  return table_RxD.at[local].get(mode="fill", fill_value=0)
+
+
+def engram_lookup(table_RxD: jax.Array, ids: jax.Array) -> jax.Array:
+  """table[ids] with shape ids.shape + (D,), row-sharded over the `engram` mesh axis if present.
+
+  Without a mesh in context, or with an `engram` axis of size 1, the gather runs locally. With one,
+  the table must be split over `engram` on its rows (logical axis "engram_rows"); the row count
+  must divide by the axis size (guaranteed by `padded_rows`).
+  """
+  n_shards = _engram_axis_size()
+  if n_shards == 1:
+    return _gather_owned(table_RxD, ids, 0)
+  if table_RxD.shape[0] % n_shards:
+    raise ValueError(f"table rows ({table_RxD.shape[0]}) do not split over the {n_shards} "
+                     f"shards of the '{ENGRAM_AXIS}' mesh axis")
+
+  def shard(table_local, ids_all):
+    start = jax.lax.axis_index(ENGRAM_AXIS) * table_local.shape[0]
+    return jax.lax.psum(_gather_owned(table_local, ids_all, start), ENGRAM_AXIS)
+
+  return jax.shard_map(shard, in_specs=(P(ENGRAM_AXIS, None), P()), out_specs=P(),
+                       axis_names={ENGRAM_AXIS})(table_RxD, ids)
+
+
+# --- FP8 storage (E4M3 values, one power-of-two scale per 32 columns) ---------------------------
+
+def quantize_fp8_rows(x_RxD: jax.Array, block: int = FP8_BLOCK) -> tuple[jax.Array, jax.Array]:
+  """(q float8_e4m3fn [R, D], scale float32 [R, D/block]) with x ≈ q · scale blockwise.
+
+  scale = 2^⌈log2(amax / 448)⌉ per block of `block` columns (amax clamped ≥ 1e-4, as for the SWA
+  KV in MODEL.md §9.2), so nothing clips.
+  """
+  R, D = x_RxD.shape
+  if D % block:
+    raise ValueError(f"FP8 rows need the width ({D}) to be a multiple of {block}")
+  xb = x_RxD.astype(jnp.float32).reshape(R, D // block, block)
+  amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1), 1e-4)
+  scale = jnp.exp2(jnp.ceil(jnp.log2(amax / FP8_MAX)))
+  q = (xb / scale[..., None]).astype(jnp.float8_e4m3fn).reshape(R, D)
+  return q, scale
+
+
+def dequantize_fp8_rows(q_XxD: jax.Array, scale_XxS: jax.Array) -> jax.Array:
+  """float32 rows q · scale, each scale applied to its block of D / S columns."""
+  *lead, D = q_XxD.shape
+  S = scale_XxS.shape[-1]
+  x = q_XxD.astype(jnp.float32).reshape(*lead, S, D // S) * scale_XxS[..., None]
+  return x.reshape(*lead, D)
+
+
+# --- gate and injection ------------------------------------------------------------------------
+
+def engram_gate(x_BxTxNxD: jax.Array, k_BxTxNxD: jax.Array, w_NxD: jax.Array,
+                eps: float) -> jax.Array:
+  """α [B, T, N] in float32 (formula in the module docstring); w = q_w ⊙ k_w."""
+  x = x_BxTxNxD.astype(jnp.float32)
+  k = k_BxTxNxD.astype(jnp.float32)
+  d = x.shape[-1]
+  raw = jnp.einsum("btnd,nd,btnd->btn", x, w_NxD.astype(jnp.float32), k)
+  dot = (raw * jax.lax.rsqrt(jnp.mean(x * x, axis=-1) + eps)
+         * jax.lax.rsqrt(jnp.mean(k * k, axis=-1) + eps) * d ** -0.5)
+  return jax.nn.sigmoid(jnp.sign(dot) * jnp.sqrt(jnp.maximum(jnp.abs(dot), 1e-6)))
+
+
+def engram_inject(x_BxTxNxD: jax.Array, kv_BxTxO: jax.Array, w_NxD: jax.Array,
+                  token_mask_BxT: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+  """(X + α·v, α): split kv into N stream keys and the shared value, gate, add.
+
+  kv_BxTxO has O = (N + 1)·D: keys k_i = kv[i·D:(i+1)·D], value v = kv[N·D:].
+  """
+  B, T, N, D = x_BxTxNxD.shape
+  if kv_BxTxO.shape[-1] != (N + 1) * D:
+    raise ValueError(f"kv width {kv_BxTxO.shape[-1]} is not (hc_mult + 1)·hidden = {(N + 1) * D}")
+  k = kv_BxTxO[..., :N * D].reshape(B, T, N, D)
+  v = kv_BxTxO[..., N * D:]
+  alpha = engram_gate(x_BxTxNxD, k, w_NxD, eps) * token_mask_BxT[..., None].astype(jnp.float32)
+  update = alpha[..., None] * v[:, :, None, :].astype(jnp.float32)
+  return x_BxTxNxD + update.astype(x_BxTxNxD.dtype), alpha
+
+
+# --- statistics --------------------------------------------------------------------------------
+
+def masked_mean(x_BxTxN: jax.Array, token_mask_BxT: jax.Array) -> jax.Array:
+  """[N]: mean of x over the tokens whose mask is True (0 if there are none)."""
+  m = token_mask_BxT.astype(jnp.float32)
+  return jnp.einsum("btn,bt->n", x_BxTxN.astype(jnp.float32), m) / jnp.maximum(m.sum(), 1.0)
+
+
+def distinct_rows(ids: jax.Array, token_mask_BxT: jax.Array) -> jax.Array:
+  """int32 scalar: number of distinct row ids read by real tokens (sort, count first occurrences)."""
+  mask = jnp.broadcast_to(token_mask_BxT.reshape(token_mask_BxT.shape + (1,) * (ids.ndim - 2)),
+                          ids.shape)
+  s = jnp.sort(jnp.where(mask, ids, -1).reshape(-1))
+  first = jnp.concatenate([jnp.ones((1,), bool), s[1:] != s[:-1]])
+  return jnp.sum(first & (s >= 0), dtype=jnp.int32)
