@@ -33,6 +33,7 @@ RULES: Mapping[str, str | tuple[str, ...] | None] = {
     "o_groups": "tensor",
     "o_lora": None,
     "o_in": None,
+    "o_cat": "tensor",  # wo_b input, the G·O concatenated group outputs: row-parallel
     "mlp": "tensor",
     "index_heads": None,
     "index_dim": None,
