@@ -21,14 +21,17 @@ class CompressedKV(NamedTuple):
   entry_pos_BxN: jax.Array      # int32: `position` of the group's first token
 
 
-def entry_visible(kv: CompressedKV, segment_ids_BxT: jax.Array) -> jax.Array:
+def entry_visible(kv: CompressedKV, segment_ids_BxT: jax.Array,
+                  query_rows_T: jax.Array | None = None) -> jax.Array:
   """Bool [B, T, N]: compressed entry g is visible to query t (MODEL.md §5.2 causality + §14).
 
   Visible iff the group is complete by t, (g+1)·m − 1 ≤ t, and all of its tokens lie in t's
-  document (padding, segment 0, sees nothing).
+  document (padding, segment 0, sees nothing). `query_rows_T` gives the row index of each query
+  when the queries are a chunk of the row (default: rows 0 … T−1).
   """
   import jax.numpy as jnp
-  t = jnp.arange(segment_ids_BxT.shape[1], dtype=jnp.int32)
+  t = (jnp.arange(segment_ids_BxT.shape[1], dtype=jnp.int32) if query_rows_T is None
+       else query_rows_T.astype(jnp.int32))
   complete = kv.entry_last_BxN[:, None, :] <= t[None, :, None]
   same_doc = kv.entry_segment_BxN[:, None, :] == segment_ids_BxT[:, :, None]
   return complete & same_doc & (segment_ids_BxT[:, :, None] > 0)
