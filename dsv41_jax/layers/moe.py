@@ -1,0 +1,161 @@
+"""DeepSeekMoE: sqrt-softplus routing with selection bias, clamped SwiGLU experts (MODEL.md §8).
+
+Shapes through `MoE.__call__`:
+  x_BxTxD --router (fp32)--> logits_BxTxE --route--> weights_BxTxK, experts_BxTxK, scores_BxTxE
+  routed:  moe_dispatch.routed_experts(x, weights, experts) -> BxTxD (only the routed pairs)
+  shared:  clamped SwiGLU of x (n_shared_experts = 1) -> BxTxD, added
+  aux:     balance_loss (§8.4, per document), load_2xE (text / image token counts for the
+           auxiliary-loss-free bias update of §8.3), dropped_fraction (capacity mode)
+
+The selection bias is state of the train loop, not a parameter: it comes in as `bias_2xE`
+(row 0 text, row 1 image) and only changes which experts are selected (§8.1, §8.3).
+Padding tokens (segment_id 0, MODEL.md §14) are not dispatched, add no load and no balance loss.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv41_jax import sharding
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.layers import moe_dispatch
+
+
+def route(logits_BxTxE, bias, k: int, route_scale: float, gate_temp: float = 1.0):
+  """Top-k routing of MODEL.md §8.1.
+
+  s = sqrt(softplus(ℓ / gate_temp)); the selection is top-k of s + b (b broadcastable to the
+  logits: [E] or per token [B, T, E]); the weights are the UNBIASED s of the selected experts,
+  normalised over them (+1e-20) and times `route_scale`. The bias carries no gradient.
+
+  Returns (weights_BxTxK float32, experts_BxTxK int32, scores_BxTxE float32).
+  """
+  logits = logits_BxTxE.astype(jnp.float32) / gate_temp
+  scores = jnp.sqrt(jax.nn.softplus(logits))
+  biased = scores + jax.lax.stop_gradient(jnp.asarray(bias, jnp.float32))
+  _, experts = jax.lax.top_k(biased, k)
+  chosen = jnp.take_along_axis(scores, experts, axis=-1)
+  weights = chosen / (chosen.sum(-1, keepdims=True) + 1e-20) * route_scale
+  return weights, experts.astype(jnp.int32), scores
+
+
+def document_index(segment_ids_BxT):
+  """Index of each token's document within its row: +1 at every change of segment id."""
+  new_doc = jnp.concatenate([jnp.ones_like(segment_ids_BxT[:, :1], jnp.bool_),
+                             segment_ids_BxT[:, 1:] != segment_ids_BxT[:, :-1]], axis=1)
+  return jnp.cumsum(new_doc, axis=1, dtype=jnp.int32) - 1
+
+
+def expert_onehot(experts_BxTxK, n_experts: int):
+  """[B, T, E] float32: 1 where expert i was selected for the token."""
+  return jax.nn.one_hot(experts_BxTxK, n_experts, dtype=jnp.float32).sum(axis=-2)
+
+
+def sequence_balance_loss(scores_BxTxE, experts_BxTxK, segment_ids_BxT):
+  """Sequence-wise balance loss of MODEL.md §8.4, unweighted (α applied by the caller).
+
+  Per DOCUMENT (a packed row holds several; a document is a run of equal non-zero segment ids):
+    f_i = E / (K·T_doc) · Σ_t 1[i ∈ sel_t],  P_i = (1/T_doc) Σ_t s_{t,i} / Σ_j s_{t,j},
+    L_doc = Σ_i f_i P_i,   loss = mean of L_doc over the documents in the batch.
+  s are the unbiased sqrt-softplus scores; f carries no gradient. Padding is no document.
+  """
+  b, t, e = scores_BxTxE.shape
+  k = experts_BxTxK.shape[-1]
+  valid = (segment_ids_BxT != 0).astype(jnp.float32).reshape(b * t, 1)
+  doc = (document_index(segment_ids_BxT) + jnp.arange(b, dtype=jnp.int32)[:, None] * t).reshape(-1)
+  sel = expert_onehot(experts_BxTxK, e).reshape(b * t, e) * valid
+  s = scores_BxTxE.astype(jnp.float32).reshape(b * t, e)
+  s_norm = s / s.sum(-1, keepdims=True) * valid
+  seg_sum = lambda v: jax.ops.segment_sum(v, doc, num_segments=b * t, indices_are_sorted=True)
+  n_doc = seg_sum(valid)[:, 0]
+  count = jax.lax.stop_gradient(seg_sum(sel))
+  prob = seg_sum(s_norm)
+  safe = jnp.maximum(n_doc, 1.0)[:, None]
+  per_doc = ((e / k) * (count / safe) * (prob / safe)).sum(-1)
+  is_doc = n_doc > 0
+  return jnp.where(is_doc, per_doc, 0.0).sum() / jnp.maximum(is_doc.sum(), 1)
+
+
+def expert_load(experts_BxTxK, segment_ids_BxT, image_mask_BxT, n_experts: int):
+  """[2, E] float32 token counts per expert: row 0 text tokens, row 1 image tokens; no padding."""
+  sel = expert_onehot(experts_BxTxK, n_experts)
+  valid = segment_ids_BxT != 0
+  text = (valid & ~image_mask_BxT).astype(jnp.float32)
+  image = (valid & image_mask_BxT).astype(jnp.float32)
+  return jnp.stack([jnp.einsum("bte,bt->e", sel, text), jnp.einsum("bte,bt->e", sel, image)])
+
+
+class Experts(nnx.Module):
+  """Routed expert weights: w1, w3 [expert, embed, mlp], w2 [expert, mlp, embed]."""
+
+  def __init__(self, n_experts: int, d: int, f: int, rngs: nnx.Rngs, dtype):
+    self.w1 = sharding.param(rngs, (n_experts, d, f), ("expert", "embed", "mlp"),
+                             sharding.fan_in_normal((1,)), dtype)
+    self.w3 = sharding.param(rngs, (n_experts, d, f), ("expert", "embed", "mlp"),
+                             sharding.fan_in_normal((1,)), dtype)
+    self.w2 = sharding.param(rngs, (n_experts, f, d), ("expert", "mlp", "embed"),
+                             sharding.fan_in_normal((1,)), dtype)
+
+
+class SharedExpert(nnx.Module):
+  """The always-on expert (MODEL.md §8.2): same width and clamp as a routed one."""
+
+  def __init__(self, d: int, f: int, limit: float, rngs: nnx.Rngs, dtype):
+    self.limit = limit
+    self.w1 = sharding.param(rngs, (d, f), ("embed", "mlp"), sharding.fan_in_normal((0,)), dtype)
+    self.w3 = sharding.param(rngs, (d, f), ("embed", "mlp"), sharding.fan_in_normal((0,)), dtype)
+    self.w2 = sharding.param(rngs, (f, d), ("mlp", "embed"), sharding.fan_in_normal((0,)), dtype)
+
+  def __call__(self, x_BxTxD):
+    dt = x_BxTxD.dtype
+    mm = lambda x, w, eq: jnp.einsum(eq, x, w[...].astype(dt), preferred_element_type=jnp.float32)
+    a = mm(x_BxTxD, self.w1, "btd,df->btf")
+    u = mm(x_BxTxD, self.w3, "btd,df->btf")
+    h = moe_dispatch.clamped_swiglu(a, u, self.limit).astype(dt)
+    return mm(h, self.w2, "btf,fd->btd")
+
+
+class MoE(nnx.Module):
+  """DeepSeekMoE layer (MODEL.md §8): router, routed experts, optional shared expert."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, e, f = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+    pdt = jnp.dtype(cfg.param_dtype)
+    self.n_experts = e
+    self.k = cfg.num_experts_per_tok
+    self.route_scale = cfg.routed_scaling_factor
+    self.gate_temp = cfg.gate_temp
+    self.limit = cfg.swiglu_limit
+    self.mode = cfg.moe_dispatch
+    self.capacity_factor = cfg.moe_capacity_factor
+    self.dtype = jnp.dtype(cfg.dtype)
+    self.router = sharding.param(rngs, (d, e), ("embed", "expert_router"),
+                                 sharding.fan_in_normal((0,)), pdt)
+    self.experts = Experts(e, d, f, rngs, pdt)
+    self.shared = (SharedExpert(d, f, cfg.swiglu_limit, rngs, pdt)
+                   if cfg.n_shared_experts == 1 else None)
+
+  def __call__(self, x_BxTxD, *, segment_ids_BxT, image_mask_BxT, bias_2xE):
+    """Returns (y_BxTxD in x's dtype, aux dict: balance_loss, load_2xE, dropped_fraction)."""
+    logits = jnp.einsum("btd,de->bte", x_BxTxD.astype(jnp.float32),
+                        self.router[...].astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST)
+    bias_BxTxE = jnp.where(image_mask_BxT[..., None], bias_2xE[1], bias_2xE[0])
+    weights, experts, scores = route(logits, bias_BxTxE, self.k, self.route_scale, self.gate_temp)
+    valid = segment_ids_BxT != 0
+    x = x_BxTxD.astype(self.dtype)
+    y, dropped = moe_dispatch.routed_experts(
+        x, weights, experts, valid, self.experts.w1[...], self.experts.w3[...],
+        self.experts.w2[...], mode=self.mode, capacity_factor=self.capacity_factor,
+        swiglu_limit=self.limit)
+    if self.shared is not None:
+      y = y + self.shared(x)
+    n_pairs = valid.sum() * self.k
+    aux = dict(
+        balance_loss=sequence_balance_loss(scores, experts, segment_ids_BxT),
+        load_2xE=expert_load(experts, segment_ids_BxT, image_mask_BxT, self.n_experts),
+        dropped_fraction=dropped.sum() / jnp.maximum(n_pairs, 1).astype(jnp.float32),
+    )
+    return y.astype(x_BxTxD.dtype), aux

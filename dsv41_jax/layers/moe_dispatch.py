@@ -1,0 +1,302 @@
+"""Routed-expert dispatch: sort tokens by expert, grouped matmuls, expert-parallel all-to-all.
+
+Implements the expert computation of MODEL.md §8.1–8.2 (y_t = Σ_{i∈sel_t} g_t,i · E_i(x_t)) for the
+routed experts only, computing just the routed (token, expert) pairs, and its distribution over the
+mesh (TRAINING.md §1 "MoE across devices", §7 for why there are two modes).
+
+Pairs are ordered slot-major, `p = k·N + n` (every token's first choice before any second choice),
+and stably sorted by expert; that order is also the capacity priority.
+
+Modes (`cfg.moe_dispatch`):
+- `dropless`: exact. Sorted pairs go through one grouped GEMM per weight (`grouped_matmul`,
+  `jax.lax.ragged_dot` on CPU, the reference; a GPU kernel swaps in behind the same function).
+- `capacity`: each expert takes at most `C = min(n, ceil(capacity_factor · n·K / E))` pairs of the
+  n tokens of one batch shard (one device; the whole batch without a mesh), in the slot-major
+  order above; the rest are dropped and contribute nothing for that expert (the other selected
+  experts of the token keep their unrenormalised weights). Expert math is a batched matmul
+  `"ecd,edf->ecf"` over an [E, C, D] buffer. With `capacity_factor ≥ E/K`, C = n and nothing drops.
+
+Expert parallelism: when the mesh has an `expert` axis of size G > 1 the dispatch runs inside
+`jax.shard_map` (batch split over the batch axes, expert weights over `expert`, the MLP width over
+`tensor` with a psum) and exchanges tokens with the experts' owners by `all_to_all`:
+- `dropless`: each device sends every destination a static buffer of S = n·min(K, E/G) rows (the
+  worst case: a token picks an expert at most once, so at most min(K, E/G) of its pairs go to one
+  owner). Exact, nothing dropped; the cost is G·S ≥ n·K rows of exchange buffer.
+- `capacity`: the [E, C, D] buffer of the local tokens is cut into the G owners' [E/G, C, D]
+  slices (C from the local n), so each device exchanges exactly the capacity buffer; drops follow
+  the local rule above, counted exactly.
+Without a mesh the same code runs locally; with a mesh but G = 1 it runs per device in shard_map
+(no exchange), so sorting never crosses devices.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from dsv41_jax import sharding
+
+MODES = ("dropless", "capacity")
+GROUPED_MATMUL_IMPLS = ("ragged_dot",)
+
+
+def clamped_swiglu(a, u, limit: float):
+  """SiLU(min(a, limit)) · clip(u, −limit, limit) in float32 (MODEL.md §8.2)."""
+  a = jnp.minimum(a.astype(jnp.float32), limit)
+  u = jnp.clip(u.astype(jnp.float32), -limit, limit)
+  return jax.nn.silu(a) * u
+
+
+def expert_capacity(n_tokens: int, k: int, n_experts: int, capacity_factor: float) -> int:
+  """Static per-expert capacity C = min(n_tokens, ceil(capacity_factor · n_tokens · k / E))."""
+  c = math.ceil(round(capacity_factor * n_tokens * k / n_experts, 6))
+  return int(max(1, min(n_tokens, c)))
+
+
+def grouped_matmul(x_sorted_PxD, w_ExDxF, group_sizes_E, impl: str = "ragged_dot"):
+  """Rows [Σ_{e'<e} g_e', Σ_{e'≤e} g_e') of x times w[e]; rows past Σ g are zero. Float32 out.
+
+  The one place a GPU grouped GEMM swaps in (TRAINING.md §7): `ragged_dot` is the exact XLA form.
+  """
+  if impl not in GROUPED_MATMUL_IMPLS:
+    raise ValueError(f"grouped_matmul impl {impl!r} is not one of {GROUPED_MATMUL_IMPLS}")
+  return jax.lax.ragged_dot(x_sorted_PxD, w_ExDxF.astype(x_sorted_PxD.dtype),
+                            group_sizes_E.astype(jnp.int32), preferred_element_type=jnp.float32)
+
+
+def grouped_ffn(x_sorted_PxD, w1, w3, w2, group_sizes_E, limit: float, impl: str = "ragged_dot"):
+  """Clamped SwiGLU experts over expert-sorted rows (grouped GEMMs); float32 [P, D]."""
+  a = grouped_matmul(x_sorted_PxD, w1, group_sizes_E, impl)
+  u = grouped_matmul(x_sorted_PxD, w3, group_sizes_E, impl)
+  h = clamped_swiglu(a, u, limit).astype(x_sorted_PxD.dtype)
+  return grouped_matmul(h, w2, group_sizes_E, impl)
+
+
+def batched_ffn(x_ExCxD, w1, w3, w2, limit: float):
+  """Clamped SwiGLU experts over a capacity buffer (batched matmuls); float32 [E, C, D]."""
+  dt = x_ExCxD.dtype
+  a = jnp.einsum("ecd,edf->ecf", x_ExCxD, w1.astype(dt), preferred_element_type=jnp.float32)
+  u = jnp.einsum("ecd,edf->ecf", x_ExCxD, w3.astype(dt), preferred_element_type=jnp.float32)
+  h = clamped_swiglu(a, u, limit).astype(dt)
+  return jnp.einsum("ecf,efd->ecd", h, w2.astype(dt), preferred_element_type=jnp.float32)
+
+
+# --- pair bookkeeping ---------------------------------------------------------------------------
+
+def _sort_pairs(experts_NxK, valid_N, n_experts: int):
+  """Slot-major pairs sorted by expert; invalid (padding) pairs get expert E and sort last.
+
+  Returns order_P (sorted position -> pair), inv_P (pair -> sorted position), e_sorted_P,
+  token_sorted_P, group_sizes_E (valid pairs per expert).
+  """
+  n, k = experts_NxK.shape
+  e_P = jnp.where(valid_N[None, :], experts_NxK.T, n_experts).reshape(-1).astype(jnp.int32)
+  order = jnp.argsort(e_P, stable=True)
+  inv = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
+  e_sorted = e_P[order]
+  group_sizes = jnp.zeros((n_experts + 1,), jnp.int32).at[e_P].add(1)[:n_experts]
+  return order, inv, e_sorted, order % n, group_sizes
+
+
+def _combine(y_pairs_PxD, weights_NxK):
+  """y_n = Σ_k g_{n,k} · y_{(k, n)} with pairs in slot-major order; float32 [N, D]."""
+  n, k = weights_NxK.shape
+  y_KxNxD = y_pairs_PxD.reshape(k, n, -1).astype(jnp.float32)
+  return jnp.einsum("knd,nk->nd", y_KxNxD, weights_NxK.astype(jnp.float32))
+
+
+def _pad_row(x_NxD):
+  return jnp.concatenate([x_NxD, jnp.zeros((1, x_NxD.shape[1]), x_NxD.dtype)], axis=0)
+
+
+def _dropless_local(x_NxD, weights_NxK, experts_NxK, valid_N, n_experts: int,
+                    sorted_ffn: Callable):
+  """Exact dispatch; `sorted_ffn(x_sorted_PxD, e_sorted_P, group_sizes_E) -> y_sorted_PxD`."""
+  order, inv, e_sorted, tok_sorted, group_sizes = _sort_pairs(experts_NxK, valid_N, n_experts)
+  del order
+  y_sorted = sorted_ffn(x_NxD[tok_sorted], e_sorted, group_sizes)
+  y_pairs = jnp.where((e_sorted < n_experts)[:, None], y_sorted, 0.0)[inv]
+  return _combine(y_pairs, weights_NxK), jnp.zeros(experts_NxK.shape, jnp.bool_)
+
+
+def _capacity_local(x_NxD, weights_NxK, experts_NxK, valid_N, n_experts: int, capacity: int,
+                    buffer_ffn: Callable):
+  """Capacity dispatch; `buffer_ffn(x_ExCxD) -> y_ExCxD`. Returns (y [N, D], dropped [N, K])."""
+  n, k = experts_NxK.shape
+  _, inv, e_sorted, _, group_sizes = _sort_pairs(experts_NxK, valid_N, n_experts)
+  start = jnp.cumsum(group_sizes) - group_sizes
+  rank_sorted = jnp.arange(n * k) - start[jnp.minimum(e_sorted, n_experts - 1)]
+  rank_P = rank_sorted[inv]
+  e_P = experts_NxK.T.reshape(-1)
+  valid_P = jnp.broadcast_to(valid_N[None, :], (k, n)).reshape(-1)
+  kept_P = valid_P & (rank_P < capacity)
+  slot_P = jnp.where(kept_P, e_P * capacity + rank_P, n_experts * capacity)
+  token_P = jnp.arange(n * k) % n
+  token_of_slot = jnp.full((n_experts * capacity,), n, jnp.int32).at[slot_P].set(
+      token_P.astype(jnp.int32), mode="drop")
+  buf = _pad_row(x_NxD)[token_of_slot].reshape(n_experts, capacity, -1)
+  y_buf = buffer_ffn(buf).reshape(n_experts * capacity, -1)
+  y_pairs = jnp.where(kept_P[:, None], _pad_row(y_buf)[slot_P], 0.0)
+  dropped_NxK = (valid_P & ~kept_P).reshape(k, n).T
+  return _combine(y_pairs, weights_NxK), dropped_NxK
+
+
+# --- expert-parallel exchanges (run inside shard_map) -------------------------------------------
+
+def _ep_sorted_ffn(w1, w3, w2, *, n_experts: int, n_tokens: int, k: int, limit: float, impl: str,
+                   expert_axis: str, n_shards: int, tensor_axis: str | None):
+  """`sorted_ffn` that ships sorted rows to the experts' owners and back (dropless, exact)."""
+  e_loc = n_experts // n_shards
+  s = n_tokens * min(k, e_loc)  # worst case rows from one device to one owner
+
+  def sorted_ffn(x_sorted_PxD, e_sorted_P, group_sizes_E):
+    n_pairs, d = x_sorted_PxD.shape
+    cnt_G = group_sizes_E.reshape(n_shards, e_loc).sum(axis=1)
+    start_G = jnp.cumsum(cnt_G) - cnt_G
+    slot = jnp.arange(s)
+    pos_GxS = start_G[:, None] + slot[None, :]
+    live_GxS = slot[None, :] < cnt_G[:, None]
+    pos_GxS = jnp.where(live_GxS, pos_GxS, n_pairs)
+    send_x = _pad_row(x_sorted_PxD)[pos_GxS]
+    e_pad = jnp.concatenate([e_sorted_P, jnp.full((1,), n_experts, e_sorted_P.dtype)])
+    send_e = jnp.where(live_GxS, e_pad[pos_GxS] - jnp.arange(n_shards)[:, None] * e_loc, e_loc)
+    recv_x = jax.lax.all_to_all(send_x, expert_axis, 0, 0, tiled=True).reshape(n_shards * s, d)
+    recv_e = jax.lax.all_to_all(send_e, expert_axis, 0, 0, tiled=True).reshape(-1)
+    order = jnp.argsort(recv_e, stable=True)
+    inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    sizes = jnp.zeros((e_loc + 1,), jnp.int32).at[recv_e].add(1)[:e_loc]
+    y = grouped_ffn(recv_x[order], w1, w3, w2, sizes, limit, impl)
+    if tensor_axis is not None:
+      y = jax.lax.psum(y, tensor_axis)
+    y = y[inv].astype(x_sorted_PxD.dtype).reshape(n_shards, s, d)
+    back = jax.lax.all_to_all(y, expert_axis, 0, 0, tiled=True).reshape(n_shards * s, d)
+    owner = jnp.minimum(e_sorted_P // e_loc, n_shards - 1)
+    idx = owner * s + jnp.arange(n_pairs) - start_G[owner]
+    return back[jnp.clip(idx, 0, n_shards * s - 1)]
+
+  return sorted_ffn
+
+
+def _ep_buffer_ffn(w1, w3, w2, *, n_experts: int, limit: float, expert_axis: str, n_shards: int,
+                   tensor_axis: str | None):
+  """`buffer_ffn` that ships each owner its [E/G, C, D] slice of the capacity buffer and back."""
+  e_loc = n_experts // n_shards
+
+  def buffer_ffn(buf_ExCxD):
+    _, c, d = buf_ExCxD.shape
+    recv = jax.lax.all_to_all(buf_ExCxD.reshape(n_shards, e_loc * c, d), expert_axis, 0, 0,
+                              tiled=True)
+    x_loc = recv.reshape(n_shards, e_loc, c, d).transpose(1, 0, 2, 3).reshape(e_loc, -1, d)
+    y = batched_ffn(x_loc, w1, w3, w2, limit)
+    if tensor_axis is not None:
+      y = jax.lax.psum(y, tensor_axis)
+    y = y.astype(buf_ExCxD.dtype).reshape(e_loc, n_shards, c, d).transpose(1, 0, 2, 3)
+    back = jax.lax.all_to_all(y.reshape(n_shards, e_loc * c, d), expert_axis, 0, 0, tiled=True)
+    return back.reshape(n_experts, c, d)
+
+  return buffer_ffn
+
+
+# --- entry point --------------------------------------------------------------------------------
+
+def _dispatch_shard(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1, w3, w2, *, mode: str,
+                    capacity_factor: float, limit: float, impl: str, expert_axis: str | None,
+                    n_shards: int, tensor_axis: str | None):
+  b, t, d = x_BxTxD.shape
+  k = experts_BxTxK.shape[-1]
+  n = b * t
+  n_experts = w1.shape[0] * n_shards
+  x = x_BxTxD.reshape(n, d)
+  g = weights_BxTxK.reshape(n, k)
+  e = experts_BxTxK.reshape(n, k).astype(jnp.int32)
+  valid = valid_BxT.reshape(n)
+  exchange = n_shards > 1
+  if mode == "dropless":
+    if exchange:
+      ffn = _ep_sorted_ffn(w1, w3, w2, n_experts=n_experts, n_tokens=n, k=k, limit=limit,
+                           impl=impl, expert_axis=expert_axis, n_shards=n_shards,
+                           tensor_axis=tensor_axis)
+    else:
+      def ffn(xs, es, gs):
+        y = grouped_ffn(xs, w1, w3, w2, gs, limit, impl)
+        return jax.lax.psum(y, tensor_axis) if tensor_axis is not None else y
+    y, dropped = _dropless_local(x, g, e, valid, n_experts, ffn)
+  else:
+    capacity = expert_capacity(n, k, n_experts, capacity_factor)
+    if exchange:
+      ffn = _ep_buffer_ffn(w1, w3, w2, n_experts=n_experts, limit=limit, expert_axis=expert_axis,
+                           n_shards=n_shards, tensor_axis=tensor_axis)
+    else:
+      def ffn(buf):
+        y = batched_ffn(buf, w1, w3, w2, limit)
+        return jax.lax.psum(y, tensor_axis) if tensor_axis is not None else y
+    y, dropped = _capacity_local(x, g, e, valid, n_experts, capacity, ffn)
+  return y.reshape(b, t, d), dropped.reshape(b, t, k)
+
+
+def _spec(mesh, logical_axes) -> P:
+  """PartitionSpec of logical axes on this mesh, keeping only mesh axes of size > 1."""
+  def keep(entry):
+    names = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+    names = tuple(a for a in names if mesh.shape[a] > 1)
+    return names[0] if len(names) == 1 else (names or None)
+  return P(*(keep(e) for e in sharding._fit(sharding.logical_to_mesh(logical_axes), mesh)))
+
+
+def _mesh_axis(mesh, logical: str) -> str | None:
+  """The single mesh axis a logical axis maps to in this mesh when its size is > 1, else None."""
+  spec = _spec(mesh, (logical,))[0]
+  if spec is not None and not isinstance(spec, str):
+    raise ValueError(f"logical axis {logical!r} maps to several mesh axes {spec}; the MoE dispatch "
+                     "needs exactly one")
+  return spec
+
+
+def routed_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1_ExDxF, w3_ExDxF,
+                   w2_ExFxD, *, mode: str = "dropless", capacity_factor: float = 1.25,
+                   swiglu_limit: float = 10.0, impl: str = "ragged_dot", mesh=None):
+  """Σ_{k} g_{t,k} · E_{e_{t,k}}(x_t) over the routed pairs of the valid tokens.
+
+  Args:
+    x_BxTxD: token activations in the compute dtype.
+    weights_BxTxK, experts_BxTxK: routing weights and expert ids (from `moe.route`).
+    valid_BxT: False for padding tokens, which are not dispatched (their routed output is 0).
+    w1_ExDxF, w3_ExDxF, w2_ExFxD: routed expert weights (cast to x's dtype).
+    mode: "dropless" or "capacity" (module docstring).
+    mesh: a Mesh / AbstractMesh; None takes the context mesh (`jax.set_mesh`), none = local.
+  Returns:
+    (y_BxTxD float32, dropped_BxTxK bool): dropped marks valid pairs that capacity removed.
+  """
+  if mode not in MODES:
+    raise ValueError(f"moe dispatch mode {mode!r} is not one of {MODES}")
+  kw = dict(mode=mode, capacity_factor=capacity_factor, limit=swiglu_limit, impl=impl)
+  args = (x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1_ExDxF, w3_ExDxF, w2_ExFxD)
+  if mesh is None:
+    mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty or mesh.size == 1:
+    return _dispatch_shard(*args, expert_axis=None, n_shards=1, tensor_axis=None, **kw)
+
+  expert_axis = _mesh_axis(mesh, "expert")
+  tensor_axis = _mesh_axis(mesh, "mlp")
+  n_shards = mesh.shape[expert_axis] if expert_axis else 1
+  n_experts = w1_ExDxF.shape[0]
+  if n_experts % n_shards:
+    raise ValueError(f"n_routed_experts ({n_experts}) is not divisible by the mesh's "
+                     f"'{expert_axis}' axis ({n_shards})")
+  batch = _spec(mesh, ("batch",))[0]
+  batch_axes = () if batch is None else ((batch,) if isinstance(batch, str) else tuple(batch))
+  n_batch = math.prod(mesh.shape[a] for a in batch_axes)
+  if x_BxTxD.shape[0] % n_batch:
+    raise ValueError(f"batch size {x_BxTxD.shape[0]} is not divisible by the {n_batch} batch "
+                     f"shards of the mesh axes {batch_axes}")
+  row = P(batch)
+  w_in = _spec(mesh, ("expert", None, "mlp"))
+  w_out = _spec(mesh, ("expert", "mlp", None))
+  body = lambda *a: _dispatch_shard(*a, expert_axis=expert_axis, n_shards=n_shards,
+                                    tensor_axis=tensor_axis, **kw)
+  return jax.shard_map(body, mesh=mesh, in_specs=(row, row, row, row, w_in, w_in, w_out),
+                       out_specs=(row, row), check_vma=True)(*args)
