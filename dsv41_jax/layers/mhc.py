@@ -1,0 +1,116 @@
+"""mHC residual stream: coefficients, Sinkhorn projection, collapse and expand (MODEL.md §3.2–3.4).
+
+The hidden state is n = hc_mult residual streams X [B, T, n, d]. Each sublayer site ("attn",
+"ffn") owns `fn` [(2+n)n, n·d], `base` [(2+n)n] and `scale` [3] and turns X into three
+token-dependent coefficient sets, in the exact DeepSeek form (§3.2):
+
+  x̂    = X.reshape(B, T, n·d)                       float32
+  ρ    = rsqrt(mean(x̂², -1) + rms_norm_eps)         unweighted RMS over all n·d channels
+  mix  = (x̂ @ fnᵀ) · ρ                              [B, T, (2+n)n]
+  pre  = sigmoid(mix[:n] · scale[0] + base[:n]) + hc_eps             [B, T, n]
+  post = 2 · sigmoid(mix[n:2n] · scale[1] + base[n:2n])              [B, T, n]
+  comb = sinkhorn_project(mix[2n:].reshape(n, n) · scale[2] + base[2n:].reshape(n, n))
+                                                                     [B, T, n, n], comb[j, k]
+
+The sublayer then reads `collapse(X, pre) = Σ_i pre_i X_i` [B, T, d] and writes
+`expand(X, post, comb, F) = X'` with X'_k = post_k · F + Σ_j comb[j, k] · X_j (combᵀ X).
+V4.1's single-pass schedule (§3.3) collapses with the previous site's `pre`, starting from
+`initial_pre(n)` = e_0; that wiring lives in the block, not here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import pallas_kernels
+from dsv41_jax import sharding
+from dsv41_jax.config import ModelConfig
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def sinkhorn_project(logits_NxN: jax.Array, iters: int, eps: float) -> jax.Array:
+  """Near-doubly-stochastic matrix from logits [..., n, n] (DeepSeek's `hc_split_sinkhorn`).
+
+  Row softmax + eps, a column normalisation, then (iters − 1) alternations of row and column
+  normalisation, each dividing by (sum + eps). Float32 in, float32 out.
+  """
+  comb = jax.nn.softmax(logits_NxN, axis=-1) + eps
+  comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
+  for _ in range(iters - 1):
+    comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + eps)
+    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
+  return comb
+
+
+def hc_coefficients(X_BxTxNxD: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *,
+                    iters: int, hc_eps: float, norm_eps: float
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(pre_BxTxN, post_BxTxN, comb_BxTxNxN) of one mHC site, float32 (§3.2; see module doc)."""
+  *lead, n, d = X_BxTxNxD.shape
+  x = X_BxTxNxD.reshape(*lead, n * d).astype(jnp.float32)
+  rho = jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + norm_eps)
+  mix = jnp.einsum("...k,mk->...m", x, fn.astype(jnp.float32), precision=_HIGHEST) * rho
+  base = base.astype(jnp.float32)
+  scale = scale.astype(jnp.float32)
+  pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
+  post = 2.0 * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
+  logits = (mix[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*lead, n, n)
+  return pre, post, sinkhorn_project(logits, iters, hc_eps)
+
+
+def collapse(X_BxTxNxD: jax.Array, pre_BxTxN: jax.Array) -> jax.Array:
+  """Sublayer input Σ_i pre_i · X_i [B, T, d] (float32 math, X's dtype out); pre may be [n]."""
+  y = jnp.einsum("...nd,...n->...d", X_BxTxNxD.astype(jnp.float32), pre_BxTxN.astype(jnp.float32),
+                 precision=_HIGHEST)
+  return y.astype(X_BxTxNxD.dtype)
+
+
+def expand(X_BxTxNxD: jax.Array, post_BxTxN: jax.Array, comb_BxTxNxN: jax.Array,
+           f_out_BxTxD: jax.Array) -> jax.Array:
+  """New streams X'_k = post_k · F + Σ_j comb[j, k] · X_j (combᵀ X), X's dtype out."""
+  mixed = jnp.einsum("...jk,...jd->...kd", comb_BxTxNxN.astype(jnp.float32),
+                     X_BxTxNxD.astype(jnp.float32), precision=_HIGHEST)
+  out = post_BxTxN.astype(jnp.float32)[..., None] * f_out_BxTxD.astype(jnp.float32)[..., None, :]
+  return (out + mixed).astype(X_BxTxNxD.dtype)
+
+
+def initial_pre(n: int) -> jax.Array:
+  """e_0 [n]: the single-pass collapse weights before the first site (§3.3); exact on X⁰."""
+  return jnp.zeros((n,), jnp.float32).at[0].set(1.0)
+
+
+def init_base(n: int, pre_base: float, res_diag: float) -> np.ndarray:
+  """base [(2+n)n] per §3.4: pre part = pre_base, post part = 0, residual part = res_diag · I."""
+  return np.concatenate([np.full((n,), pre_base), np.zeros((n,)),
+                         (res_diag * np.eye(n)).reshape(-1)]).astype(np.float32)
+
+
+class MHCSite(nnx.Module):
+  """One mHC site's parameters (float32, §3.2) and its coefficient computation.
+
+  fn [(2+n)n, n·d] logical axes ("hc_mix", "embed"), init N(0, hc_init_fn_std²);
+  base [(2+n)n] ("hc_mix",), init `init_base`; scale [3] ("hc",), init 1.
+  `__call__(X_BxTxNxD) -> (pre, post, comb)`; `cfg.kernels` picks the XLA or the Pallas path.
+  """
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    n, d = cfg.hc_mult, cfg.hidden_size
+    self.hc_mult = n
+    self.iters = cfg.hc_sinkhorn_iters
+    self.hc_eps = cfg.hc_eps
+    self.norm_eps = cfg.rms_norm_eps
+    self.kernels = cfg.kernels
+    self.fn = sharding.param(rngs, ((2 + n) * n, n * d), ("hc_mix", "embed"),
+                             sharding.normal(cfg.hc_init_fn_std))
+    self.base = sharding.param(rngs, ((2 + n) * n,), ("hc_mix",), sharding.constant(
+        init_base(n, cfg.hc_init_pre_base, cfg.hc_init_res_diag)))
+    self.scale = sharding.param(rngs, (3,), ("hc",), sharding.constant(1.0))
+
+  def __call__(self, X_BxTxNxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    coefficients = pallas_kernels.select("hc_coefficients", self.kernels, hc_coefficients)
+    return coefficients(X_BxTxNxD, self.fn[...], self.base[...], self.scale[...],
+                        iters=self.iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps)

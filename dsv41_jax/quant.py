@@ -1,0 +1,173 @@
+"""Low-precision formats and straight-through fake quantization (MODEL.md §9).
+
+Every quantizer here is a pure quantize -> dequantize function of a float array: the result has
+the input's dtype and holds exactly the values the low-precision format can represent after
+scaling. Block amaxes and scales are computed in float32 (§9.4). The FP4 grid is reached
+arithmetically (no float4 cast), so the same arithmetic works inside kernels on Hopper
+(TRAINING.md §5); the tests check it bit for bit against the `ml_dtypes` casts.
+
+Formats (block = contiguous elements of the LAST axis sharing one scale):
+
+| function        | §     | block | scale                                   | element |
+|-----------------|-------|-------|-----------------------------------------|---------|
+| `fp4_main_kv`   | 9.2   | 16    | E4M3(max(amax, 6·2^-9) / 6)             | E2M1    |
+| `mxfp4`         | 9.2   | 32    | 2^ceil(log2(max(amax, 6·2^-126) / 6))   | E2M1    |
+| `fp8_swa`       | 9.2   | 32    | 2^ceil(log2(max(amax, 1e-4) / 448))     | E4M3    |
+
+The byte-size helpers give the stored size of one vector in each layout (MODEL.md §10): the
+element bits plus one scale byte per block.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+# Smallest positive E4M3 value (a subnormal): the main-KV scale never drops below it.
+E4M3_MIN_SUBNORMAL = 2.0 ** -9
+
+FP4_MAIN_KV_BLOCK = 16
+MXFP4_BLOCK = 32
+FP8_SWA_BLOCK = 32
+
+
+# --- element grids -------------------------------------------------------------------------
+
+
+def round_to_e2m1(x: jax.Array) -> jax.Array:
+  """Round to the nearest E2M1 value {0, ±.5, ±1, ±1.5, ±2, ±3, ±4, ±6}, ties to the even code.
+
+  |x| is saturated at 6. Within each binade the grid is uniform (step .5 below 2, 1 in [2, 4),
+  2 in [4, 6]), so RNE on |x| / step picks the even code on ties: 0.25, 1.25, 2.5 and 5 go down,
+  0.75, 1.75 and 3.5 go up (§9.1). The sign is kept (−0 stays −0, like the float4 cast).
+  """
+  a = jnp.minimum(jnp.abs(x), jnp.asarray(E2M1_MAX, x.dtype))
+  step = jnp.where(a < 2, 0.5, jnp.where(a < 4, 1.0, 2.0)).astype(x.dtype)
+  return jnp.copysign(jnp.round(a / step) * step, x)
+
+
+def _ceil_pow2(y_f32: jax.Array) -> jax.Array:
+  """2^ceil(log2 y) for positive normal float32 y, exactly (read from the bits, no log)."""
+  bits = jax.lax.bitcast_convert_type(y_f32, jnp.int32)
+  exponent = (bits >> 23) & 0xFF  # biased
+  exponent = exponent + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
+  return jax.lax.bitcast_convert_type(exponent << 23, jnp.float32)
+
+
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+  if x.shape[-1] % block:
+    raise ValueError(f"last axis ({x.shape[-1]}) is not a multiple of the block size {block}")
+  return x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _block_amax(xb: jax.Array) -> jax.Array:
+  return jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+
+
+# --- block formats -------------------------------------------------------------------------
+
+
+def fp4_main_kv_scale(amax: jax.Array) -> jax.Array:
+  """E4M3(max(amax, 6·2^-9) / 6) in float32, saturating at 448 (amax beyond 2688 is clipped)."""
+  s = jnp.minimum(jnp.maximum(amax, E2M1_MAX * E4M3_MIN_SUBNORMAL) / E2M1_MAX, E4M3_MAX)
+  return s.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+def fp4_main_kv(x: jax.Array) -> jax.Array:
+  """V4.1 main-KV cache format, "NVFP4 without the global scale" (§9.2), quantize->dequantize.
+
+  Blocks of 16 along the last axis; scale = E4M3(max(amax, 6·2^-9)/6); q = RNE_E2M1(clip(x/scale,
+  −6, 6)); returns q·scale in x's dtype. The E4M3 scale is rounded to nearest, so the block
+  maximum can exceed 6·scale and is then clipped.
+  """
+  xb = _blocks(x, FP4_MAIN_KV_BLOCK)
+  scale = fp4_main_kv_scale(_block_amax(xb))
+  q = round_to_e2m1(jnp.clip(xb / scale, -E2M1_MAX, E2M1_MAX))
+  return (q * scale).reshape(x.shape).astype(x.dtype)
+
+
+def mxfp4(x: jax.Array) -> jax.Array:
+  """MXFP4, DeepSeek's variant (§9.2): blocks of 32, scale 2^ceil(log2(amax/6)), E2M1 elements.
+
+  amax is clamped at ≥ 6·2^-126; the scale rounds up, so |x/scale| ≤ 6 and nothing clips.
+  """
+  xb = _blocks(x, MXFP4_BLOCK)
+  amax = jnp.maximum(_block_amax(xb), E2M1_MAX * 2.0 ** -126)
+  scale = _ceil_pow2(amax / E2M1_MAX)
+  q = round_to_e2m1(jnp.clip(xb / scale, -E2M1_MAX, E2M1_MAX))
+  return (q * scale).reshape(x.shape).astype(x.dtype)
+
+
+def fp8_swa(x: jax.Array) -> jax.Array:
+  """SWA KV format (§9.2): blocks of 32, scale 2^ceil(log2(amax/448)) (amax ≥ 1e-4), E4M3 elements."""
+  xb = _blocks(x, FP8_SWA_BLOCK)
+  amax = jnp.maximum(_block_amax(xb), 1e-4)
+  scale = _ceil_pow2(amax / E4M3_MAX)
+  q = jnp.clip(xb / scale, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+  return (q * scale).reshape(x.shape).astype(x.dtype)
+
+
+# --- straight-through estimator ------------------------------------------------------------
+
+
+def fake_quant(x: jax.Array, fq: Callable[[jax.Array], jax.Array]) -> jax.Array:
+  """Forward fq(x) exactly, gradient identity (straight-through, §9.4; no clip mask).
+
+  Equivalent to `x + stop_gradient(fq(x) - x)`, except that the forward value is fq(x) bit for
+  bit (the add/subtract form can round in bfloat16).
+  """
+  return _straight_through(x, fq(x))
+
+
+@jax.custom_vjp
+def _straight_through(x: jax.Array, y: jax.Array) -> jax.Array:
+  del x
+  return y
+
+
+def _straight_through_fwd(x, y):
+  del x
+  return y, None
+
+
+def _straight_through_bwd(_, g):
+  return g, None
+
+
+_straight_through.defvjp(_straight_through_fwd, _straight_through_bwd)
+
+
+def fake_quant_main_kv(x: jax.Array, kernels: str = "xla") -> jax.Array:
+  """Straight-through FP4 main-KV fake quantization; `kernels="pallas"` uses the fused kernel."""
+  return pallas_kernels.select("fp4_main_kv_fake_quant", kernels,
+                               lambda v: fake_quant(v, fp4_main_kv))(x)
+
+
+# --- stored sizes (MODEL.md §10) -----------------------------------------------------------
+
+
+def _whole_blocks(n_channels: int, block: int) -> int:
+  if n_channels <= 0 or n_channels % block:
+    raise ValueError(f"{n_channels} channels do not fill whole blocks of {block}")
+  return n_channels // block
+
+
+def fp4_e4m3_16_bytes(n_channels: int) -> int:
+  """Bytes of one vector in the main-KV layout: 4 bits per element + one E4M3 byte per 16."""
+  return n_channels // 2 + _whole_blocks(n_channels, FP4_MAIN_KV_BLOCK)
+
+
+def mxfp4_bytes(n_channels: int) -> int:
+  """Bytes of one vector in MXFP4: 4 bits per element + one E8M0 byte per 32."""
+  return n_channels // 2 + _whole_blocks(n_channels, MXFP4_BLOCK)
+
+
+def fp8_32_bytes(n_channels: int) -> int:
+  """Bytes of one vector in the SWA FP8 layout: 1 byte per element + one E8M0 byte per 32."""
+  return n_channels + _whole_blocks(n_channels, FP8_SWA_BLOCK)
