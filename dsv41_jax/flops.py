@@ -1,0 +1,72 @@
+"""Model FLOPs per token: the one formula behind `train_flops_per_token` in the ledger and MFU.
+
+    train_flops/token = 3 × forward_flops/token            (backward ≈ 2 × forward)
+    forward_flops/token = 2 × Σ activated matrix parameters (routed experts at k/E, no look-ups)
+                        + Σ_layers 4 · H · D · (w̄ + k̄_l)     (q·k and p·v over the keys attended)
+                        + Σ_index-layers 2 · H_I · D_I · n̄_l  (indexer scores over visible entries)
+
+with, at sequence length T = cfg.seq_len and averaging over query positions t = 0..T−1:
+w̄ = mean min(t + 1, W) window keys, k̄_l = mean min(k, ⌊(t+1)/m_l⌋) selected entries (0 on pure-SWA
+layers) and n̄_l = mean ⌊(t+1)/m_l⌋ visible entries. Sparse attention is counted at the entries a
+query actually attends, not at what an implementation computes: the "masked" global branch scores
+all N entries, so XLA's `cost_analysis()` counts more than this formula on the global branch, and
+elementwise work (norms, softmax, RoPE, mHC Sinkhorn) is left out here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.layer_plan import build_layer_plan
+
+
+def _mean_min(T: int, cap: float, m: int = 1) -> float:
+  t = np.arange(T, dtype=np.float64)
+  return float(np.minimum((t + 1) // m, cap).mean())
+
+
+def active_matrix_params(cfg: ModelConfig) -> float:
+  """Activated matrix parameters per token (decode path: all layers and the head)."""
+  from dsv41_jax.ledger import per_layer_params
+  from dsv41_jax.model import abstract_params
+
+  k_over_e = cfg.num_experts_per_tok / cfg.n_routed_experts
+  total = 0.0
+  for layer, rest, size in per_layer_params(cfg, abstract_params(cfg)):
+    if layer is None:
+      if rest.startswith("head"):
+        total += size
+      continue
+    if rest.startswith("engram/table") or not _is_matrix(rest):
+      continue
+    total += size * (k_over_e if rest.startswith("moe/experts/") else 1.0)
+  return total
+
+
+def _is_matrix(rest: str) -> bool:
+  leaf = rest.rsplit("/", 1)[-1]
+  return leaf not in ("scale", "base", "attn_sink", "q_w", "k_w")
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
+  T = cfg.seq_len if seq_len is None else seq_len
+  plan = build_layer_plan(cfg)
+  H, D = cfg.num_attention_heads, cfg.head_dim
+  w_bar = _mean_min(T, cfg.sliding_window)
+  total = 0.0
+  for l in plan:
+    k_bar = 0.0 if l.mode == "swa" else _mean_min(T, cfg.index_topk, l.compress_ratio)
+    total += 4.0 * H * D * (w_bar + k_bar)
+    if l.mode in ("full", "reindex"):
+      n_bar = _mean_min(T, np.inf, l.compress_ratio)
+      total += 2.0 * cfg.index_n_heads * cfg.index_head_dim * n_bar
+  return total
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
+  return 2.0 * active_matrix_params(cfg) + attention_flops_per_token(cfg, seq_len)
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
+  return 3.0 * forward_flops_per_token(cfg, seq_len)

@@ -1,0 +1,110 @@
+"""The model's ledger: parameter counts, activated parameters, KV-cache bytes and training FLOPs.
+
+Every figure is computed from the abstract parameter shapes of the real model (`jax.eval_shape`,
+no allocation), the layer plan, and the cache layout in `dsv41_jax.cache_layout`: no constant of
+the report is typed in here. Conventions (MODEL.md §1 "Sanity checks", §10):
+
+- `engram_params`: the Engram hash tables (rows × dim). The Engram projections (`w_ekv`) and norm
+  weights are dense per-token matrices and count with the backbone, like attention.
+- `backbone_params`: everything else except the vision pathway.
+- Activated parameters per token: every parameter a token's forward pass multiplies by, with routed
+  experts counted at k / E and table look-ups (token embedding, Engram table rows) not counted.
+  Decode runs all layers and the head; encoder-only prefill (CED, §6) runs the encoder layers plus
+  what projects the decoder's KV sources from the final encoder state, and no head.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dsv41_jax import cache_layout, flops
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.layer_plan import build_layer_plan
+
+_LAYER_PATH = re.compile(r"^segments/(\d+)/layers/(\d+)/(.*)$")
+
+
+def _path_str(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def iter_params(state: nnx.State) -> Iterator[tuple[str, tuple[int, ...]]]:
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    yield _path_str(path), tuple(leaf.shape)
+
+
+def per_layer_params(cfg: ModelConfig, state: nnx.State):
+  """Yield (layer id or None, path within the layer, per-layer element count) for every param."""
+  plan = build_layer_plan(cfg)
+  for path, shape in iter_params(state):
+    m = _LAYER_PATH.match(path)
+    size = int(np.prod(shape))
+    if not m:
+      yield None, path, size
+      continue
+    seg = plan.segments[int(m.group(1))]
+    j, rest = int(m.group(2)), m.group(3)
+    for r in range(seg.repeats):
+      yield seg.first_layer + r * seg.unit_len + j, rest, size // seg.repeats
+
+
+def _is_engram_table(rest: str) -> bool:
+  return rest.startswith("engram/table")
+
+
+def _is_vision(path: str) -> bool:
+  return path.startswith(("vision/", "projector/"))
+
+
+def ledger(cfg: ModelConfig) -> dict[str, float]:
+  from dsv41_jax.model import abstract_params
+
+  state = abstract_params(cfg)
+  plan = build_layer_plan(cfg)
+  k_over_e = cfg.num_experts_per_tok / cfg.n_routed_experts
+  n_enc = plan.num_encoder_layers
+
+  total = engram = vision = 0
+  active_decode = active_prefill = 0.0
+  for layer, rest, size in per_layer_params(cfg, state):
+    total += size
+    if layer is None:
+      if _is_vision(rest):
+        vision += size
+        continue
+      if rest.startswith("head"):
+        active_decode += size
+      elif not rest.startswith("embed"):
+        active_decode += size
+        if not rest.startswith("final_norm"):
+          active_prefill += size
+      continue
+    if _is_engram_table(rest):
+      engram += size
+      continue
+    frac = k_over_e if rest.startswith("moe/experts/") else 1.0
+    active_decode += size * frac
+    spec = plan[layer]
+    if layer < n_enc:
+      active_prefill += size * frac
+    elif spec.mode == "full" and (spec.kv_input == "encoder_final" or layer == n_enc):
+      # The decoder KV source projects from H_{L/2}: its collapse, attn_norm, compressor, indexer K.
+      if rest.startswith(("compressor/", "indexer/wk", "indexer/k_norm", "attn_norm/")):
+        active_prefill += size
+  layout = cache_layout.global_kv_layout(cfg)
+  return {
+      "total_params": total,
+      "backbone_params": total - engram - vision,
+      "engram_params": engram,
+      "vision_params": vision,
+      "active_params_prefill": int(round(active_prefill)),
+      "active_params_decode": int(round(active_decode)),
+      "global_kv_bytes_per_token": layout.bytes_per_token,
+      "swa_kv_bytes_per_sequence": cache_layout.swa_kv_bytes_per_sequence(cfg),
+      "train_flops_per_token": flops.train_flops_per_token(cfg),
+  }

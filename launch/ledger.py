@@ -1,0 +1,41 @@
+"""Print the model's ledger from abstract shapes (no allocation).
+
+  python -m launch.ledger --config=configs/flash.py [--json]
+"""
+
+from __future__ import annotations
+
+import json
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from configs.common import model_config
+from dsv41_jax.ledger import ledger
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+_JSON = flags.DEFINE_bool("json", False, "Print one JSON object.")
+
+
+def _fmt(key: str, value) -> str:
+  if key.endswith("_params"):
+    return f"{value:>20,d}  ({value / 1e9:.2f} B)"
+  if key == "train_flops_per_token":
+    return f"{value:>20.4e}"
+  return f"{value:>20,}"
+
+
+def main(argv):
+  del argv
+  cfg = model_config(_CONFIG.value)
+  result = ledger(cfg)
+  if _JSON.value:
+    print(json.dumps(result))
+    return
+  for k, v in result.items():
+    print(f"{k:28s}{_fmt(k, v)}")
+
+
+if __name__ == "__main__":
+  flags.mark_flag_as_required("config")
+  app.run(main)
