@@ -6,7 +6,9 @@ import dataclasses
 
 import ml_collections
 
+from data.config import data_defaults
 from dsv41_jax.config import ModelConfig
+from optim.config import optim_defaults
 
 
 def base_config(model: dict) -> ml_collections.ConfigDict:
@@ -18,6 +20,7 @@ def base_config(model: dict) -> ml_collections.ConfigDict:
   fields.update(model)
   cfg = ml_collections.ConfigDict()
   cfg.model = ml_collections.ConfigDict(fields)
+  cfg.data = ml_collections.ConfigDict(data_defaults())
   return cfg
 
 

@@ -1,0 +1,209 @@
+"""The optimizer chain (TRAINING.md §2): one `optax.partition` over the table's three groups.
+
+    check structure → zero frozen gradients → clip by global norm →
+    partition{muon: Muon + wd, adamw: Adam + wd, sinkhorn: Sinkhorn momentum + wd} →
+    × (−lr(step) · group multiplier · row multiplier), frozen parameters × 0
+
+Trees: the optimizer works on the parameter tree the train step holds, either the pure state
+`nnx.as_pure(nnx.state(model, nnx.Param))` (arrays at the leaves, what `nnx.Optimizer` passes to
+`tx.update`), its `to_pure_dict()`, or any pytree of arrays; `init` also accepts the same tree with
+`nnx.Param` leaves. Parameters are named by their '/'-joined path (see `optim.table`). The tree given
+to `build_optimizer` may be abstract (`jax.ShapeDtypeStruct` leaves).
+
+State: one buffer per parameter for muon and sinkhorn, two for adamw, plus a few step counters.
+`init_opt_state` creates it under `jax.jit` with each buffer sharded exactly like its parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from optim import table as table_lib
+from optim.config import OptimConfig
+from optim.muon import scale_by_muon
+from optim.schedule import boundaries, learning_rate
+from optim.sinkhorn import scale_by_sinkhorn
+from optim.table import TABLE, Row, TableError
+
+
+class StepState(NamedTuple):
+  count: jax.Array
+
+
+def _check_structure(template: Mapping[str, tuple[int, ...]]) -> optax.GradientTransformation:
+  """Raise `TableError` naming every path whose presence or shape differs from the template."""
+
+  def check(tree, what):
+    got = {p: tuple(v.shape) for p, v in table_lib.flatten_params(tree)}
+    missing = sorted(set(template) - set(got))
+    extra = sorted(set(got) - set(template))
+    shapes = sorted(f"{p} {got[p]} (parameter {template[p]})"
+                    for p in set(got) & set(template) if got[p] != template[p])
+    msgs = []
+    if missing:
+      msgs.append(f"{what} lacks parameters {missing}")
+    if extra:
+      msgs.append(f"{what} has entries that are no parameter {extra}")
+    if shapes:
+      msgs.append(f"{what} has shapes differing from the parameters: {shapes}")
+    if msgs:
+      raise TableError("; ".join(msgs))
+
+  def init_fn(params):
+    check(params, "the parameter tree given to init")
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None):
+    check(updates, "the gradient tree")
+    if params is not None:
+      check(params, "the parameter tree given to update")
+    return updates, state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _active(count, path: str, frozen: frozenset[str], unfreeze_step: int | None):
+  """1 for trainable parameters, 0 for frozen ones (until `unfreeze_step`, if any)."""
+  if path not in frozen:
+    return jnp.float32(1.0)
+  if unfreeze_step is None:
+    return jnp.float32(0.0)
+  return (count >= unfreeze_step).astype(jnp.float32)
+
+
+def _zero_frozen(frozen: frozenset[str], unfreeze_step: int | None) -> optax.GradientTransformation:
+  """Zero the gradients of frozen parameters, so they move no momentum and no clipping norm."""
+
+  def init_fn(params):
+    del params
+    return StepState(count=jnp.zeros([], jnp.int32))
+
+  def update_fn(updates, state, params=None):
+    del params
+    out = table_lib.map_params(
+        lambda path, g: g * _active(state.count, path, frozen, unfreeze_step).astype(g.dtype),
+        updates)
+    return out, StepState(count=optax.safe_increment(state.count))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _scale_by_lr(cfg: OptimConfig, multiplier: Mapping[str, float], frozen: frozenset[str],
+                 unfreeze_step: int | None) -> optax.GradientTransformation:
+  """u ← −lr(step) · multiplier[path] · u; frozen parameters get 0 (no weight decay either)."""
+
+  def init_fn(params):
+    del params
+    return StepState(count=jnp.zeros([], jnp.int32))
+
+  def update_fn(updates, state, params=None):
+    del params
+    lr = learning_rate(cfg, state.count)
+
+    def leaf(path, u):
+      scale = -lr * multiplier[path] * _active(state.count, path, frozen, unfreeze_step)
+      return (u * scale).astype(u.dtype)
+
+    return table_lib.map_params(leaf, updates), StepState(count=optax.safe_increment(state.count))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _group_lr_mult(cfg: OptimConfig) -> dict[str, float]:
+  return {"muon": cfg.muon_lr_mult, "adamw": cfg.adamw_lr_mult, "sinkhorn": cfg.sinkhorn_lr_mult}
+
+
+def build_optimizer(cfg: OptimConfig, params, table: Sequence[Row] = TABLE
+                    ) -> optax.GradientTransformation:
+  """The full chain for this parameter tree (arrays, ShapeDtypeStructs or nnx.Params at leaves).
+
+  Raises `TableError` naming every parameter claimed by no row or by several, and every frozen
+  pattern that matches nothing.
+  """
+  rows = table_lib.label_params(params, table)
+  template = {p: tuple(v.shape) for p, v in table_lib.flatten_params(params)}
+  if cfg.frozen:
+    table_lib.check_patterns_used(cfg.frozen, params, "frozen")
+  frozen = frozenset(p for p in rows if table_lib.matches_any(p, cfg.frozen))
+  unfreeze_step = None if cfg.unfreeze_at == "never" else boundaries(cfg).decay_start
+  group_mult = _group_lr_mult(cfg)
+  multiplier = {p: group_mult[r.group] * r.lr_mult for p, r in rows.items()}
+
+  def labels(tree):
+    return table_lib.map_params(lambda path, _: rows[path].group, tree)
+
+  groups = {
+      "muon": optax.chain(
+          scale_by_muon(cfg.muon_momentum, cfg.update_rms, lambda path: rows[path].headwise),
+          optax.add_decayed_weights(cfg.weight_decay)),
+      "adamw": optax.chain(
+          optax.scale_by_adam(b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps),
+          optax.add_decayed_weights(cfg.weight_decay)),
+      "sinkhorn": optax.chain(
+          scale_by_sinkhorn(cfg.sinkhorn_momentum, cfg.sinkhorn_iters, cfg.sinkhorn_tau,
+                            cfg.sinkhorn_eps, cfg.update_rms),
+          optax.add_decayed_weights(cfg.sinkhorn_weight_decay)),
+  }
+  parts = [_check_structure(template)]
+  if frozen:
+    parts.append(_zero_frozen(frozen, unfreeze_step))
+  if cfg.clip_norm > 0:
+    parts.append(optax.clip_by_global_norm(cfg.clip_norm))
+  parts.append(optax.partition(groups, labels))
+  parts.append(_scale_by_lr(cfg, multiplier, frozen, unfreeze_step))
+  return optax.chain(*parts)
+
+
+def learning_rates(cfg: OptimConfig, step: int, table: Sequence[Row] = TABLE) -> dict[str, float]:
+  """Learning rate of each group at `step`, plus one entry per tagged row (e.g. engram_table)."""
+  lr = float(learning_rate(cfg, step))
+  group_mult = _group_lr_mult(cfg)
+  out = {g: lr * m for g, m in group_mult.items()}
+  for r in table:
+    if r.tag is not None:
+      out[r.tag] = lr * group_mult[r.group] * r.lr_mult
+  return out
+
+
+# --- sharding of the state --------------------------------------------------------------------
+
+def _components(keypath) -> list[str]:
+  return table_lib.path_str(keypath).split("/") if keypath else []
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, params, param_shardings=None):
+  """A tree of shardings for `tx.init(params)`: each buffer takes its parameter's sharding (the
+  parameter whose path ends the buffer's path, shapes equal); counters are replicated.
+
+  `param_shardings` defaults to the `.sharding` of the parameter leaves.
+  """
+  if param_shardings is None:
+    param_shardings = table_lib.map_params(lambda _, v: v.sharding, params)
+  by_path = {p: s for p, s in table_lib.flatten_params(param_shardings)}
+  shapes = {p: tuple(v.shape) for p, v in table_lib.flatten_params(params)}
+  meshes = {s.mesh for s in by_path.values() if isinstance(s, NamedSharding)}
+  if len(meshes) != 1:
+    raise ValueError(f"parameters must be NamedSharding-ed over one mesh (found {len(meshes)})")
+  replicated = NamedSharding(meshes.pop(), P())
+  abstract = jax.eval_shape(tx.init, params)
+
+  def pick(keypath, leaf):
+    names = _components(keypath)
+    for k in range(len(names)):
+      path = "/".join(names[k:])
+      if path in by_path and shapes[path] == tuple(leaf.shape):
+        return by_path[path]
+    return replicated
+
+  return jax.tree_util.tree_map_with_path(pick, abstract)
+
+
+def init_opt_state(tx: optax.GradientTransformation, params, param_shardings=None) -> Any:
+  """`tx.init(params)` under jit, every buffer created with its parameter's sharding."""
+  shardings = opt_state_shardings(tx, params, param_shardings)
+  return jax.jit(tx.init, out_shardings=shardings)(params)

@@ -1,0 +1,100 @@
+"""Optimizer hyper-parameters (TRAINING.md §2): one frozen dataclass, built from the config tree.
+
+`optim_defaults()` is the plain dict that `configs/common.py` puts under `cfg.optim`;
+`optim_config(d)` turns such a dict (or ConfigDict) back into an `OptimConfig`, rejecting unknown
+keys by name. The defaults are the report's values (MODEL.md §11).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+
+class OptimConfigError(ValueError):
+  """An optimizer configuration that is unknown or inconsistent; the message names the fields."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """Everything the optimizer chain and the MoE bias update read."""
+
+  # --- learning-rate schedule (schedule.py): warm-up, hold, cosine decay, hold ---
+  lr: float = 2.6e-4                # peak learning rate
+  warmup_steps: int = 2000          # linear warm-up, always in steps (the report counts steps)
+  # Decay window in `schedule_unit`s; the report holds to 28T tokens and decays to 40T of 45T.
+  decay_start: float = 28e12
+  decay_end: float = 40e12
+  schedule_unit: str = "tokens"     # "tokens" or "steps": the unit of decay_start / decay_end
+  tokens_per_step: int = 100_600_000  # the report's batch; set from batch × seq_len by the launcher
+  final_lr_fraction: float = 0.1    # cosine decays to this fraction of `lr`, then holds
+  # --- per-group learning-rate multipliers (table rows may add their own, e.g. Engram ×5) ---
+  muon_lr_mult: float = 1.0
+  adamw_lr_mult: float = 1.0
+  sinkhorn_lr_mult: float = 1.0
+  # --- gradient clipping by global norm; 0 turns it off ---
+  clip_norm: float = 1.0
+  # --- Muon ---
+  muon_momentum: float = 0.95
+  update_rms: float = 0.18          # Muon and Sinkhorn updates are rescaled to this RMS (× lr)
+  weight_decay: float = 0.1         # decoupled, for the muon and adamw groups
+  # --- AdamW ---
+  adam_b1: float = 0.9
+  adam_b2: float = 0.95
+  adam_eps: float = 1e-20
+  # --- Sinkhorn-balanced momentum ---
+  sinkhorn_momentum: float = 0.95
+  sinkhorn_iters: int = 11
+  sinkhorn_tau: float = 1e-3        # relative floor on row / column RMS (TRAINING.md §2)
+  sinkhorn_eps: float = 1e-20
+  # The spec names no weight decay for embeddings, head and Engram tables; decaying the rarely
+  # hit Engram rows every step would shrink them for no gradient reason.
+  sinkhorn_weight_decay: float = 0.0
+  # --- MoE routing bias (moe_bias.py), outside the optimizer ---
+  moe_bias_gamma: float = 0.001
+  # --- trainable mask: parameters matching these path patterns get zero updates until ... ---
+  frozen: tuple[str, ...] = ()
+  unfreeze_at: str = "never"        # "never" or "decay_start" (e.g. freeze the ViT until decay)
+
+  def __post_init__(self):
+    object.__setattr__(self, "frozen", tuple(str(p) for p in self.frozen))
+    errors: list[str] = []
+
+    def need(cond, msg):
+      if not cond:
+        errors.append(msg)
+
+    need(self.lr > 0, f"lr must be positive (got {self.lr})")
+    need(self.warmup_steps >= 0, f"warmup_steps must be >= 0 (got {self.warmup_steps})")
+    need(self.schedule_unit in ("tokens", "steps"),
+         f"schedule_unit must be 'tokens' or 'steps' (got {self.schedule_unit!r})")
+    need(self.tokens_per_step > 0, f"tokens_per_step must be positive (got {self.tokens_per_step})")
+    need(0 <= self.decay_start <= self.decay_end,
+         f"need 0 <= decay_start ({self.decay_start}) <= decay_end ({self.decay_end})")
+    need(0 <= self.final_lr_fraction <= 1,
+         f"final_lr_fraction must lie in [0, 1] (got {self.final_lr_fraction})")
+    need(self.clip_norm >= 0, f"clip_norm must be >= 0 (got {self.clip_norm}); 0 turns it off")
+    for name in ("muon_momentum", "sinkhorn_momentum", "adam_b1", "adam_b2"):
+      need(0 <= getattr(self, name) < 1, f"{name} must lie in [0, 1) (got {getattr(self, name)})")
+    need(self.sinkhorn_iters >= 1, f"sinkhorn_iters must be >= 1 (got {self.sinkhorn_iters})")
+    need(self.unfreeze_at in ("never", "decay_start"),
+         f"unfreeze_at must be 'never' or 'decay_start' (got {self.unfreeze_at!r})")
+    if errors:
+      raise OptimConfigError("; ".join(errors))
+
+
+def optim_defaults() -> dict[str, Any]:
+  """Every OptimConfig field at its default, as a plain dict (the `cfg.optim` section)."""
+  return {f.name: getattr(OptimConfig(), f.name) for f in dataclasses.fields(OptimConfig)}
+
+
+def optim_config(values: Mapping[str, Any]) -> OptimConfig:
+  """Build an OptimConfig from a dict or ConfigDict; unknown keys are an error naming them."""
+  values = dict(values)
+  known = {f.name for f in dataclasses.fields(OptimConfig)}
+  unknown = sorted(set(values) - known)
+  if unknown:
+    raise OptimConfigError(f"unknown optimizer config keys {unknown}; known keys are {sorted(known)}")
+  if "frozen" in values:
+    values["frozen"] = tuple(values["frozen"])
+  return OptimConfig(**values)

@@ -1,0 +1,59 @@
+"""Learning-rate schedule (TRAINING.md §2): linear warm-up, hold, cosine decay, hold.
+
+With step s counted from 0 (the s-th update), W warm-up steps and the decay window [D0, D1):
+
+  lr(s) = peak · (s + 1) / W                                   s < W
+        = peak                                                 W ≤ s < D0
+        = peak · (f + (1 − f) · ½(1 + cos(π (s − D0) / (D1 − D0))))   D0 ≤ s < D1
+        = peak · f                                             s ≥ D1
+
+f = `final_lr_fraction` (0.1). D0 and D1 come from the config in steps, or in tokens divided by
+`tokens_per_step` and rounded up (the first step that starts at or after the token boundary).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+from optim.config import OptimConfig, OptimConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Boundaries:
+  warmup: int
+  decay_start: int
+  decay_end: int
+
+
+def boundaries(cfg: OptimConfig) -> Boundaries:
+  """Schedule boundaries in steps."""
+  def steps(x: float) -> int:
+    if cfg.schedule_unit == "steps":
+      return int(round(x))
+    return int(math.ceil(x / cfg.tokens_per_step - 1e-9))
+  b = Boundaries(cfg.warmup_steps, steps(cfg.decay_start), steps(cfg.decay_end))
+  if b.warmup > b.decay_start:
+    raise OptimConfigError(f"warm-up ({b.warmup} steps) ends after decay_start "
+                           f"({b.decay_start} steps); shorten warmup_steps or move decay_start")
+  return b
+
+
+def lr_factor(cfg: OptimConfig, step) -> jnp.ndarray:
+  """lr(step) / peak, as float32 (traceable: `step` may be a jax integer)."""
+  b = boundaries(cfg)
+  s = jnp.asarray(step, jnp.float32)
+  f = cfg.final_lr_fraction
+  warm = (s + 1.0) / max(b.warmup, 1)
+  span = max(b.decay_end - b.decay_start, 1)
+  frac = jnp.clip((s - b.decay_start) / span, 0.0, 1.0)
+  cosine = f + (1.0 - f) * 0.5 * (1.0 + jnp.cos(jnp.pi * frac))
+  out = jnp.where(s < b.warmup, warm, jnp.where(s < b.decay_start, 1.0, cosine))
+  return jnp.where(s >= b.decay_end, f, out).astype(jnp.float32)
+
+
+def learning_rate(cfg: OptimConfig, step) -> jnp.ndarray:
+  """The peak-scaled learning rate at `step`."""
+  return cfg.lr * lr_factor(cfg, step)

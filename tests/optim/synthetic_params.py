@@ -1,0 +1,78 @@
+"""An abstract parameter tree built from the model's naming note, for testing the optimizer table
+before (and beside) `dsv41_jax.model.abstract_params`.
+
+Layers sit under `segments/<s>/layers/<j>/...` with one leading stacked axis (the segment's repeats),
+as the scanned model stores them. Shapes follow the naming note; only paths and ranks matter here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.layer_plan import build_layer_plan
+
+
+def _sds(*shape):
+  return jax.ShapeDtypeStruct(tuple(int(s) for s in shape), jnp.float32)
+
+
+def _layer(cfg: ModelConfig, spec) -> dict:
+  d, n, h, hd = cfg.hidden_size, cfg.hc_mult, cfg.num_attention_heads, cfg.head_dim
+  mix = (2 + n) * n
+  hc = lambda: {"fn": _sds(mix, n * d), "base": _sds(mix), "scale": _sds(3)}
+  layer = {
+      "attn_hc": hc(), "ffn_hc": hc(),
+      "attn_norm": {"scale": _sds(d)}, "ffn_norm": {"scale": _sds(d)},
+      "attn": {
+          "wq_a": _sds(d, cfg.q_lora_rank), "q_norm": {"scale": _sds(cfg.q_lora_rank)},
+          "wq_b": _sds(cfg.q_lora_rank, h, hd), "wkv": _sds(d, hd), "kv_norm": {"scale": _sds(hd)},
+          "attn_sink": _sds(h), "wo_a": _sds(cfg.o_groups, cfg.heads_per_group * hd, cfg.o_lora_rank),
+          "wo_b": _sds(cfg.o_groups * cfg.o_lora_rank, d),
+      },
+      "moe": {
+          "router": _sds(d, cfg.n_routed_experts),
+          "experts": {"w1": _sds(cfg.n_routed_experts, d, cfg.moe_intermediate_size),
+                      "w3": _sds(cfg.n_routed_experts, d, cfg.moe_intermediate_size),
+                      "w2": _sds(cfg.n_routed_experts, cfg.moe_intermediate_size, d)},
+          "shared": {"w1": _sds(d, cfg.moe_intermediate_size), "w3": _sds(d, cfg.moe_intermediate_size),
+                     "w2": _sds(cfg.moe_intermediate_size, d)},
+      },
+  }
+  if spec.mode == "full":
+    layer["compressor"] = {"wkv": _sds(d, hd), "norm": {"scale": _sds(hd)}}
+    if spec.compress_ratio > 1:
+      layer["compressor"]["wgate"] = _sds(d, hd)
+  if spec.mode in ("full", "reindex"):
+    layer["indexer"] = {"wq_b": _sds(cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim),
+                        "weights_proj": _sds(d, cfg.index_n_heads)}
+    if spec.mode == "full":
+      layer["indexer"]["wk"] = _sds(hd, cfg.index_head_dim)
+      layer["indexer"]["k_norm"] = {"scale": _sds(cfg.index_head_dim)}
+  if spec.engram:
+    e = cfg.engram_head_dim
+    n_tables = len(cfg.engram_orders) * cfg.engram_n_heads
+    layer["engram"] = {"table": _sds(n_tables * cfg.engram_vocab_size, e),
+                       "w_ekv": _sds(n_tables * e, (n + 1) * d),
+                       "q_w": _sds(n, d), "k_w": _sds(n, d)}
+  return layer
+
+
+def _stack(tree, repeats: int):
+  return jax.tree.map(lambda s: _sds(repeats, *s.shape), tree)
+
+
+def synthetic_params(cfg: ModelConfig) -> dict:
+  """Nested dict of ShapeDtypeStructs with the model's parameter paths."""
+  plan = build_layer_plan(cfg)
+  segments = {}
+  for s, seg in enumerate(plan.segments):
+    layers = {j: _stack(_layer(cfg, spec), seg.repeats) for j, spec in enumerate(seg.unit)}
+    segments[s] = {"layers": layers}
+  return {
+      "embed": _sds(cfg.vocab_size, cfg.hidden_size),
+      "head": _sds(cfg.hidden_size, cfg.vocab_size),
+      "final_norm": {"scale": _sds(cfg.hidden_size)},
+      "segments": segments,
+  }

@@ -1,0 +1,96 @@
+"""Sinkhorn-balanced momentum (optim/sinkhorn.py) against a float64 numpy reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from optim import sinkhorn
+from optim.chain import build_optimizer
+from optim.config import OptimConfig
+from optim.table import Row
+from tests.optim import refs
+
+K, TAU, EPS = 11, 1e-3, 1e-20
+TABLE = (Row("emb", "sinkhorn"), Row("tab", "sinkhorn", lr_mult=5.0), Row("s", "adamw"))
+
+
+def _cfg(**kw):
+  base = dict(lr=0.01, warmup_steps=0, decay_start=1000, decay_end=2000, schedule_unit="steps",
+              clip_norm=0.0)
+  base.update(kw)
+  return OptimConfig(**base)
+
+
+def _skewed(rng, shape):
+  """Random matrices with rows and columns on very different scales."""
+  return (rng.standard_normal(shape) * rng.uniform(0.05, 20, shape[:-1] + (1,))
+          * rng.uniform(0.05, 20, shape[:-2] + (1, shape[-1])))
+
+
+def test_balance_matches_reference_and_balances_rows_and_columns():
+  rng = np.random.default_rng(0)
+  x = _skewed(rng, (3, 120, 40))
+  x[0, 5] *= 1e-6   # below the relative floor: must stay small, not be blown up
+  out = np.asarray(sinkhorn.sinkhorn_balance(jnp.asarray(x, jnp.float32), K, TAU, EPS), np.float64)
+  ref = refs.sinkhorn(x.astype(np.float32), K, TAU, EPS)
+  np.testing.assert_allclose(out, ref, rtol=2e-5, atol=1e-9)
+  # The starved row ends near ρ/τ of a typical (unit) row, ρ its input RMS relative to the mean.
+  r_in = np.sqrt(np.mean(x[0] ** 2, axis=1))
+  rho = r_in[5] / r_in.mean()
+  row5 = np.sqrt(np.mean(out[0, 5] ** 2))
+  assert 0.5 * rho / TAU < row5 < 2 * rho / TAU, (row5, rho / TAU)
+  for b in range(3):
+    keep = np.ones(120, bool)
+    if b == 0:
+      keep[5] = False
+    r = np.sqrt(np.mean(out[b][keep] ** 2, axis=1))
+    assert np.all(np.abs(r / r.mean() - 1) < 0.01), np.abs(r / r.mean() - 1).max()
+    if b == 0:
+      continue  # the starved row's share of each column is removed with it: columns move by ~1/R
+    c = np.sqrt(np.mean(out[b] ** 2, axis=0))
+    assert np.all(np.abs(c / c.mean() - 1) < 0.01), np.abs(c / c.mean() - 1).max()
+
+
+def test_sparse_rows_are_amplified_by_inverse_sqrt_fraction():
+  rng = np.random.default_rng(1)
+  x = np.zeros((256, 32))
+  touched = rng.choice(256, 16, replace=False)   # fraction 1/16
+  x[touched] = rng.standard_normal((16, 32))
+  out = np.asarray(sinkhorn.sinkhorn_balance(jnp.asarray(x, jnp.float32), K, TAU, EPS))
+  untouched = np.setdiff1d(np.arange(256), touched)
+  assert np.all(out[untouched] == 0)
+  r = np.sqrt(np.mean(out[touched] ** 2, axis=1))
+  np.testing.assert_allclose(r, np.sqrt(256 / 16), rtol=0.01)
+
+
+def test_chain_update_matches_reference_zero_rows_stay_zero_and_rms():
+  rng = np.random.default_rng(2)
+  cfg = _cfg(lr=0.03)
+  params = {"emb": jnp.asarray(rng.standard_normal((2, 48, 16)), jnp.float32),
+            "tab": jnp.asarray(rng.standard_normal((64, 8)), jnp.float32),
+            "s": jnp.asarray(rng.standard_normal((4,)), jnp.float32)}
+  tx = build_optimizer(cfg, params, TABLE)
+  state = tx.init(params)
+  grads = []
+  for _ in range(2):
+    g = {k: _skewed(rng, v.shape) if v.ndim > 1 else rng.standard_normal(v.shape)
+         for k, v in params.items()}
+    g["tab"][::3] = 0.0   # Engram rows no token hit, in both steps
+    grads.append({k: jnp.asarray(v, jnp.float32) for k, v in g.items()})
+  _, state = tx.update(grads[0], state, params)
+  u, _ = tx.update(grads[1], state, params)
+  beta = cfg.sinkhorn_momentum
+  for name, mult in (("emb", 1.0), ("tab", 5.0)):
+    g1, g2 = (np.asarray(g[name], np.float64) for g in grads)
+    d = g2 + beta * (beta * g1 + g2)
+    ref = -cfg.lr * mult * refs.rescale(refs.sinkhorn(d, K, TAU, EPS), 0.18)
+    np.testing.assert_allclose(np.asarray(u[name]), ref, rtol=2e-5, atol=1e-9)
+    per_matrix = np.asarray(u[name], np.float64).reshape((-1,) + u[name].shape[-2:])
+    for mat in per_matrix:
+      assert refs.rms(mat) == pytest.approx(0.18 * cfg.lr * mult, rel=1e-5)
+  assert np.all(np.asarray(u["tab"])[::3] == 0.0)
+  momentum = [v for p, v in jax.tree_util.tree_flatten_with_path(state)[0]
+              if "sinkhorn" in jax.tree_util.keystr(p) and jax.tree_util.keystr(p).endswith("['tab']")]
+  assert len(momentum) == 1
+  assert np.all(np.asarray(momentum[0])[::3] == 0)
