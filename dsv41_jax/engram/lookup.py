@@ -18,12 +18,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from dsv41_jax import quant
+
 ENGRAM_AXIS = "engram"
 # Table rows are padded to a multiple of this, so they split evenly over any power-of-two engram
 # axis up to this size. Padded rows are never addressed by a hash id.
 ROW_PAD_MULTIPLE = 1024
-FP8_BLOCK = 32          # columns per FP8 scale (MODEL.md §1: Engram tables FP8, one scale per 32)
-FP8_MAX = 448.0         # largest finite float8_e4m3fn
+FP8_BLOCK = quant.FP8_SWA_BLOCK   # columns per FP8 scale (MODEL.md §1: one scale per 32 columns)
 
 
 def padded_rows(num_rows: int, multiple: int = ROW_PAD_MULTIPLE) -> int:
@@ -76,16 +77,17 @@ def engram_lookup(table_RxD: jax.Array, ids: jax.Array) -> jax.Array:
 def quantize_fp8_rows(x_RxD: jax.Array, block: int = FP8_BLOCK) -> tuple[jax.Array, jax.Array]:
   """(q float8_e4m3fn [R, D], scale float32 [R, D/block]) with x ≈ q · scale blockwise.
 
-  scale = 2^⌈log2(amax / 448)⌉ per block of `block` columns (amax clamped ≥ 1e-4, as for the SWA
-  KV in MODEL.md §9.2), so nothing clips.
+  The FP8 block format of MODEL.md §9.2 (the SWA-KV rule of `quant.fp8_swa`, stored instead of
+  fake-quantised): scale = 2^⌈log2(max(amax, 1e-4) / 448)⌉ per block, so nothing clips.
   """
   R, D = x_RxD.shape
   if D % block:
     raise ValueError(f"FP8 rows need the width ({D}) to be a multiple of {block}")
   xb = x_RxD.astype(jnp.float32).reshape(R, D // block, block)
   amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1), 1e-4)
-  scale = jnp.exp2(jnp.ceil(jnp.log2(amax / FP8_MAX)))
-  q = (xb / scale[..., None]).astype(jnp.float8_e4m3fn).reshape(R, D)
+  scale = quant._ceil_pow2(amax / quant.E4M3_MAX)
+  q = jnp.clip(xb / scale[..., None], -quant.E4M3_MAX, quant.E4M3_MAX)
+  q = q.astype(jnp.float8_e4m3fn).reshape(R, D)
   return q, scale
 
 
