@@ -57,7 +57,7 @@ class Engram(nnx.Module):
         raise ValueError(f"fp8_table needs engram_head_dim ({de}) to be a multiple of "
                          f"{lookup.FP8_BLOCK}")
       full = sharding.normal(TABLE_INIT_STD)(rngs.params(), (self.num_rows_padded, de), jnp.float32)
-      q, scale = lookup.quantize_fp8_rows(full)
+      q, scale = jax.jit(lookup.quantize_fp8_rows)(full)
       self.table = FP8Table(q, logical_axes=rows_axes)
       self.table_scale = FP8Table(scale, logical_axes=rows_axes)
     else:

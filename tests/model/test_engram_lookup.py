@@ -48,6 +48,9 @@ def test_gate_matches_float64_formula():
   assert got[0, 0, 1] == 0.5 and got[1, 2, 3] == 0.5 and got[1, 4, 0] == 0.5
 
 
+_call = nnx.jit(lambda m, *args: m(*args))
+
+
 def _module(cfg, rng, layer=1, **kw):
   m = engram_layer.Engram(cfg, layer, rngs=nnx.Rngs(int(rng.integers(1 << 30))), **kw)
   N, D = m.q_w.shape
@@ -73,7 +76,7 @@ def test_module_matches_float64_reference_and_mask_closes_gate():
   rng = np.random.default_rng(1)
   m = _module(cfg, rng)
   X, ids, mask = _inputs(cfg, rng, m, 2, 6)
-  Y, stats = m(jnp.asarray(X), jnp.asarray(ids), jnp.asarray(mask))
+  Y, stats = _call(m, jnp.asarray(X), jnp.asarray(ids), jnp.asarray(mask))
 
   table = np.asarray(m.table[...], np.float64)
   w_ekv = np.asarray(m.w_ekv[...], np.float64)
@@ -185,21 +188,21 @@ def test_fp8_rows_match_quant_format_and_module_reads_them():
   rng = np.random.default_rng(4)
   x = jnp.asarray(rng.normal(size=(64, 64)) * rng.uniform(1e-3, 1e3, size=(64, 2)).repeat(32, 1),
                   jnp.float32)
-  q, scale = lookup.quantize_fp8_rows(x)
+  q, scale = jax.jit(lookup.quantize_fp8_rows)(x)
   assert q.dtype == jnp.float8_e4m3fn and scale.shape == (64, 2)
-  np.testing.assert_array_equal(np.asarray(lookup.dequantize_fp8_rows(q, scale)),
-                                np.asarray(quant.fp8_swa(x)))
+  np.testing.assert_array_equal(np.asarray(jax.jit(lookup.dequantize_fp8_rows)(q, scale)),
+                                np.asarray(jax.jit(quant.fp8_swa)(x)))
   with pytest.raises(ValueError, match="multiple of 32"):
     engram_layer.Engram(_tiny(), 1, rngs=nnx.Rngs(0), fp8_table=True)
   cfg = _tiny().replace(engram_head_dim=32)
   m = engram_layer.Engram(cfg, 1, rngs=nnx.Rngs(0), fp8_table=True)
   assert "table" not in nnx.state(m, nnx.Param)          # frozen storage, invisible to optimisers
   ids = jnp.asarray(rng.integers(0, m.num_rows, size=(2, 3, m.num_hash_heads)), jnp.int32)
-  rows = np.asarray(m.rows(ids))
-  full = np.asarray(lookup.dequantize_fp8_rows(m.table[...], m.table_scale[...]))
+  rows = np.asarray(nnx.jit(lambda mm, i: mm.rows(i))(m, ids))
+  full = np.asarray(jax.jit(lookup.dequantize_fp8_rows)(m.table[...], m.table_scale[...]))
   np.testing.assert_array_equal(rows, full[np.asarray(ids)])
   X = jnp.asarray(rng.normal(size=(2, 3, cfg.hc_mult, cfg.hidden_size)), jnp.float32)
-  Y, _ = m(X, ids, jnp.ones((2, 3), bool))
+  Y, _ = _call(m, X, ids, jnp.ones((2, 3), bool))
   assert np.isfinite(np.asarray(Y)).all() and not np.array_equal(np.asarray(Y), np.asarray(X))
 
 
