@@ -173,6 +173,8 @@ class Indexer(nnx.Module):
     `candidate` (consumers) / `candidate_out` (the source) are block ids [B, T, n_blocks];
     `candidate_out` is None unless this layer is the candidate source.
     """
+    if self.candidate_role == "consumer" and candidate is None:
+      raise ValueError("a candidate consumer needs the source layer's candidate pool (MODEL.md §5.6)")
     inv_freq = np.asarray(self.inv_freq if inv_freq is None else inv_freq)
     c_q = jax.lax.stop_gradient(c_q_BxTxQ)
     x = jax.lax.stop_gradient(x_BxTxD)
@@ -180,8 +182,6 @@ class Indexer(nnx.Module):
     q = self._quant(rope.apply_rope(q, positions, inv_freq))
     w = jnp.einsum("btd,dh->bth", x, self.weights_proj[...].astype(x.dtype))
     w = w.astype(jnp.float32) * (self.n_heads ** -0.5)
-    if self.candidate_role == "consumer" and candidate is None:
-      raise ValueError("a candidate consumer needs the source layer's candidate pool (MODEL.md §5.6)")
     cand_in = candidate if self.candidate_role == "consumer" else None
     return score_and_select(q, w, kv, segment_ids, k=self.topk, candidate=cand_in,
                             make_pool=self.candidate_role == "source",

@@ -156,8 +156,19 @@ def test_full_and_reindex_against_reference():
   x, c_q = _inputs(cfg, 3)
   inv = layer_inv_freq(cfg, full)
   pos, seg = jnp.asarray(POS), jnp.asarray(SEG)
-  main_kv, latent, es, el, ep = comp(x, pos, seg, inv)
-  kv = CompressedKV(main_kv, ix_full.keys(latent, ep, inv), es, el, ep)
+  inv_re = layer_inv_freq(cfg, reindex)
+
+  @nnx.jit
+  def forward(comp, ix_full, ix_re, x, c_q):
+    main_kv, latent, es, el, ep = comp(x, pos, seg, inv)
+    kv = CompressedKV(main_kv, ix_full.keys(latent, ep, inv), es, el, ep)
+    full_out = ix_full(x, c_q, positions=pos, segment_ids=seg, kv=kv)
+    re_out = ix_re(x, c_q, positions=pos, segment_ids=seg, kv=kv, candidate=full_out[2])
+    return latent, kv, full_out, re_out
+
+  latent, kv, (topk, picked, pool), (topk_r, picked_r, pool_r) = forward(comp, ix_full, ix_re,
+                                                                        x, c_q)
+  ep = kv.entry_pos_BxN
   # k^I = RoPE(RMSNorm_w(latent · wk)) at the entry positions, recomputed from the latent
   k_ref = np_rope(np_rms(np.asarray(latent, np.float64) @ np.asarray(ix_full.wk[...], np.float64),
                          np.asarray(ix_full.k_norm.scale[...], np.float64), cfg.rms_norm_eps),
@@ -165,7 +176,6 @@ def test_full_and_reindex_against_reference():
   np.testing.assert_allclose(np.asarray(kv.index_k_BxNxI), k_ref, rtol=1e-5, atol=1e-5)
   vis = np.asarray(entry_visible(kv, seg))
 
-  topk, picked, pool = ix_full(x, c_q, positions=pos, segment_ids=seg, kv=kv)
   q, w = _np_query(ix_full, x, c_q, inv)
   s_full = np_scores(q, k_ref, w)
   ref_i, ref_v = np_topk(s_full, vis, cfg.index_topk)
@@ -176,9 +186,8 @@ def test_full_and_reindex_against_reference():
       s_full, vis, cfg.candidate_block_size, cfg.candidate_topk_blocks))
 
   # Reindex, scored against the shared index_k, restricted to the source's pool
-  topk_r, picked_r, pool_r = ix_re(x, c_q, positions=pos, segment_ids=seg, kv=kv, candidate=pool)
   assert pool_r is None
-  q, w = _np_query(ix_re, x, c_q, layer_inv_freq(cfg, reindex))
+  q, w = _np_query(ix_re, x, c_q, inv_re)
   s_re = np_scores(q, k_ref, w)
   in_pool = np.asarray(idx_lib.candidate_mask(pool, kv.index_k_BxNxI.shape[1],
                                               cfg.candidate_block_size))
@@ -199,12 +208,25 @@ def test_query_chunking_changes_nothing():
   inv = layer_inv_freq(cfg, full)
   pos, seg = jnp.asarray(POS), jnp.asarray(SEG)
   main_kv, latent, es, el, ep = comp(x, pos, seg, inv)
-  kv = CompressedKV(main_kv, ix_full.keys(latent, ep, inv), es, el, ep)
-  whole = ix_full(x, c_q, positions=pos, segment_ids=seg, kv=kv)
+  weight = jnp.asarray(np.random.default_rng(7).standard_normal((2, 13, cfg.index_topk)),
+                       jnp.float32)
+  graphdef, state = nnx.split(ix_full)
+
+  def run(st):
+    ix = nnx.merge(graphdef, st)
+    kv = CompressedKV(main_kv, ix.keys(latent, ep, inv), es, el, ep)
+    out = ix(x, c_q, positions=pos, segment_ids=seg, kv=kv)
+    return jnp.sum(out[1] * weight), out
+
+  (_, whole), g_whole = jax.jit(jax.value_and_grad(run, has_aux=True))(state)
   ix_full.query_chunk = 5  # 13 rows → chunks of 5, 5, 3 (+2 padding rows)
-  chunked = ix_full(x, c_q, positions=pos, segment_ids=seg, kv=kv)
+  graphdef, state = nnx.split(ix_full)
+  (_, chunked), g_chunked = jax.jit(jax.value_and_grad(run, has_aux=True))(state)
   for a, b in zip(whole, chunked):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for a, b in zip(jax.tree.leaves(g_whole), jax.tree.leaves(g_chunked)):
+    assert np.abs(np.asarray(a)).max() > 0
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 def np_kl(scores, topk, mass, token_mask):
@@ -266,7 +288,7 @@ def test_indexer_loss_trains_only_the_indexer():
     return idx_lib.indexer_kl_loss(picked, topk, mass, seg > 0)
 
   tree = {"compressor": c_state, "indexer": i_state, "x": x, "c_q": c_q}
-  val, g = jax.value_and_grad(loss)(tree)
+  val, g = jax.jit(jax.value_and_grad(loss))(tree)
   assert float(val) > 0
   for leaf in jax.tree.leaves(g["compressor"]) + [g["x"], g["c_q"]]:
     assert np.all(np.asarray(leaf) == 0)
