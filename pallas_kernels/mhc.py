@@ -1,0 +1,171 @@
+"""Fused mHC coefficients + Sinkhorn projection (MODEL.md §3.2; TRAINING.md §5).
+
+Why this fusion: under V4.1's single-pass schedule (§3.3) a site's collapse uses the PREVIOUS
+site's `pre`, so coefficients and collapse do not meet in one pass; the expensive part of a site is
+reading X once for the RMS and the (2+n)n-column mix, and the cheap but launch-heavy part is the
+19 Sinkhorn alternations on tiny n×n matrices. One kernel does both (DeepSeek's `hc_pre` +
+`hc_split_sinkhorn`): each program takes `block_tokens` tokens, streams their n·d values in chunks
+of `block_k` (sum of squares and x̂·fnᵀ accumulated in float32), then applies the RMS factor,
+sigmoids and the Sinkhorn loop in registers, and writes one [tokens, P] row per token.
+
+Layout of that row (P = R·n with R = next power of two ≥ 2+n; the wrapper pads fn/base with zeros):
+group 0 = pre, group 1 = post, groups 2 … n+1 = comb rows j (comb[j, k] at column (2+j)·n + k),
+further groups are padding. The wrapper splits it into (pre [.., n], post [.., n], comb [.., n, n]).
+
+The math restates `dsv41_jax.layers.mhc.hc_coefficients` (tests compare the two); `_reference`
+below restates it once more in jnp for the backward pass (custom VJP = the reference's VJP).
+Backend: Triton via `pl.pallas_call` with explicit `CompilerParams` (power-of-two blocks; the mix is
+an IEEE-float32 `dot`); `interpret=True` runs the same kernel on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _triton_params(num_warps: int, num_stages: int):
+  from jax.experimental.pallas import triton as plt
+  return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _next_pow2(v: int) -> int:
+  return 1 << (v - 1).bit_length()
+
+
+def _mhc_kernel(x_ref, f_ref, scale_ref, base_ref, o_ref, *, n: int, groups: int, k_total: int,
+                block_k: int, iters: int, hc_eps: float, norm_eps: float):
+  bt = x_ref.shape[0]
+  p = groups * n
+
+  def chunk(c, carry):
+    acc, ss = carry
+    xc = x_ref[:, pl.ds(c * block_k, block_k)].astype(jnp.float32)  # [bt, block_k]
+    fc = f_ref[pl.ds(c * block_k, block_k), :]                      # [block_k, P]
+    acc = acc + jnp.dot(xc, fc, precision=_HIGHEST, preferred_element_type=jnp.float32)
+    ss = ss + jnp.sum(xc * xc, axis=1, keepdims=True)
+    return acc, ss
+
+  acc, ss = jax.lax.fori_loop(0, k_total // block_k, chunk,
+                              (jnp.zeros((bt, p), jnp.float32), jnp.zeros((bt, 1), jnp.float32)))
+  rho = jax.lax.rsqrt(ss / k_total + norm_eps)
+  z = (acc * rho) * scale_ref[...] + base_ref[...]          # [bt, P]
+  z3 = z.reshape(bt, groups, n)
+  group = jax.lax.broadcasted_iota(jnp.int32, (bt, groups, n), 1)
+  is_comb = (group >= 2) & (group < 2 + n)
+
+  sig = 1.0 / (1.0 + jnp.exp(-z3))
+  e = jnp.exp(z3 - jnp.max(z3, axis=2, keepdims=True))
+  comb = e / jnp.sum(e, axis=2, keepdims=True) + hc_eps      # row softmax (every group; masked below)
+  comb = jnp.where(is_comb, comb, 0.0)
+
+  def col_norm(c):
+    return c / (jnp.sum(c, axis=1, keepdims=True) + hc_eps)
+
+  def row_norm(c):
+    return c / (jnp.sum(c, axis=2, keepdims=True) + hc_eps)
+
+  comb = col_norm(comb)
+  # Padding groups stay 0 (0 / (0 + eps)). A loop, not unrolled: the body is tiny and compiles once.
+  comb = jax.lax.fori_loop(0, iters - 1, lambda _, c: col_norm(row_norm(c)), comb)
+  out = jnp.where(group == 0, sig + hc_eps, jnp.where(group == 1, 2.0 * sig, comb))
+  o_ref[...] = out.reshape(bt, p)
+
+
+@functools.partial(jax.jit, static_argnames=("iters", "hc_eps", "norm_eps", "block_tokens",
+                                             "block_k", "interpret", "num_warps", "num_stages"))
+def hc_coefficients_pallas(X_BxTxNxD, fn, base, scale, *, iters: int, hc_eps: float,
+                           norm_eps: float, block_tokens: int = 32, block_k: int = 128,
+                           interpret: bool = False, num_warps: int = 4, num_stages: int = 2):
+  """(pre, post, comb) of one mHC site from the fused kernel; float32, shapes as the reference."""
+  *lead, n, d = X_BxTxNxD.shape
+  k_total = n * d
+  if (2 + n) * n != fn.shape[0] or fn.shape[1] != k_total:
+    raise ValueError(f"fn has shape {fn.shape}, expected {((2 + n) * n, k_total)}")
+  block_k = min(block_k, k_total & -k_total)  # largest power of two dividing n·d, capped
+  groups = _next_pow2(2 + n)
+  p = groups * n
+  tokens = int(np.prod(lead)) if lead else 1
+  x = X_BxTxNxD.reshape(tokens, k_total)
+  padded = pl.cdiv(tokens, block_tokens) * block_tokens
+  if padded != tokens:
+    x = jnp.pad(x, ((0, padded - tokens), (0, 0)))
+  f_kxp = jnp.pad(fn.astype(jnp.float32).T, ((0, 0), (0, p - fn.shape[0])))
+  scale = scale.astype(jnp.float32)
+  scale_row = jnp.concatenate([jnp.full((n,), scale[0]), jnp.full((n,), scale[1]),
+                               jnp.full((p - 2 * n,), scale[2])])[None, :]
+  base_row = jnp.pad(base.astype(jnp.float32), (0, p - base.shape[0]))[None, :]
+  kernel = functools.partial(_mhc_kernel, n=n, groups=groups, k_total=k_total, block_k=block_k,
+                             iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
+  out = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((padded, p), jnp.float32),
+      grid=(padded // block_tokens,),
+      in_specs=[pl.BlockSpec((block_tokens, k_total), lambda i: (i, 0)),
+                pl.BlockSpec((k_total, p), lambda i: (0, 0)),
+                pl.BlockSpec((1, p), lambda i: (0, 0)),
+                pl.BlockSpec((1, p), lambda i: (0, 0))],
+      out_specs=pl.BlockSpec((block_tokens, p), lambda i: (i, 0)),
+      compiler_params=None if interpret else _triton_params(num_warps, num_stages),
+      interpret=interpret,
+      name="mhc_coefficients",
+  )(x, f_kxp, scale_row, base_row)
+  out = out[:tokens].reshape(*lead, groups, n)
+  return out[..., 0, :], out[..., 1, :], out[..., 2:2 + n, :]
+
+
+def _reference(X_BxTxNxD, fn, base, scale, iters, hc_eps, norm_eps):
+  """§3.2 in jnp (the same function as the kernel), used for the backward pass."""
+  *lead, n, d = X_BxTxNxD.shape
+  x = X_BxTxNxD.reshape(*lead, n * d).astype(jnp.float32)
+  rho = jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + norm_eps)
+  mix = jnp.einsum("...k,mk->...m", x, fn.astype(jnp.float32), precision=_HIGHEST) * rho
+  base = base.astype(jnp.float32)
+  scale = scale.astype(jnp.float32)
+  pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
+  post = 2.0 * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
+  logits = (mix[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*lead, n, n)
+  comb = jax.nn.softmax(logits, axis=-1) + hc_eps
+  comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + hc_eps)
+  for _ in range(iters - 1):
+    comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + hc_eps)
+    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + hc_eps)
+  return pre, post, comb
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _hc(X, fn, base, scale, iters, hc_eps, norm_eps, interpret):
+  return hc_coefficients_pallas(X, fn, base, scale, iters=iters, hc_eps=hc_eps,
+                                norm_eps=norm_eps, interpret=interpret)
+
+
+def _hc_fwd(X, fn, base, scale, iters, hc_eps, norm_eps, interpret):
+  out = hc_coefficients_pallas(X, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
+                               interpret=interpret)
+  return out, (X, fn, base, scale)
+
+
+def _hc_bwd(iters, hc_eps, norm_eps, interpret, res, g):
+  del interpret
+  _, vjp = jax.vjp(lambda *a: _reference(*a, iters, hc_eps, norm_eps), *res)
+  return vjp(g)
+
+
+_hc.defvjp(_hc_fwd, _hc_bwd)
+
+
+def hc_coefficients(X_BxTxNxD, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: float,
+                    interpret: bool | None = None):
+  """Drop-in for `dsv41_jax.layers.mhc.hc_coefficients`: fused forward, reference backward.
+
+  `interpret=None` interprets on CPU and compiles (Triton) on GPU.
+  """
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  return _hc(X_BxTxNxD, fn, base, scale, iters, hc_eps, norm_eps, interpret)
