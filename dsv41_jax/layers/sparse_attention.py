@@ -26,6 +26,9 @@ import jax
 import jax.numpy as jnp
 
 _F32 = jnp.float32
+# Score of a masked key. Finite (exp(−1e30 − M) is exactly 0 for any finite M ≥ sink), so no −inf
+# reaches the exponent: on CPU, exp of −inf runs a slow path (the masked forward took twice as long).
+_MASKED = -1e30
 
 
 def swa_visible(segment_ids_BxT: jax.Array, window: int) -> jax.Array:
@@ -98,7 +101,7 @@ def attend(q_BxTxHxD: jax.Array, swa_kv_BxTxD: jax.Array, segment_ids_BxT: jax.A
   vis = (in_window[None, None] & (seg_q[..., :, None] == seg_k[..., None, :])
          & (seg_q[..., :, None] > 0))                               # [B, nb, S, L]
   s_swa = jnp.einsum("bnshd,bnld->bnshl", q_blk, k_blk, preferred_element_type=_F32) * scale
-  s_swa = jnp.where(vis[:, :, :, None, :], s_swa, -jnp.inf)
+  s_swa = jnp.where(vis[:, :, :, None, :], s_swa, _MASKED)
   m = jnp.maximum(jnp.max(s_swa, axis=-1).reshape(B, Tp, H), sink)  # [B, Tp, H]
 
   # --- global: scores over the selected entries ----------------------------------------------
@@ -109,11 +112,11 @@ def attend(q_BxTxHxD: jax.Array, swa_kv_BxTxD: jax.Array, segment_ids_BxT: jax.A
     if impl == "masked":
       sel = selected_mask(topk, N)                                  # [B, Tp, N]
       s_glob = jnp.einsum("bthd,bnd->bthn", q, global_kv_BxNxD, preferred_element_type=_F32) * scale
-      s_glob = jnp.where(sel[:, :, None, :], s_glob, -jnp.inf)
+      s_glob = jnp.where(sel[:, :, None, :], s_glob, _MASKED)
     else:
       ents = jax.vmap(lambda kv_b, i_b: kv_b[i_b])(global_kv_BxNxD, jnp.maximum(topk, 0))
       s_glob = jnp.einsum("bthd,btkd->bthk", q, ents, preferred_element_type=_F32) * scale
-      s_glob = jnp.where(valid[:, :, None, :], s_glob, -jnp.inf)
+      s_glob = jnp.where(valid[:, :, None, :], s_glob, _MASKED)
     m = jnp.maximum(m, jnp.max(s_glob, axis=-1))
   m = jax.lax.stop_gradient(m)  # the softmax is invariant to the shift; keep its gradient simple
 
