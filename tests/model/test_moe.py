@@ -129,9 +129,9 @@ def _params(model):
   return {k: np.asarray(v) for k, v in p.items()}
 
 
+@nnx.jit
 def _call(model, x, seg, image, bias):
-  return model(jnp.asarray(x), segment_ids_BxT=jnp.asarray(seg), image_mask_BxT=jnp.asarray(image),
-               bias_2xE=jnp.asarray(bias))
+  return model(x, segment_ids_BxT=seg, image_mask_BxT=image, bias_2xE=bias)
 
 
 # --- tests ---------------------------------------------------------------------------------------
@@ -240,12 +240,17 @@ def _loss_and_grads(graphdef, state, x, seg, image, bias, r):
   return y, aux, grads
 
 
-@pytest.mark.parametrize("mode", ["dropless", "capacity"])
-def test_expert_parallel_equals_single_device(mode):
-  """data 2 × expert 4: tokens go to their experts' owners by all-to-all and come back.
+@pytest.mark.parametrize("mode,mesh_shape", [
+    ("dropless", {"data": 2, "expert": 4}),
+    ("capacity", {"data": 2, "expert": 4}),
+    ("dropless", {"fsdp": 2, "expert": 2, "tensor": 2}),  # + gathered fsdp, psum over tensor
+])
+def test_expert_parallel_equals_single_device(mode, mesh_shape):
+  """Tokens go to their experts' owners by all-to-all and come back; values and gradients.
 
   Capacity is per batch shard (one device), so the reference runs the single-device path on
-  each shard's rows; 0.75 makes pairs drop there. Dropless compares with the whole batch at once.
+  each shard's rows (one row each on data 2 × expert 4); 0.75 makes pairs drop there.
+  Dropless compares with the whole batch at once.
   """
   cf = 0.75
   cfg = _cfg(moe_dispatch=mode, moe_capacity_factor=cf)
@@ -256,7 +261,7 @@ def test_expert_parallel_equals_single_device(mode):
   graphdef, state = nnx.split(model)
   args = [jnp.asarray(a) for a in (x, seg, image, bias, r)]
 
-  mesh = sharding.make_mesh({"data": 2, "expert": 4})
+  mesh = sharding.make_mesh(mesh_shape)
   with jax.set_mesh(mesh):
     y_ep, aux_ep, g_ep = _loss_and_grads(graphdef, state, *args)
 
@@ -265,17 +270,14 @@ def test_expert_parallel_equals_single_device(mode):
   else:
     # same per-shard rule, computed shard by shard on one device
     def loss(state, x):
-      ys, drops = [], []
       m = nnx.merge(graphdef, state)
-      for i in range(8):
-        rows = slice(i, i + 1)
-        y, aux = m(x[rows], segment_ids_BxT=args[1][rows], image_mask_BxT=args[2][rows],
-                   bias_2xE=args[3])
-        ys.append(y)
-        drops.append(aux["dropped_fraction"] * (args[1][rows] != 0).sum() * K)
-      y = jnp.concatenate(ys)
+      def one_row(row):
+        x_r, seg_r, image_r = (a[None] for a in row)
+        y, aux = m(x_r, segment_ids_BxT=seg_r, image_mask_BxT=image_r, bias_2xE=args[3])
+        return y[0], aux["dropped_fraction"] * (seg_r != 0).sum() * K
+      y, drops = jax.lax.map(one_row, (x, args[1], args[2]))
       _, aux = m(x, segment_ids_BxT=args[1], image_mask_BxT=args[2], bias_2xE=args[3])
-      aux = dict(aux, dropped_fraction=sum(drops) / ((args[1] != 0).sum() * K))
+      aux = dict(aux, dropped_fraction=drops.sum() / ((args[1] != 0).sum() * K))
       return (y * args[4]).sum() + aux["balance_loss"], (y, aux)
     (_, (y_1, aux_1)), g_1 = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
         state, args[0])
