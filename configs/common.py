@@ -6,6 +6,7 @@ import dataclasses
 
 import ml_collections
 
+from data.config import data_defaults
 from dsv41_jax.config import ModelConfig
 from optim.config import optim_defaults
 
@@ -19,6 +20,7 @@ def base_config(model: dict) -> ml_collections.ConfigDict:
   fields.update(model)
   cfg = ml_collections.ConfigDict()
   cfg.model = ml_collections.ConfigDict(fields)
+  cfg.data = ml_collections.ConfigDict(data_defaults())
   cfg.optim = ml_collections.ConfigDict(optim_defaults())
   return cfg
 

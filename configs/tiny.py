@@ -45,4 +45,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       seq_len=128,
       dtype="float32",
   )
-  return common.base_config(model=model)
+  cfg = common.base_config(model=model)
+  cfg.data.seq_len = 128  # the tiny model's seq_len
+  cfg.data.batch_size = 8
+  return cfg

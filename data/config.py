@@ -1,0 +1,39 @@
+"""Defaults of the `data` section of every config (TRAINING.md §3).
+
+`configs/common.base_config` installs them as `cfg.data`; a config file or a command-line
+override (`--config.data.seq_len=4096`) changes them. Nothing here reads the model section.
+"""
+
+from __future__ import annotations
+
+
+def data_defaults() -> dict:
+  """The data section's fields and their default values."""
+  return dict(
+      seq_len=128,  # tokens per packed row
+      batch_size=8,  # rows per batch yielded by the iterator (per process)
+      # Token shares of the two streams (TRAINING.md §3: text : multimodal = 7 : 1 in tokens).
+      text_weight=7.0,
+      multimodal_weight=1.0,
+      # Shard paths, directories or globs (.jsonl, .jsonl.gz, .parquet, .array_record).
+      # Both empty (train and eval alike) = the built-in default corpus (stdlib + shapes).
+      text_sources=(),
+      multimodal_sources=(),
+      text_eval_sources=(),
+      multimodal_eval_sources=(),
+      tokenizer_path="",  # a Hugging Face tokenizer.json; "" = byte-level BPE trained on the corpus
+      cache_dir="",  # "" = $DSV41_CACHE or ~/.cache/dsv41_jax (tokenizer, corpus manifest)
+      max_image_size=168,  # px; images are fitted into this box, then snapped to multiples of 42
+      max_images_per_row=0,  # 0 = seq_len // 64 (at least 1); rows never hold more
+      # Open bins of the best-fit packer. Few bins suffice (cuts fill the last gaps); more bins
+      # delay documents longer, which skews the stream shares of the first rows.
+      pool_bins=16,
+      worker_count=0,  # grain worker processes per stream (0 = tokenize in the main process)
+      worker_buffer_size=16,  # documents each worker keeps ready
+      seed=0,
+      # Default corpus: percentage of stdlib files held out for evaluation (by path hash),
+      # and how many generated image-caption documents each split has.
+      heldout_percent=3,
+      image_docs_train=200_000,
+      image_docs_eval=2_000,
+  )

@@ -1,0 +1,210 @@
+"""The project's best-fit packer and packed-row layout (TRAINING.md §3).
+
+`BestFitPacker` keeps a persistent pool of up to `max_bins` open bins (rows being filled). Items
+are references `[..., start, stop]` to token ranges of document pieces (the pipeline uses
+`[stream, index, piece, start, stop]`), which keeps the packer's state small and JSON-able.
+
+Placement of an item of `n = stop - start` tokens:
+
+1. `n == seq_len`: it is a full row by itself -- unless items are waiting (step 5), when it is
+   cut as in step 4, so that its rest opens a bin the waiting items can join.
+2. Best fit: the open bin with the least room that still fits it (tokens and image slots; ties to
+   the lowest slot). A bin left with no room is emitted.
+3. Fits no bin, a slot is free: it opens a new bin.
+4. Fits no bin, no free slot, the item is *cuttable* (a text piece, no image inside): its first `r`
+   tokens fill the fullest bin exactly (`r` = that bin's room; the bin is emitted) and the rest
+   is placed again from step 1. This is the only place the packer cuts a piece: one target is
+   lost per cut (the fragment's last token), no padding is created, and an image span is never cut.
+5. Fits no bin, no free slot, not cuttable: the item waits; waiting items are offered again, oldest
+   first, whenever a bin is opened. Only if the waiting items hold more tokens than the pool
+   (`max_bins * seq_len`) is the fullest bin closed early -- the one case where padding arises
+   while data keeps coming.
+
+`flush()` (end of a finite stream) places the waiting items and emits every open bin. Unlike
+grain's `BestFitPackIterDataset`, nothing is flushed wholesale during training, so rows are full.
+
+`assemble_row` lays the pieces of one bin out as a row: `tokens`, `targets` (the next token in
+the same piece), `loss_mask` (false on padding, on each piece's last token, and where the token
+or its target is an image placeholder), `segment_ids` (0 = padding, pieces numbered from 1),
+`positions` (restarting at 0 in each piece), `image_mask` (placeholder tokens) and the row's
+images: `images` uint8 [M, P, P, 3] (top-left aligned, zero elsewhere), `image_count`,
+`image_cells` [M, 2] = (h_cells, w_cells) and `image_starts` [M] (row index of the first
+placeholder token; -1 for an empty slot).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+
+def ref_len(ref) -> int:
+  return ref[-1] - ref[-2]
+
+
+class BestFitPacker:
+  """Pool of open bins; see the module docstring."""
+
+  def __init__(self, seq_len: int, max_images: int, max_bins: int):
+    if max_bins < 1:
+      raise ValueError(f"pool_bins={max_bins} must be >= 1")
+    self.seq_len, self.max_images, self.max_bins = seq_len, max_images, max_bins
+    self.room = np.full(max_bins, -1, np.int64)  # free tokens per slot; -1 = slot unused
+    self.image_room = np.zeros(max_bins, np.int64)
+    self.items: list[list | None] = [None] * max_bins
+    self.ready: collections.deque = collections.deque()  # emitted bins (lists of refs), FIFO
+    self.waiting: list = []  # [ref, n_images] of items that found no place
+    self.cuts = 0  # pieces cut in step 4
+    self.early_closes = 0  # bins closed with room left in step 5
+
+  @property
+  def open_bins(self) -> int:
+    return int((self.room >= 0).sum())
+
+  def add(self, ref: list, n_images: int, cuttable: bool) -> None:
+    n = ref_len(ref)
+    if not 0 < n <= self.seq_len or n_images > self.max_images:
+      raise ValueError(f"piece of {n} tokens / {n_images} images does not fit a row")
+    open_slots = self.room >= 0
+    if n == self.seq_len and not (cuttable and self.waiting and open_slots.any()):
+      self.ready.append([ref])
+      return
+    if n < self.seq_len:
+      if self._best_fit(ref, n_images):
+        return
+      free = np.flatnonzero(~open_slots)
+      if len(free):
+        self._open(int(free[0]), ref, n_images)
+        return
+    if cuttable:
+      slot = int(np.argmin(np.where(open_slots, self.room, self.seq_len + 1)))
+      r = int(self.room[slot])
+      head, tail = ref[:-1] + [ref[-2] + r], ref[:-2] + [ref[-2] + r, ref[-1]]
+      self.cuts += 1
+      self._put(slot, head, 0)
+      self.add(tail, 0, True)
+      return
+    self.waiting.append([ref, n_images])
+    if sum(ref_len(r) for r, _ in self.waiting) > self.max_bins * self.seq_len:
+      slot = int(np.argmin(self.room))
+      self.early_closes += 1
+      self._close(slot)
+      ref, n_images = self.waiting.pop(0)
+      self._open(slot, ref, n_images)
+
+  def _best_fit(self, ref, n_images) -> bool:
+    fits = (self.room >= ref_len(ref)) & (self.image_room >= n_images)
+    if not fits.any():
+      return False
+    self._put(int(np.argmin(np.where(fits, self.room, self.seq_len + 1))), ref, n_images)
+    return True
+
+  def _open(self, slot: int, ref, n_images) -> None:
+    self.room[slot] = self.seq_len
+    self.image_room[slot] = self.max_images
+    self.items[slot] = []
+    self._put(slot, ref, n_images)
+    waiting, self.waiting = self.waiting, []
+    for w_ref, w_images in waiting:  # offer waiting items the new room, oldest first
+      if not self._best_fit(w_ref, w_images):
+        self.waiting.append([w_ref, w_images])
+
+  def _put(self, slot: int, ref, n_images) -> None:
+    self.items[slot].append(ref)
+    self.room[slot] -= ref_len(ref)
+    self.image_room[slot] -= n_images
+    if self.room[slot] == 0:
+      self._close(slot)
+
+  def _close(self, slot: int) -> None:
+    self.ready.append(self.items[slot])
+    self.items[slot] = None
+    self.room[slot] = -1
+    self.image_room[slot] = 0
+
+  def flush(self) -> None:
+    """Place the waiting items and emit every open bin (end of a finite stream)."""
+    while True:
+      waiting, self.waiting = self.waiting, []
+      for ref, n_images in waiting:
+        if not self._best_fit(ref, n_images):
+          free = np.flatnonzero(self.room < 0)
+          if len(free):
+            self._open(int(free[0]), ref, n_images)
+          else:
+            self.waiting.append([ref, n_images])
+      for slot in range(self.max_bins):
+        if self.room[slot] >= 0:
+          self._close(slot)
+      if not self.waiting:
+        return
+
+  def get_state(self) -> dict:
+    return {"room": self.room.tolist(), "image_room": self.image_room.tolist(),
+            "items": self.items, "ready": list(self.ready), "waiting": self.waiting,
+            "cuts": self.cuts, "early_closes": self.early_closes}
+
+  def set_state(self, state: dict) -> None:
+    if len(state["room"]) != self.max_bins:
+      raise ValueError(f"packer state has {len(state['room'])} bins, config says {self.max_bins}")
+    self.room = np.asarray(state["room"], np.int64)
+    self.image_room = np.asarray(state["image_room"], np.int64)
+    self.items = [None if b is None else [list(r) for r in b] for b in state["items"]]
+    self.ready = collections.deque([list(r) for r in b] for b in state["ready"])
+    self.waiting = [[list(r), int(n)] for r, n in state["waiting"]]
+    self.cuts, self.early_closes = int(state["cuts"]), int(state["early_closes"])
+
+  def refs(self):
+    """Every reference the packer holds (open bins, emitted-not-taken rows, waiting)."""
+    for b in self.items:
+      yield from b or ()
+    for b in self.ready:
+      yield from b
+    for ref, _ in self.waiting:
+      yield ref
+
+
+def empty_row(seq_len: int, max_images: int, max_px: int) -> dict:
+  return {
+      "tokens": np.zeros(seq_len, np.int32),
+      "targets": np.zeros(seq_len, np.int32),
+      "loss_mask": np.zeros(seq_len, bool),
+      "segment_ids": np.zeros(seq_len, np.int32),
+      "positions": np.zeros(seq_len, np.int32),
+      "image_mask": np.zeros(seq_len, bool),
+      "images": np.zeros((max_images, max_px, max_px, 3), np.uint8),
+      "image_count": np.zeros((), np.int32),
+      "image_cells": np.zeros((max_images, 2), np.int32),
+      "image_starts": np.full(max_images, -1, np.int32),
+  }
+
+
+def assemble_row(pieces, seq_len: int, max_images: int, max_px: int, pad_id: int,
+                 image_pad_id: int) -> dict:
+  """One packed row from `documents.Piece`s (see the module docstring)."""
+  row = empty_row(seq_len, max_images, max_px)
+  row["tokens"][:] = pad_id
+  row["targets"][:] = pad_id
+  at, k = 0, 0
+  for seg, p in enumerate(pieces, start=1):
+    n = len(p)
+    row["tokens"][at:at + n] = p.tokens
+    row["targets"][at:at + n - 1] = p.tokens[1:]
+    is_pad = p.tokens == image_pad_id
+    row["loss_mask"][at:at + n - 1] = ~(is_pad[:-1] | is_pad[1:])
+    row["segment_ids"][at:at + n] = seg
+    row["positions"][at:at + n] = np.arange(n, dtype=np.int32)
+    row["image_mask"][at:at + n] = is_pad
+    for start, (h, w), pix in zip(p.image_starts, p.image_cells, p.images):
+      row["images"][k, :pix.shape[0], :pix.shape[1]] = pix
+      row["image_cells"][k] = (h, w)
+      row["image_starts"][k] = at + start
+      k += 1
+    at += n
+  row["image_count"][...] = k
+  return row
+
+
+def stack_rows(rows: list[dict]) -> dict:
+  return {k: np.stack([r[k] for r in rows]) for k in rows[0]}

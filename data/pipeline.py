@@ -1,0 +1,310 @@
+"""The data pipeline the training loop calls (TRAINING.md §3).
+
+    it = make_train_iterator(cfg, process_index, process_count)
+    batch = next(it)           # dict of numpy arrays, [batch_size, seq_len] (+ image arrays)
+    state = it.get_state()     # JSON-able; grain.checkpoint.CheckpointSave(it) stores it
+    it.set_state(state)        # the next batches are bit-identical to the uninterrupted run
+    it.counters()              # skipped records by reason, padding, tokens per stream
+
+Per stream (text, multimodal): a grain `MapDataset` over the stream's records, sliced to this
+process (`[process_index::process_count]`, so processes read disjoint records whose union is
+the whole), shuffled with a per-epoch seed and repeated (training), then mapped (record ->
+segments -> document -> pieces) -- in grain worker processes when `data.worker_count > 0`.
+In the main process, `TokenMixer` picks the stream of each document by token share,
+`BestFitPacker` packs the pieces, and `assemble_row` lays out rows. Packer bins hold references
+`[stream, index, piece]`; a restore re-reads those records from the `MapDataset`s by index, so the
+state stays small while resume stays exact.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import grain
+import numpy as np
+
+from data import corpus, documents, images, packing
+from data.mixture import TokenMixer, normalized_weights
+from data.records import RecordSkipped, parse_record
+from data.sources import open_source
+from data.tokenizer import TokenizerHandle, cached_bpe, load_tokenizer
+
+STREAMS = ("text", "multimodal")
+MIN_SEQ_LEN = 8
+
+
+def cache_dir(cfg) -> str:
+  return cfg.data.cache_dir or corpus.default_cache_dir()
+
+
+def max_images_per_row(cfg) -> int:
+  return cfg.data.max_images_per_row or max(1, cfg.data.seq_len // 64)
+
+
+def default_manifest(cfg) -> dict:
+  d = cfg.data
+  return corpus.build_manifest(d.heldout_percent, d.image_docs_train, d.image_docs_eval, d.seed)
+
+
+def uses_default_corpus(cfg, split: str) -> bool:
+  keys = ("text_sources", "multimodal_sources") if split == "train" else (
+      "text_eval_sources", "multimodal_eval_sources")
+  given = [bool(tuple(cfg.data[k])) for k in keys]
+  if split == "eval" and not any(given):
+    return not (tuple(cfg.data.text_sources) or tuple(cfg.data.multimodal_sources))
+  return not any(given)
+
+
+def make_tokenizer(cfg) -> TokenizerHandle:
+  """The tokenizer of `data.tokenizer_path`, or the default-corpus BPE of `model.vocab_size`."""
+  if cfg.data.tokenizer_path:
+    return load_tokenizer(cfg.data.tokenizer_path)
+  manifest = default_manifest(cfg)
+  corpus.write_manifest(manifest, cache_dir(cfg))
+  return cached_bpe(lambda: corpus.bpe_texts(manifest), int(cfg.model.vocab_size),
+                    manifest["hash"], cache_dir(cfg))
+
+
+def check_config(cfg, tok: TokenizerHandle) -> None:
+  """Errors for settings the pipeline cannot honour, each naming the field."""
+  d = cfg.data
+  normalized_weights({"text": d.text_weight, "multimodal": d.multimodal_weight})
+  if d.seq_len < MIN_SEQ_LEN:
+    raise ValueError(f"data.seq_len={d.seq_len} must be >= {MIN_SEQ_LEN}")
+  if d.batch_size < 1:
+    raise ValueError(f"data.batch_size={d.batch_size} must be >= 1")
+  block = images.max_cells(d.max_image_size) ** 2 + 2
+  if block > d.seq_len:
+    raise ValueError(f"data.max_image_size={d.max_image_size} gives image blocks of {block} "
+                     f"tokens, more than data.seq_len={d.seq_len}")
+  if "model" in cfg and tok.vocab_size > cfg.model.vocab_size:
+    raise ValueError(f"tokenizer {tok.source} has {tok.vocab_size} tokens, more than "
+                     f"model.vocab_size={cfg.model.vocab_size}")
+
+
+class ToPieces:
+  """(index, payload) -> ("doc", index, pieces, n_tokens) or ("skip", index, reason).
+
+  Runs wherever grain runs the map (a worker process or the main process); picklable.
+  """
+
+  def __init__(self, tok: TokenizerHandle, seq_len: int, max_images: int, max_image_size: int):
+    self.tok, self.seq_len, self.max_images = tok, seq_len, max_images
+    self.max_image_size = max_image_size
+
+  def __call__(self, index: int, payload):
+    try:
+      doc = documents.build_document(parse_record(payload), self.tok, self.max_image_size)
+    except RecordSkipped as e:
+      return ("skip", index, e.reason)
+    return ("doc", index, documents.pieces(doc, self.seq_len, self.max_images), len(doc))
+
+
+def stream_dataset(source, stream: int, fn: ToPieces, cfg, process_index: int,
+                   process_count: int, train: bool) -> tuple[grain.MapDataset, int]:
+  """The stream's dataset for this process, and its records per pass."""
+  ds = grain.MapDataset.source(source)[process_index::process_count]
+  epoch_len = len(ds)
+  if len(ds) == 0:
+    raise ValueError(f"data stream {STREAMS[stream]!r} ({source!r}) has no records for process "
+                     f"{process_index} of {process_count}")
+  if train:
+    ds = ds.shuffle(seed=(cfg.data.seed * 1000 + stream) % 2**32).repeat(None)
+  return ds.map_with_index(fn), epoch_len
+
+
+class PackedIterator(grain.DatasetIterator):
+  """Batches of packed rows; grain-checkpointable (get_state/set_state are JSON-able)."""
+
+  def __init__(self, datasets: list[tuple[grain.MapDataset, int]], weights: list[float], cfg,
+               tok: TokenizerHandle, train: bool):
+    d = cfg.data
+    self.datasets = [ds for ds, _ in datasets]
+    self.epoch_len = [n for _, n in datasets]
+    self.train, self.tok = train, tok
+    self.seq_len, self.batch_size = d.seq_len, d.batch_size
+    self.max_images = max_images_per_row(cfg)
+    self.max_px = images.max_cells(d.max_image_size) * images.CELL_PX
+    iters = []
+    for ds in self.datasets:
+      it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+      if d.worker_count > 0:
+        it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(
+            num_workers=d.worker_count, per_worker_buffer_size=d.worker_buffer_size))
+      iters.append(iter(it_ds))
+    super().__init__(iters)
+    self.streams = iters
+    self.mixer = TokenMixer(weights)
+    self.packer = packing.BestFitPacker(d.seq_len, self.max_images, d.pool_bins)
+    self._pieces: dict[tuple, list] = {}  # (stream, index) -> pieces of a document in the packer
+    self._cursor: list[list | None] = [None] * len(iters)
+    self._counters = collections.Counter()
+    self._finished = False
+
+  # --- pulling documents ---------------------------------------------------------------------
+
+  def _pull(self) -> bool:
+    """Move one piece into the packer; False when every stream has ended.
+
+    The mixer picks a stream per piece, so a long document's pieces interleave with the other
+    stream instead of arriving as one block; `self._cursor[s]` = [index, next piece] of the
+    stream's current document.
+    """
+    while not self.mixer.done:
+      s = self.mixer.choose()
+      if self._cursor[s] is None and not self._next_document(s):
+        continue
+      index, k = self._cursor[s]
+      p = self._pieces[(s, index)][k]
+      self.packer.add([s, index, k, 0, len(p)], len(p.images), cuttable=not p.images)
+      self.mixer.record(s, len(p))
+      self._counters["pieces"] += 1
+      self._cursor[s] = [index, k + 1] if k + 1 < len(self._pieces[(s, index)]) else None
+      return True
+    return False
+
+  def _next_document(self, s: int) -> bool:
+    """Fetch stream s's next valid document into the cursor; False if the stream ended."""
+    skips = 0
+    while True:
+      try:
+        item = next(self.streams[s])
+      except StopIteration:
+        self.mixer.exhaust(s)
+        return False
+      if item[0] == "skip":
+        self._counters[f"skipped/{item[2]}"] += 1
+        skips += 1
+        if skips > self.epoch_len[s]:
+          raise RuntimeError(f"data stream {STREAMS[s]!r}: every record of a whole pass was "
+                             f"skipped (see counters {self.counters()})")
+        continue
+      _, index, pieces, _ = item
+      self._pieces[(s, int(index))] = pieces
+      self._cursor[s] = [int(index), 0]
+      self._counters[f"documents/{STREAMS[s]}"] += 1
+      return True
+
+  def _next_row(self) -> dict | None:
+    while not self.packer.ready:
+      if not self._pull():
+        self.packer.flush()
+        if not self.packer.ready:
+          return None
+    refs = self.packer.ready.popleft()
+    pieces = []
+    for s, index, k, a, b in refs:
+      pieces.append(self._pieces[(s, index)][k].slice(a, b))
+      self._counters[f"row_tokens/{STREAMS[s]}"] += b - a
+    row = packing.assemble_row(pieces, self.seq_len, self.max_images, self.max_px,
+                               self.tok.pad_id, self.tok.image_pad_id)
+    self._counters["rows"] += 1
+    if self._counters["rows"] % 64 == 0:  # forget documents the packer no longer refers to
+      live = {(r[0], r[1]) for r in self.packer.refs()}
+      live.update((s, c[0]) for s, c in enumerate(self._cursor) if c is not None)
+      self._pieces = {k: v for k, v in self._pieces.items() if k in live}
+    self._counters["padding_tokens"] += self.seq_len - sum(len(p) for p in pieces)
+    return row
+
+  def __next__(self) -> dict:
+    if self._finished:
+      raise StopIteration
+    rows = []
+    while len(rows) < self.batch_size:
+      row = self._next_row()
+      if row is None:
+        self._finished = True
+        if not rows:
+          raise StopIteration
+        while len(rows) < self.batch_size:  # the last evaluation batch: empty rows
+          rows.append(packing.empty_row(self.seq_len, self.max_images, self.max_px))
+          rows[-1]["tokens"][:] = self.tok.pad_id
+          rows[-1]["targets"][:] = self.tok.pad_id
+        break
+      rows.append(row)
+    return packing.stack_rows(rows)
+
+  # --- state ---------------------------------------------------------------------------------
+
+  def counters(self) -> dict:
+    """Counts for the logs: `skipped/<reason>`, `documents/<stream>`, `pieces`, `rows`,
+    `padding_tokens`, `row_tokens/<stream>` (non-padding tokens emitted per stream),
+    `packer/cuts`, `packer/early_closes`, `packer/waiting` (see `packing.py`)."""
+    out = dict(self._counters)
+    out.update({"packer/cuts": self.packer.cuts, "packer/early_closes": self.packer.early_closes,
+                "packer/waiting": len(self.packer.waiting)})
+    return dict(sorted(out.items()))
+
+  def get_state(self) -> dict:
+    return {"streams": [it.get_state() for it in self.streams],
+            "mixer": self.mixer.get_state(), "packer": self.packer.get_state(),
+            "cursor": self._cursor,
+            "counters": dict(self._counters), "finished": self._finished}
+
+  def set_state(self, state: dict) -> None:
+    for it, st in zip(self.streams, state["streams"]):
+      it.set_state(st)
+    self.mixer.set_state(state["mixer"])
+    self.packer.set_state(state["packer"])
+    self._counters = collections.Counter(state["counters"])
+    self._finished = state["finished"]
+    self._cursor = [None if c is None else [int(c[0]), int(c[1])] for c in state["cursor"]]
+    self._pieces = {}
+    keys = [(r[0], r[1]) for r in self.packer.refs()]
+    keys += [(s, c[0]) for s, c in enumerate(self._cursor) if c is not None]
+    for key in keys:
+      if key not in self._pieces:
+        item = self.datasets[key[0]][key[1]]
+        if item[0] != "doc":
+          raise RuntimeError(f"restored packer refers to record {key}, which no longer parses")
+        self._pieces[key] = item[2]
+
+  def close(self) -> None:
+    for it in self.streams:
+      it.close()
+    super().close()
+
+
+def _sources(cfg, split: str):
+  d = cfg.data
+  if uses_default_corpus(cfg, split):
+    return corpus.sources(default_manifest(cfg), split)
+  if split == "train":
+    names = ("text_sources", "multimodal_sources")
+  else:
+    names = ("text_eval_sources", "multimodal_eval_sources")
+  out = []
+  for name, stream in zip(names, STREAMS):
+    paths = tuple(d[name])
+    if not paths:
+      raise ValueError(f"data.{name} is empty: the {stream} stream has no {split} source "
+                       f"(leave every data.*sources empty to use the default corpus)")
+    out.append(open_source(paths, f"data.{name}"))
+  return tuple(out)
+
+
+def _make(cfg, process_index: int, process_count: int, split: str, tok=None) -> PackedIterator:
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index={process_index} outside process_count={process_count}")
+  tok = tok or make_tokenizer(cfg)
+  check_config(cfg, tok)
+  d = cfg.data
+  weights = normalized_weights({"text": d.text_weight, "multimodal": d.multimodal_weight})
+  fn = ToPieces(tok, d.seq_len, max_images_per_row(cfg), d.max_image_size)
+  train = split == "train"
+  datasets = [stream_dataset(src, s, fn, cfg, process_index, process_count, train)
+              for s, src in enumerate(_sources(cfg, split))]
+  return PackedIterator(datasets, [weights[s] for s in STREAMS], cfg, tok, train)
+
+
+def make_train_iterator(cfg, process_index: int = 0, process_count: int = 1,
+                        tokenizer: TokenizerHandle | None = None) -> PackedIterator:
+  """Endless training batches for this process (its shard of every stream)."""
+  return _make(cfg, process_index, process_count, "train", tokenizer)
+
+
+def make_eval_iterator(cfg, process_index: int = 0, process_count: int = 1,
+                       tokenizer: TokenizerHandle | None = None) -> PackedIterator:
+  """One pass over the held-out records of this process; the last batch is padded with empty
+  rows (segment_ids 0), then StopIteration."""
+  return _make(cfg, process_index, process_count, "eval", tokenizer)
