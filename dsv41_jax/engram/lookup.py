@@ -137,10 +137,15 @@ def masked_mean(x_BxTxN: jax.Array, token_mask_BxT: jax.Array) -> jax.Array:
   return jnp.einsum("btn,bt->n", x_BxTxN.astype(jnp.float32), m) / jnp.maximum(m.sum(), 1.0)
 
 
-def distinct_rows(ids: jax.Array, token_mask_BxT: jax.Array) -> jax.Array:
-  """int32 scalar: number of distinct row ids read by real tokens (sort, count first occurrences)."""
-  mask = jnp.broadcast_to(token_mask_BxT.reshape(token_mask_BxT.shape + (1,) * (ids.ndim - 2)),
-                          ids.shape)
-  s = jnp.sort(jnp.where(mask, ids, -1).reshape(-1))
-  first = jnp.concatenate([jnp.ones((1,), bool), s[1:] != s[:-1]])
-  return jnp.sum(first & (s >= 0), dtype=jnp.int32)
+def distinct_rows_per_row(ids_BxTxH: jax.Array, token_mask_BxT: jax.Array) -> jax.Array:
+  """int32 [B]: distinct table rows read by the real tokens of each packed row (sort, count first
+  occurrences).
+
+  Counted per row, not over the whole batch: the sort then runs along an unsharded axis, while a
+  batch-wide count would gather every row id of the global batch onto every device. The exact
+  batch-wide count is a host computation on the same ids (`hashing.batch_rows_touched`).
+  """
+  B = ids_BxTxH.shape[0]
+  s = jnp.sort(jnp.where(token_mask_BxT[..., None], ids_BxTxH, -1).reshape(B, -1), axis=-1)
+  first = jnp.concatenate([jnp.ones((B, 1), bool), s[:, 1:] != s[:, :-1]], axis=-1)
+  return jnp.sum(first & (s >= 0), axis=-1, dtype=jnp.int32)

@@ -78,8 +78,13 @@ class Engram(nnx.Module):
 
   def __call__(self, X_BxTxNxD: jax.Array, hash_ids_BxTxH: jax.Array,
                token_mask_BxT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(X_new [B, T, N, d], stats). stats: `gate_mean` [N] (mean α per stream over real tokens),
-    `rows_touched` (distinct table rows read by real tokens), `rows_touched_frac` (of num_rows)."""
+    """(X_new [B, T, N, d], stats).
+
+    stats: `gate_mean` [N], mean α per stream over real tokens; `rows_touched`, distinct table rows
+    read by the real tokens of a packed row, averaged over the rows holding real tokens;
+    `rows_touched_frac`, the same over num_rows. (Batch-wide coverage: `hashing.batch_rows_touched`
+    on the host.)
+    """
     B, T, H = hash_ids_BxTxH.shape
     if H != self.num_hash_heads:
       raise ValueError(f"Engram layer {self.layer_id} expects {self.num_hash_heads} hash ids per "
@@ -92,10 +97,12 @@ class Engram(nnx.Module):
     w = self.q_w[...].astype(jnp.float32) * self.k_w[...].astype(jnp.float32)
     mask = token_mask_BxT.astype(bool)
     X_new, alpha = lookup.engram_inject(X_BxTxNxD, kv, w, mask, self.eps)
-    touched = lookup.distinct_rows(ids, mask)
+    per_row = lookup.distinct_rows_per_row(ids, mask).astype(jnp.float32)
+    live = jnp.any(mask, axis=-1).astype(jnp.float32)
+    touched = jnp.sum(per_row * live) / jnp.maximum(jnp.sum(live), 1.0)
     stats = {"gate_mean": lookup.masked_mean(alpha, mask),
              "rows_touched": touched,
-             "rows_touched_frac": touched.astype(jnp.float32) / self.num_rows}
+             "rows_touched_frac": touched / self.num_rows}
     return X_new, stats
 
 
