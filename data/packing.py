@@ -4,21 +4,22 @@
 are references `[..., start, stop]` to token ranges of document pieces (the pipeline uses
 `[stream, index, piece, start, stop]`), which keeps the packer's state small and JSON-able.
 
-Placement of an item of `n = stop - start` tokens:
+Placement of an item of `n = stop - start` tokens (*cuttable* = a text piece, no image inside):
 
-1. `n == seq_len`: it is a full row by itself -- unless items are waiting (step 5), when it is
-   cut as in step 4, so that its rest opens a bin the waiting items can join.
-2. Best fit: the open bin with the least room that still fits it (tokens and image slots; ties to
-   the lowest slot). A bin left with no room is emitted.
-3. Fits no bin, a slot is free: it opens a new bin.
-4. Fits no bin, no free slot, the item is *cuttable* (a text piece, no image inside): its first `r`
-   tokens fill the fullest bin exactly (`r` = that bin's room; the bin is emitted) and the rest
-   is placed again from step 1. This is the only place the packer cuts a piece: one target is
-   lost per cut (the fragment's last token), no padding is created, and an image span is never cut.
-5. Fits no bin, no free slot, not cuttable: the item waits; waiting items are offered again, oldest
-   first, whenever a bin is opened. Only if the waiting items hold more tokens than the pool
+1. Items are waiting (step 5) and this one is cuttable: it fills the fullest open bin -- its
+   first `r` tokens, `r` = that bin's room, when it is longer (a *cut*) -- and the rest is placed
+   anew. The filled bin is emitted and its slot goes to the waiting items.
+2. `n == seq_len`: a full row by itself.
+3. Best fit: the open bin with the least room that still fits it (tokens and image slots; ties
+   to the lowest slot); else a free slot opens a new bin. A bin left with no room is emitted.
+4. No bin fits, no free slot, cuttable: it fills the fullest bin as in step 1.
+5. No bin fits, no free slot, not cuttable: it waits. Whenever a bin is emitted, waiting items
+   are offered the room, oldest first. Only if the waiting items hold more tokens than the pool
    (`max_bins * seq_len`) is the fullest bin closed early -- the one case where padding arises
    while data keeps coming.
+
+A cut costs one target (the fragment's last token) and never falls inside an image span; it is
+how rows are filled exactly when the documents' lengths do not add up.
 
 `flush()` (end of a finite stream) places the waiting items and emits every open bin. Unlike
 grain's `BestFitPackIterDataset`, nothing is flushed wholesale during training, so rows are full.
@@ -54,9 +55,10 @@ class BestFitPacker:
     self.image_room = np.zeros(max_bins, np.int64)
     self.items: list[list | None] = [None] * max_bins
     self.ready: collections.deque = collections.deque()  # emitted bins (lists of refs), FIFO
-    self.waiting: list = []  # [ref, n_images] of items that found no place
-    self.cuts = 0  # pieces cut in step 4
-    self.early_closes = 0  # bins closed with room left in step 5
+    self.waiting: list = []  # [ref, n_images] of items that found no place, oldest first
+    self.cuts = 0  # pieces cut to fill a bin
+    self.early_closes = 0  # bins closed with room left while data kept coming
+    self._draining = False
 
   @property
   def open_bins(self) -> int:
@@ -66,49 +68,47 @@ class BestFitPacker:
     n = ref_len(ref)
     if not 0 < n <= self.seq_len or n_images > self.max_images:
       raise ValueError(f"piece of {n} tokens / {n_images} images does not fit a row")
-    open_slots = self.room >= 0
-    if n == self.seq_len and not (cuttable and self.waiting and open_slots.any()):
+    any_open = bool((self.room >= 0).any())
+    if cuttable and self.waiting and any_open:  # step 4': text makes room for waiting items
+      self._fill_fullest(ref)
+      return
+    if n == self.seq_len:
       self.ready.append([ref])
       return
-    if n < self.seq_len:
-      if self._best_fit(ref, n_images):
-        return
-      free = np.flatnonzero(~open_slots)
-      if len(free):
-        self._open(int(free[0]), ref, n_images)
-        return
+    slot = self._slot_for(n, n_images)
+    if slot is not None:
+      self._put(slot, ref, n_images)
+      return
     if cuttable:
-      slot = int(np.argmin(np.where(open_slots, self.room, self.seq_len + 1)))
-      r = int(self.room[slot])
-      head, tail = ref[:-1] + [ref[-2] + r], ref[:-2] + [ref[-2] + r, ref[-1]]
-      self.cuts += 1
-      self._put(slot, head, 0)
-      self.add(tail, 0, True)
+      self._fill_fullest(ref)
       return
     self.waiting.append([ref, n_images])
     if sum(ref_len(r) for r, _ in self.waiting) > self.max_bins * self.seq_len:
-      slot = int(np.argmin(self.room))
       self.early_closes += 1
-      self._close(slot)
-      ref, n_images = self.waiting.pop(0)
-      self._open(slot, ref, n_images)
+      self._close(int(np.argmin(np.where(self.room >= 0, self.room, self.seq_len + 1))))
 
-  def _best_fit(self, ref, n_images) -> bool:
-    fits = (self.room >= ref_len(ref)) & (self.image_room >= n_images)
-    if not fits.any():
-      return False
-    self._put(int(np.argmin(np.where(fits, self.room, self.seq_len + 1))), ref, n_images)
-    return True
+  def _fill_fullest(self, ref) -> None:
+    """Put the head of `ref` into the fullest open bin, filling it; place the rest anew."""
+    slot = int(np.argmin(np.where(self.room >= 0, self.room, self.seq_len + 1)))
+    r = int(self.room[slot])
+    if r >= ref_len(ref):
+      self._put(slot, ref, 0)
+      return
+    self.cuts += 1
+    self._put(slot, ref[:-1] + [ref[-2] + r], 0)
+    self.add(ref[:-2] + [ref[-2] + r, ref[-1]], 0, True)
 
-  def _open(self, slot: int, ref, n_images) -> None:
-    self.room[slot] = self.seq_len
-    self.image_room[slot] = self.max_images
-    self.items[slot] = []
-    self._put(slot, ref, n_images)
-    waiting, self.waiting = self.waiting, []
-    for w_ref, w_images in waiting:  # offer waiting items the new room, oldest first
-      if not self._best_fit(w_ref, w_images):
-        self.waiting.append([w_ref, w_images])
+  def _slot_for(self, n: int, n_images: int) -> int | None:
+    """Best fit among open bins, else a free slot (opened), else None."""
+    fits = (self.room >= n) & (self.image_room >= n_images)
+    if fits.any():
+      return int(np.argmin(np.where(fits, self.room, self.seq_len + 1)))
+    free = np.flatnonzero(self.room < 0)
+    if not len(free):
+      return None
+    slot = int(free[0])
+    self.room[slot], self.image_room[slot], self.items[slot] = self.seq_len, self.max_images, []
+    return slot
 
   def _put(self, slot: int, ref, n_images) -> None:
     self.items[slot].append(ref)
@@ -122,23 +122,48 @@ class BestFitPacker:
     self.items[slot] = None
     self.room[slot] = -1
     self.image_room[slot] = 0
+    self._drain()
+
+  def _drain(self) -> None:
+    """Offer the waiting items (oldest first) the pool's room, until none can move."""
+    if self._draining:
+      return
+    self._draining = True
+    try:
+      moved = True
+      while moved and self.waiting:
+        moved, rest = False, []
+        for ref, n_images in self.waiting:
+          slot = self._slot_for(ref_len(ref), n_images)
+          if slot is None:
+            rest.append([ref, n_images])
+          else:
+            self._put(slot, ref, n_images)
+            moved = True
+        self.waiting = rest
+    finally:
+      self._draining = False
 
   def flush(self) -> None:
     """Place the waiting items and emit every open bin (end of a finite stream)."""
-    while True:
-      waiting, self.waiting = self.waiting, []
-      for ref, n_images in waiting:
-        if not self._best_fit(ref, n_images):
-          free = np.flatnonzero(self.room < 0)
-          if len(free):
-            self._open(int(free[0]), ref, n_images)
+    self._draining = True
+    try:
+      while True:
+        for slot in range(self.max_bins):
+          if self.room[slot] >= 0:
+            self._close(slot)
+        if not self.waiting:
+          return
+        rest = []
+        for ref, n_images in self.waiting:
+          slot = self._slot_for(ref_len(ref), n_images)
+          if slot is None:
+            rest.append([ref, n_images])
           else:
-            self.waiting.append([ref, n_images])
-      for slot in range(self.max_bins):
-        if self.room[slot] >= 0:
-          self._close(slot)
-      if not self.waiting:
-        return
+            self._put(slot, ref, n_images)
+        self.waiting = rest
+    finally:
+      self._draining = False
 
   def get_state(self) -> dict:
     return {"room": self.room.tolist(), "image_room": self.image_room.tolist(),
