@@ -2,9 +2,10 @@
 
 The table of one Engram layer holds all (order, head) sub-tables concatenated by row offset and is
 row-partitioned over the mesh's `engram` axis ("engram-parallel", §7.4). `engram_lookup` runs in a
-`shard_map` over that axis: every shard sees all of its group's row ids, gathers the rows it owns
-(zeros for the others) and the partial results are summed with `psum`. The gradient is the gather's
-own transpose, a row scatter-add into the owning shard; no dense one-hot over rows is formed.
+`shard_map`: every shard sees all row ids of its engram group, gathers the rows it owns (zeros for
+the others) and the partial results are summed over the axis (reduce-scatter back onto the batch
+sharding, or `psum`). The gradient is the gather's own transpose, a row scatter-add into the owning
+shard; no dense one-hot over rows is formed.
 
 Gate (per token and mHC stream i, ε = rms_norm_eps):
   dot_i = Σ_d X_i,d·w_i,d·k_i,d · rsqrt(mean_d X_i² + ε) · rsqrt(mean_d k_i² + ε) · d^{-1/2}
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from dsv41_jax import quant
+from dsv41_jax import quant, sharding
 
 ENGRAM_AXIS = "engram"
 # Table rows are padded to a multiple of this, so they split evenly over any power-of-two engram
@@ -29,13 +30,6 @@ FP8_BLOCK = quant.FP8_SWA_BLOCK   # columns per FP8 scale (MODEL.md §1: one sca
 
 def padded_rows(num_rows: int, multiple: int = ROW_PAD_MULTIPLE) -> int:
   return -(-int(num_rows) // multiple) * multiple
-
-
-def _engram_axis_size() -> int:
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh is None or mesh.empty or ENGRAM_AXIS not in mesh.axis_names:
-    return 1
-  return int(mesh.shape[ENGRAM_AXIS])
 
 
 def _gather_owned(table_RxD: jax.Array, ids: jax.Array, row_start) -> jax.Array:
@@ -50,26 +44,54 @@ def _gather_owned(table_RxD: jax.Array, ids: jax.Array, row_start) -> jax.Array:
   return table_RxD.at[local].get(mode="fill", fill_value=0)
 
 
-def engram_lookup(table_RxD: jax.Array, ids: jax.Array) -> jax.Array:
-  """table[ids] with shape ids.shape + (D,), row-sharded over the `engram` mesh axis if present.
+def _batch_axes(mesh, batch: int) -> tuple[str, ...]:
+  """Mesh axes (size > 1) that split the batch under the "batch" rule, if together they divide it."""
+  entry = sharding.RULES["batch"]
+  names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+  axes = tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1)
+  size = 1
+  for a in axes:
+    size *= mesh.shape[a]
+  return axes if axes and batch % size == 0 else ()
+
+
+def engram_lookup(table_RxD: jax.Array, ids: jax.Array, dtype=None) -> jax.Array:
+  """table[ids].astype(dtype), shape ids.shape + (D,); row-sharded over `engram` if present.
 
   Without a mesh in context, or with an `engram` axis of size 1, the gather runs locally. With one,
-  the table must be split over `engram` on its rows (logical axis "engram_rows"); the row count
-  must divide by the axis size (guaranteed by `padded_rows`).
+  the table must be split over `engram` on its rows (logical axis "engram_rows"; the row count
+  divides by the axis size, see `padded_rows`) and ids lead with the batch axis:
+  - batch split over `engram` (the "batch" rule, when it divides the batch): each device's ids are
+    all-gathered over its engram group, every shard gathers the rows it owns, and a reduce-scatter
+    (`psum_scatter`) returns each token's rows to the device that holds the token;
+  - otherwise (ids replicated over `engram`): every shard gathers its rows and `psum` sums them.
+  Exactly one shard contributes a non-zero to each output element, so casting to `dtype` (e.g.
+  bfloat16) before the collective is exact and halves its bytes.
   """
-  n_shards = _engram_axis_size()
+  dtype = table_RxD.dtype if dtype is None else jnp.dtype(dtype)
+  mesh = jax.sharding.get_abstract_mesh()
+  n_shards = 1
+  if mesh is not None and not mesh.empty and ENGRAM_AXIS in mesh.axis_names:
+    n_shards = int(mesh.shape[ENGRAM_AXIS])
   if n_shards == 1:
-    return _gather_owned(table_RxD, ids, 0)
+    return _gather_owned(table_RxD, ids, 0).astype(dtype)
   if table_RxD.shape[0] % n_shards:
     raise ValueError(f"table rows ({table_RxD.shape[0]}) do not split over the {n_shards} "
                      f"shards of the '{ENGRAM_AXIS}' mesh axis")
+  batch_axes = _batch_axes(mesh, ids.shape[0])
+  scatter_back = ENGRAM_AXIS in batch_axes
 
-  def shard(table_local, ids_all):
+  def shard(table_local, ids_local):
     start = jax.lax.axis_index(ENGRAM_AXIS) * table_local.shape[0]
-    return jax.lax.psum(_gather_owned(table_local, ids_all, start), ENGRAM_AXIS)
+    if scatter_back:
+      ids_group = jax.lax.all_gather(ids_local, ENGRAM_AXIS, axis=0, tiled=True)
+      rows = _gather_owned(table_local, ids_group, start).astype(dtype)
+      return jax.lax.psum_scatter(rows, ENGRAM_AXIS, scatter_dimension=0, tiled=True)
+    return jax.lax.psum(_gather_owned(table_local, ids_local, start).astype(dtype), ENGRAM_AXIS)
 
-  return jax.shard_map(shard, in_specs=(P(ENGRAM_AXIS, None), P()), out_specs=P(),
-                       axis_names={ENGRAM_AXIS})(table_RxD, ids)
+  ids_spec = P(batch_axes) if batch_axes else P()
+  return jax.shard_map(shard, in_specs=(P(ENGRAM_AXIS, None), ids_spec), out_specs=ids_spec)(
+      table_RxD, ids)
 
 
 # --- FP8 storage (E4M3 values, one power-of-two scale per 32 columns) ---------------------------

@@ -69,12 +69,13 @@ class Engram(nnx.Module):
     self.k_w = sharding.param(rngs, (n, d), ("hc", "norm"), sharding.constant(1.0), pdt)
 
   def rows(self, hash_ids_BxTxH: jax.Array) -> jax.Array:
-    """Table rows [B, T, H, D_e] (float; dequantised when the table is FP8)."""
+    """Table rows [B, T, H, D_e] in the compute dtype (dequantised when the table is FP8)."""
     if self.fp8_table:
-      q = lookup.engram_lookup(self.table[...], hash_ids_BxTxH)
-      s = lookup.engram_lookup(self.table_scale[...], hash_ids_BxTxH)
-      return lookup.dequantize_fp8_rows(q, s)
-    return lookup.engram_lookup(self.table[...], hash_ids_BxTxH)
+      # E4M3 values are exact in bfloat16/float16/float32: the collective moves them in self.dtype.
+      q = lookup.engram_lookup(self.table[...], hash_ids_BxTxH, self.dtype)
+      s = lookup.engram_lookup(self.table_scale[...], hash_ids_BxTxH, jnp.float32)
+      return lookup.dequantize_fp8_rows(q, s).astype(self.dtype)
+    return lookup.engram_lookup(self.table[...], hash_ids_BxTxH, self.dtype)
 
   def __call__(self, X_BxTxNxD: jax.Array, hash_ids_BxTxH: jax.Array,
                token_mask_BxT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -90,7 +91,7 @@ class Engram(nnx.Module):
       raise ValueError(f"Engram layer {self.layer_id} expects {self.num_hash_heads} hash ids per "
                        f"token, got {H}")
     ids = hash_ids_BxTxH.astype(jnp.int32)
-    e = self.rows(ids).reshape(B, T, -1).astype(self.dtype)
+    e = self.rows(ids).reshape(B, T, -1)
     e = sharding.constrain(e, ("batch", "seq", "engram_in"))
     kv = jnp.einsum("bti,io->bto", e, self.w_ekv[...].astype(self.dtype))
     kv = sharding.constrain(kv, ("batch", "seq", "engram_out"))

@@ -120,14 +120,18 @@ def _hlo_ops(compiled_text):
   return set(re.findall(r"= \S+ ([a-z\-]+)\(", compiled_text))
 
 
-def test_sharded_lookup_equals_local_values_and_gradients():
+@pytest.mark.parametrize("batch,ids_spec,collective", [
+    (8, P(("data", "engram")), "reduce-scatter"),   # batch split over engram: gather ids, scatter back
+    (3, P(), "all-reduce"),                        # batch indivisible: replicated ids, psum
+])
+def test_sharded_lookup_equals_local_values_and_gradients(batch, ids_spec, collective):
   mesh = sharding.make_mesh({"engram": 4, "data": 2})
   rng = np.random.default_rng(2)
   R, D = 4096, 8
   table = jnp.asarray(rng.normal(size=(R, D)), jnp.float32)
-  ids = jnp.asarray(rng.integers(0, R - 100, size=(8, 6, 5)), jnp.int32)
+  ids = jnp.asarray(rng.integers(0, R - 100, size=(batch, 6, 5)), jnp.int32)
   ids = ids.at[0, 0].set(jnp.array([0, 1023, 1024, 3071, 3072]))   # shard edges
-  cot = jnp.asarray(rng.normal(size=(8, 6, 5, D)), jnp.float32)
+  cot = jnp.asarray(rng.normal(size=(batch, 6, 5, D)), jnp.float32)
 
   def fn(t, i):
     out, vjp = jax.vjp(lambda tt: lookup.engram_lookup(tt, i), t)
@@ -142,19 +146,23 @@ def test_sharded_lookup_equals_local_values_and_gradients():
 
   with jax.set_mesh(mesh):
     t_s = jax.device_put(table, NamedSharding(mesh, P("engram", None)))
-    i_s = jax.device_put(ids, NamedSharding(mesh, P(("data", "engram"))))
+    i_s = jax.device_put(ids, NamedSharding(mesh, ids_spec))
     sharded = jax.jit(fn)
     got_v, got_g = sharded(t_s, i_s)
     hlo = sharded.lower(t_s, i_s).compile().as_text()
+    bf16 = jax.jit(lambda t, i: lookup.engram_lookup(t, i, jnp.bfloat16))(t_s, i_s)
   np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
   np.testing.assert_array_equal(np.asarray(got_g), np.asarray(want_g))
+  np.testing.assert_array_equal(np.asarray(bf16), np.asarray(want_v.astype(jnp.bfloat16)))
   assert got_g.sharding.spec[0] == "engram"
   ops = _hlo_ops(hlo)
-  assert "scatter" in ops and "dot" not in ops and "all-reduce" in ops
-  # The table itself never travels: no collective carries a [4096, 8] array.
+  assert "scatter" in ops and "dot" not in ops and collective in ops
+  # Table rows never cross the engram axis. The only table-shaped collective allowed is the
+  # data-parallel sum of a shard's gradient over its data replicas (devices d·4 + e: {e, 4 + e}).
   for line in hlo.splitlines():
-    if re.search(r"all-gather|all-to-all|collective-permute", line):
-      assert f"f32[{R},{D}]" not in line, line
+    if re.search(r"all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter", line):
+      if re.search(rf"f32\[({R}|{R // 4}),{D}\]", line):
+        assert "all-reduce(" in line and "replica_groups={{0,4},{1,5},{2,6},{3,7}}" in line, line
 
 
 def test_sharded_module_equals_single_device():
