@@ -41,6 +41,9 @@ class TokenizerHandle:
     missing = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
     if missing:
       tokenizer.add_special_tokens(missing)
+    # Text that spells a special token ("<|image_pad|>" in a source file) stays text: only the
+    # pipeline places special tokens, so image spans and document ends cannot be forged.
+    tokenizer.encode_special_tokens = True
     self._tok = tokenizer
     self.source = source
     ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
