@@ -14,6 +14,9 @@ Groups: `muon` (matrices; `headwise=True` for query weights stored `(in, heads, 
 `adamw` (norms, sinks, mHC base/scale, Engram gate weights), `sinkhorn` (embedding, output head,
 Engram tables). Per-row `lr_mult` multiplies that row's learning rate (Engram tables ×5, MODEL.md
 §7.4); `tag` gives such a row its own entry in the logged learning rates.
+
+The vision tower (`vision/...`, `projector/...`) has no rows yet: they arrive with its parameters,
+since a row that matches nothing in any config is an error.
 """
 
 from __future__ import annotations
