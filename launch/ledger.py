@@ -18,7 +18,7 @@ _JSON = flags.DEFINE_bool("json", False, "Print one JSON object.")
 
 
 def _fmt(key: str, value) -> str:
-  if key.endswith("_params"):
+  if "params" in key:
     return f"{value:>20,d}  ({value / 1e9:.2f} B)"
   if key == "train_flops_per_token":
     return f"{value:>20.4e}"
