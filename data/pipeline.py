@@ -126,6 +126,10 @@ class PackedIterator(grain.DatasetIterator):
     self.max_images = max_images_per_row(cfg)
     self.max_px = images.max_cells(d.max_image_size) * images.CELL_PX
     iters = []
+    if d.worker_count > 0:
+      from absl import flags  # grain's workers read absl flags; outside an absl app use defaults
+      if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
     for ds in self.datasets:
       it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
       if d.worker_count > 0:
