@@ -27,7 +27,7 @@ def data_defaults() -> dict:
       max_images_per_row=0,  # 0 = seq_len // 64 (at least 1); rows never hold more
       # Open bins of the best-fit packer. Few bins suffice (cuts fill the last gaps); more bins
       # delay documents longer, which skews the stream shares of the first rows.
-      pool_bins=16,
+      pool_bins=8,
       worker_count=0,  # grain worker processes per stream (0 = tokenize in the main process)
       worker_buffer_size=16,  # documents each worker keeps ready
       seed=0,

@@ -1,0 +1,126 @@
+"""Run the data pipeline for N packed rows and report what it produced (TRAINING.md §3).
+
+  python -m launch.data_report --config=configs/tiny.py --rows=1000
+  python -m launch.data_report --config=configs/tiny.py --rows=1000 --json \
+      --config.data.seq_len=4096
+
+Figures (JSON keys), all over the first `ceil(rows / batch_size)` batches of process 0 of 1:
+
+- `padding_fraction`: positions with `segment_ids == 0` / all positions;
+- `multimodal_token_share`: non-padding tokens of multimodal-stream documents / all non-padding
+  tokens (from the iterator's `row_tokens/<stream>` counters);
+- `tokens_per_second`: row positions produced / wall-clock seconds of `next()` calls (setup --
+  tokenizer, manifest, worker start -- is reported apart as `setup_seconds`);
+- `skipped_records`: records skipped, in all (`skipped_by_reason` splits it);
+- `segment_length`: the distribution of segment (document piece) lengths in the rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+_ROWS = flags.DEFINE_integer("rows", 1000, "Packed rows to produce.")
+_JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of text.")
+
+
+def segment_lengths(batch: dict) -> np.ndarray:
+  """Lengths of all segments (ids >= 1) of every row of a batch."""
+  seg = batch["segment_ids"]
+  out = []
+  for row in seg:
+    counts = np.bincount(row, minlength=int(row.max()) + 1)[1:]
+    out.append(counts[counts > 0])
+  return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def report(cfg, rows: int) -> dict:
+  """Produce `rows` (rounded up to whole batches) and measure them; see the module docstring."""
+  from data import pipeline
+  t0 = time.perf_counter()
+  tok = pipeline.make_tokenizer(cfg)
+  it = pipeline.make_train_iterator(cfg, 0, 1, tokenizer=tok)
+  it.start_prefetch()
+  setup = time.perf_counter() - t0
+  n_batches = math.ceil(rows / cfg.data.batch_size)
+  pad = positions = 0
+  lengths = []
+  busy = 0.0
+  for _ in range(n_batches):
+    t = time.perf_counter()
+    batch = next(it)
+    busy += time.perf_counter() - t
+    pad += int((batch["segment_ids"] == 0).sum())
+    positions += batch["segment_ids"].size
+    lengths.append(segment_lengths(batch))
+  c = it.counters()
+  it.close()
+  seg = np.concatenate(lengths)
+  text, mm = c.get("row_tokens/text", 0), c.get("row_tokens/multimodal", 0)
+  skipped = {k.split("/", 1)[1]: v for k, v in c.items() if k.startswith("skipped/")}
+  edges = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+  edges = [e for e in edges if e < cfg.data.seq_len] + [cfg.data.seq_len]
+  hist = np.histogram(seg, bins=[0.5] + [e + 0.5 for e in edges])[0]  # (prev, e] per bin
+  out = {
+      "rows": n_batches * cfg.data.batch_size,
+      "seq_len": cfg.data.seq_len,
+      "batch_size": cfg.data.batch_size,
+      "worker_count": cfg.data.worker_count,
+      "padding_fraction": pad / positions,
+      "multimodal_token_share": mm / max(1, text + mm),
+      "tokens_per_second": positions / busy,
+      "setup_seconds": setup,
+      "skipped_records": sum(skipped.values()),
+      "skipped_by_reason": skipped,
+      "segment_length": {
+          "count": int(len(seg)), "mean": float(seg.mean()),
+          "percentiles": {str(q): float(np.percentile(seg, q)) for q in (1, 10, 50, 90, 99)},
+          "max": int(seg.max()), "full_rows": int((seg == cfg.data.seq_len).sum()),
+          "histogram": {f"<={e}": int(h) for e, h in zip(edges, hist)},
+      },
+      "packer": {k.split("/", 1)[1]: v for k, v in c.items() if k.startswith("packer/")},
+      "documents": {k.split("/", 1)[1]: v for k, v in c.items() if k.startswith("documents/")},
+      "tokenizer": {"source": tok.source, "vocab_size": tok.vocab_size},
+  }
+  if not (cfg.data.text_sources or cfg.data.multimodal_sources):
+    m = pipeline.default_manifest(cfg)
+    out["corpus"] = {"python": m["python"]["version"], "manifest_hash": m["hash"][:16],
+                     "stdlib_files": len(m["files"]), "text_bytes": m["text_bytes"]}
+  return out
+
+
+def format_text(r: dict) -> str:
+  lines = [f"rows {r['rows']} x seq_len {r['seq_len']} (batch {r['batch_size']}, "
+           f"workers {r['worker_count']})",
+           f"padding_fraction        {r['padding_fraction']:.3e}",
+           f"multimodal_token_share  {r['multimodal_token_share']:.4f}",
+           f"tokens_per_second       {r['tokens_per_second']:,.0f}  (setup {r['setup_seconds']:.1f} s)",
+           f"skipped_records         {r['skipped_records']}  {r['skipped_by_reason']}",
+           f"packer                  {r['packer']}",
+           f"documents               {r['documents']}",
+           f"tokenizer               {r['tokenizer']}"]
+  if "corpus" in r:
+    lines.append(f"corpus                  {r['corpus']}")
+  s = r["segment_length"]
+  lines.append(f"segment lengths: {s['count']} segments, mean {s['mean']:.1f}, max {s['max']}, "
+               f"full rows {s['full_rows']}, percentiles {s['percentiles']}")
+  peak = max(s["histogram"].values()) or 1
+  for k, v in s["histogram"].items():
+    lines.append(f"  {k:>8} {v:8d} {'#' * int(round(40 * v / peak))}")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  r = report(_CONFIG.value, _ROWS.value)
+  print(json.dumps(r, indent=1) if _JSON.value else format_text(r))
+
+
+if __name__ == "__main__":
+  app.run(main)
