@@ -8,20 +8,32 @@ import ml_collections
 
 from data.config import data_defaults
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.vision.config import VisionConfig
 from optim.config import optim_defaults
 
 
 def base_config(model: dict) -> ml_collections.ConfigDict:
-  """A ConfigDict with a `model` section holding every ModelConfig field (defaults overridden)."""
+  """A ConfigDict with a `model` section holding every ModelConfig field (defaults overridden).
+
+  `model["vision"]`, when given, is a dict of VisionConfig fields (the rest at their defaults);
+  it also freezes the ViT in the optimizer until the learning-rate decay begins (TRAINING.md §2).
+  """
   fields = {f.name: getattr(ModelConfig(), f.name) for f in dataclasses.fields(ModelConfig)}
   unknown = set(model) - set(fields)
   if unknown:
     raise KeyError(f"unknown model fields {sorted(unknown)}")
+  model = dict(model)
+  if model.get("vision") is not None:
+    model["vision"] = _vision_fields(model["vision"])
   fields.update(model)
   cfg = ml_collections.ConfigDict()
   cfg.model = ml_collections.ConfigDict(fields)
   cfg.data = ml_collections.ConfigDict(data_defaults())
   cfg.optim = ml_collections.ConfigDict(optim_defaults())
+  if model.get("vision") is not None:
+    # The ViT stays frozen until the decay, then trains at optim.vision_lr_mult × lr.
+    cfg.optim.frozen = ("vision/**",)
+    cfg.optim.unfreeze_at = "decay_start"
   return cfg
 
 
@@ -35,4 +47,17 @@ def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
   for k, v in values.items():
     if isinstance(v, list):
       values[k] = tuple(v)
+  if values.get("vision") is not None:
+    values["vision"] = VisionConfig(**_vision_fields(values["vision"]))
   return ModelConfig(**values)
+
+
+def _vision_fields(vision) -> dict:
+  """Every VisionConfig field, defaults overridden by `vision` (a dict or ConfigDict)."""
+  fields = {f.name: getattr(VisionConfig(), f.name) for f in dataclasses.fields(VisionConfig)}
+  given = dict(vision)
+  unknown = set(given) - set(fields)
+  if unknown:
+    raise KeyError(f"config.model.vision has unknown keys {sorted(unknown)}")
+  fields.update(given)
+  return fields

@@ -10,5 +10,6 @@ from configs import common
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   del arg
-  # Every model field at its ModelConfig default: the released V4.1-Flash configuration.
-  return common.base_config(model={})
+  # Every model field at its ModelConfig default: the released V4.1-Flash configuration, with the
+  # full vision tower (VisionConfig defaults: 32-layer ViT, width 1024, projector hidden 5120).
+  return common.base_config(model={"vision": {}})

@@ -44,6 +44,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       engram_compressed_vocab_size=2048,
       seq_len=128,
       dtype="float32",
+      # A 2-layer ViT on the data's 168-px canvas (4 × 4 cells of 42 px: 12 × 12 patches).
+      vision=dict(num_layers=2, hidden_size=64, num_heads=4, intermediate_size=128,
+                  projector_hidden=128, max_image_size=168),
   )
   cfg = common.base_config(model=model)
   cfg.data.seq_len = 128  # the tiny model's seq_len

@@ -107,6 +107,8 @@ class ModelConfig:
   remat: bool = True
   param_dtype: str = "float32"
   dtype: str = "bfloat16"
+  # The vision pathway (ViT + projector, `dsv41_jax.vision.config.VisionConfig`); None = text only.
+  vision: "VisionConfig | None" = None
 
   def __post_init__(self):
     object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
@@ -217,6 +219,10 @@ def _validate(c: ModelConfig) -> None:
        f"engram_max_ngram_size must be at least 2 (got {c.engram_max_ngram_size})")
   need(c.engram_n_heads > 0 and c.engram_head_dim > 0,
        "engram_n_heads and engram_head_dim must be positive")
+  if c.vision is not None:
+    from dsv41_jax.vision.config import VisionConfig
+    need(isinstance(c.vision, VisionConfig),
+         f"vision must be a VisionConfig or None (got {type(c.vision).__name__})")
   if errors:
     raise ConfigError("; ".join(errors))
   # The plan's own checks (every Reuse layer has a source, ratios agree) live beside the plan.

@@ -52,6 +52,11 @@ class Transformer(nnx.Module):
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs)
     self.head = sharding.param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
                                sharding.fan_in_normal((0,)), pd)
+    if cfg.vision is not None:  # the vision pathway (dsv41_jax/vision), params vision/, projector/
+      from dsv41_jax.vision.projector import Projector
+      from dsv41_jax.vision.vit import ViT
+      self.vision = ViT(cfg.vision, rngs, dtype=cfg.dtype, param_dtype=pd)
+      self.projector = Projector(cfg.vision, cfg.hidden_size, rngs, dtype=cfg.dtype, param_dtype=pd)
 
   # --- pieces -------------------------------------------------------------------------------
 
@@ -135,12 +140,16 @@ class Transformer(nnx.Module):
 
   def __call__(self, batch: dict[str, jax.Array], moe_bias_Lx2xE: jax.Array, *,
                stop_after_encoder: bool = False,
-               input_embeddings_BxTxD: jax.Array | None = None) -> tuple[jax.Array, dict[str, Any]]:
+               input_embeddings_BxTxD: jax.Array | None = None,
+               train_vit: bool = True) -> tuple[jax.Array, dict[str, Any]]:
     """Logits [B, T, V] (or, with `stop_after_encoder`, the prefill dict) and aux.
 
     `batch` holds `tokens`, `positions`, `segment_ids` ([B, T] int32), optionally `image_mask`
     (bool) and `engram_ids` (dict layer → [B, T, H] int32 rows from `dsv41_jax.engram`).
-    `input_embeddings_BxTxD` replaces the token embedding (the vision pathway writes image spans).
+    `input_embeddings_BxTxD` replaces the token embedding. Otherwise, with `cfg.vision` set and
+    `images`, `image_cells`, `image_starts`, `image_count` in the batch (`data/packing.py`), the
+    image spans get the vision pathway's embeddings (`dsv41_jax.vision.pathway`); `train_vit=False`
+    (static) keeps every gradient out of the ViT while it is frozen.
     """
     cfg = self.cfg
     tokens = batch["tokens"]
@@ -148,6 +157,9 @@ class Transformer(nnx.Module):
                   batch.get("image_mask", jnp.zeros(tokens.shape, bool)).astype(bool),
                   dict(batch.get("engram_ids", {})))
     h = self.embed_tokens(tokens) if input_embeddings_BxTxD is None else input_embeddings_BxTxD
+    if input_embeddings_BxTxD is None and cfg.vision is not None and "images" in batch:
+      from dsv41_jax.vision.pathway import embed_with_images
+      h = embed_with_images(self.vision, self.projector, h, batch, train_vit=train_vit)
     state = self.initial_state(h)
     auxes = []
     n_enc = self.plan.num_encoder_layers

@@ -52,7 +52,10 @@ RULES: Mapping[str, str | tuple[str, ...] | None] = {
     # vision
     "vit_embed": None,
     "vit_mlp": "tensor",
+    "vit_heads": "tensor",  # ViT q/k/v output and wo input: heads flattened with head_dim
     "patch": None,
+    "proj_in": None,  # projector input: u² concatenated ViT features
+    "proj_mlp": "tensor",
 }
 
 

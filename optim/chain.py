@@ -118,6 +118,18 @@ def _group_lr_mult(cfg: OptimConfig) -> dict[str, float]:
   return {"muon": cfg.muon_lr_mult, "adamw": cfg.adamw_lr_mult, "sinkhorn": cfg.sinkhorn_lr_mult}
 
 
+def _row_lr_mult(cfg: OptimConfig, row: Row) -> float:
+  """The row's own multiplier; rows tagged "vision" also take `cfg.vision_lr_mult`."""
+  return row.lr_mult * (cfg.vision_lr_mult if row.tag == "vision" else 1.0)
+
+
+def frozen_trainable(cfg: OptimConfig, step: int) -> bool:
+  """Whether the `frozen` parameters train at `step` (the model's static `train_vit` switch)."""
+  if cfg.unfreeze_at == "never":
+    return False
+  return step >= boundaries(cfg).decay_start
+
+
 def build_optimizer(cfg: OptimConfig, params, table: Sequence[Row] = TABLE
                     ) -> optax.GradientTransformation:
   """The full chain for this parameter tree (arrays, ShapeDtypeStructs or nnx.Params at leaves).
@@ -132,7 +144,7 @@ def build_optimizer(cfg: OptimConfig, params, table: Sequence[Row] = TABLE
   frozen = frozenset(p for p in rows if table_lib.matches_any(p, cfg.frozen))
   unfreeze_step = None if cfg.unfreeze_at == "never" else boundaries(cfg).decay_start
   group_mult = _group_lr_mult(cfg)
-  multiplier = {p: group_mult[r.group] * r.lr_mult for p, r in rows.items()}
+  multiplier = {p: group_mult[r.group] * _row_lr_mult(cfg, r) for p, r in rows.items()}
 
   def labels(tree):
     return table_lib.map_params(lambda path, _: rows[path].group, tree)
@@ -166,7 +178,7 @@ def learning_rates(cfg: OptimConfig, step: int, table: Sequence[Row] = TABLE) ->
   out = {g: lr * m for g, m in group_mult.items()}
   for r in table:
     if r.tag is not None:
-      out[r.tag] = lr * group_mult[r.group] * r.lr_mult
+      out[r.tag] = lr * group_mult[r.group] * _row_lr_mult(cfg, r)
   return out
 
 

@@ -32,6 +32,9 @@ class OptimConfig:
   muon_lr_mult: float = 1.0
   adamw_lr_mult: float = 1.0
   sinkhorn_lr_mult: float = 1.0
+  # Rows tagged "vision" (the ViT) train at this fraction of their group's rate once unfrozen: the
+  # report unfreezes the ViT "at a smaller learning rate"; 0.1 is this project's choice.
+  vision_lr_mult: float = 0.1
   # --- gradient clipping by global norm; 0 turns it off ---
   clip_norm: float = 1.0
   # --- Muon ---
@@ -76,6 +79,7 @@ class OptimConfig:
     need(self.clip_norm >= 0, f"clip_norm must be >= 0 (got {self.clip_norm}); 0 turns it off")
     for name in ("muon_momentum", "sinkhorn_momentum", "adam_b1", "adam_b2"):
       need(0 <= getattr(self, name) < 1, f"{name} must lie in [0, 1) (got {getattr(self, name)})")
+    need(self.vision_lr_mult >= 0, f"vision_lr_mult must be >= 0 (got {self.vision_lr_mult})")
     need(self.sinkhorn_iters >= 1, f"sinkhorn_iters must be >= 1 (got {self.sinkhorn_iters})")
     need(self.unfreeze_at in ("never", "decay_start"),
          f"unfreeze_at must be 'never' or 'decay_start' (got {self.unfreeze_at!r})")

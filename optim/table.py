@@ -15,8 +15,11 @@ Groups: `muon` (matrices; `headwise=True` for query weights stored `(in, heads, 
 Engram tables). Per-row `lr_mult` multiplies that row's learning rate (Engram tables ×5, MODEL.md
 §7.4); `tag` gives such a row its own entry in the logged learning rates.
 
-The vision tower (`vision/...`, `projector/...`) has no rows yet: they arrive with its parameters,
-since a row that matches nothing in any config is an error.
+The vision pathway (`vision/...` ViT, `projector/...`): every ViT row carries `tag="vision"`, whose
+learning rate is further multiplied by `OptimConfig.vision_lr_mult` (the ViT joins at a smaller
+learning rate once unfrozen); the projector trains like the backbone. ViT norms are claimed by their
+own row, so the generic norm row is split into the backbone (`segments/`, `projector/`) and
+`final_norm`.
 """
 
 from __future__ import annotations
@@ -112,10 +115,17 @@ TABLE: tuple[Row, ...] = (
     Row("**/engram/w_ekv", "muon"),
     Row("**/{attn_hc,ffn_hc}/fn", "muon"),
     # --- adamw: norms, sinks, mHC base / scale, Engram gate weights (RMSNorm weights, MODEL.md §7.3)
-    Row("**/*norm/scale", "adamw"),
+    Row("{segments,projector}/**/*norm/scale", "adamw"),
+    Row("final_norm/scale", "adamw"),
     Row("**/attn/attn_sink", "adamw"),
     Row("**/{attn_hc,ffn_hc}/{base,scale}", "adamw"),
     Row("**/engram/{q_w,k_w}", "adamw"),
+    # --- vision pathway: the ViT (its own lr multiplier, frozen until the decay) and projector ---
+    Row("vision/patch_embed", "muon", tag="vision"),
+    Row("vision/layers/attn/{wq,wk,wv,wo}", "muon", tag="vision"),
+    Row("vision/layers/mlp/{w1,w2,w3}", "muon", tag="vision"),
+    Row("vision/**/*norm/scale", "adamw", tag="vision"),
+    Row("projector/{w1,w2}", "muon"),
 )
 
 

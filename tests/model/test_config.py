@@ -26,7 +26,9 @@ def test_tiny_config_exercises_every_mode():
   cfg = common.model_config(tiny.get_config())
   modes = {l.mode for l in build_layer_plan(cfg)}
   assert modes == {"swa", "full", "reindex", "reuse"}
-  assert common.model_config(flash.get_config()) == ModelConfig()
+  # The released configuration: every text field at its default, plus the default vision tower.
+  from dsv41_jax.vision.config import VisionConfig
+  assert common.model_config(flash.get_config()) == ModelConfig(vision=VisionConfig())
 
 
 @pytest.mark.parametrize("changes, names", [

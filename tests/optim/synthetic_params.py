@@ -70,9 +70,26 @@ def synthetic_params(cfg: ModelConfig) -> dict:
   for s, seg in enumerate(plan.segments):
     layers = {j: _stack(_layer(cfg, spec), seg.repeats) for j, spec in enumerate(seg.unit)}
     segments[s] = {"layers": layers}
-  return {
+  tree = {
       "embed": _sds(cfg.vocab_size, cfg.hidden_size),
       "head": _sds(cfg.hidden_size, cfg.vocab_size),
       "final_norm": {"scale": _sds(cfg.hidden_size)},
       "segments": segments,
   }
+  if cfg.vision is not None:
+    tree.update(_vision(cfg))
+  return tree
+
+
+def _vision(cfg: ModelConfig) -> dict:
+  """`vision/...` (ViT, layers stacked) and `projector/...` paths of the vision pathway."""
+  v = cfg.vision
+  L, D, F = v.num_layers, v.hidden_size, v.intermediate_size
+  layer = {"attn_norm": {"scale": _sds(D)}, "mlp_norm": {"scale": _sds(D)},
+           "attn": {k: _sds(D, D) for k in ("wq", "wk", "wv", "wo")},
+           "mlp": {"w1": _sds(D, F), "w3": _sds(D, F), "w2": _sds(F, D)}}
+  d_in = v.unshuffle ** 2 * D
+  return {"vision": {"patch_embed": _sds(v.patch_dim, D), "layers": _stack(layer, L),
+                     "final_norm": {"scale": _sds(D)}},
+          "projector": {"norm": {"scale": _sds(d_in)}, "w1": _sds(d_in, v.projector_hidden),
+                        "w2": _sds(v.projector_hidden, cfg.hidden_size)}}

@@ -121,7 +121,8 @@ def test_gradient_tree_that_differs_is_named():
 def test_config_section_round_trip_and_unknown_keys():
   from configs import common, tiny
   cfg = tiny.get_config()
-  assert optim_config(cfg.optim) == OptimConfig()
+  # A config with a vision tower freezes the ViT until the decay (configs/common.py).
+  assert optim_config(cfg.optim) == OptimConfig(frozen=("vision/**",), unfreeze_at="decay_start")
   assert set(optim_defaults()) == set(cfg.optim.keys())
   with pytest.raises(OptimConfigError, match=r"unknown optimizer config keys \['lr_peak'\]"):
     optim_config({**optim_defaults(), "lr_peak": 1.0})

@@ -1,0 +1,1 @@
+"""The vision pathway: DeepSeek-ViT, pixel-unshuffle projector, image spans, SigLIP pre-training."""
