@@ -34,7 +34,28 @@ def base_config(model: dict) -> ml_collections.ConfigDict:
     # The ViT stays frozen until the decay, then trains at optim.vision_lr_mult × lr.
     cfg.optim.frozen = ("vision/**",)
     cfg.optim.unfreeze_at = "decay_start"
+  cfg.train = ml_collections.ConfigDict(train_defaults())
+  # Mesh axis sizes (TRAINING.md §1); -1 takes the remaining devices.
+  cfg.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, engram=1, tensor=1))
   return cfg
+
+
+def train_defaults() -> dict:
+  """The `train` section: loop length, logging, evaluation and checkpoint cadence."""
+  return dict(
+      steps=1000,
+      seed=0,
+      log_every=10,
+      eval_every=200,
+      eval_batches=8,            # held-out batches per evaluation (0 = the whole held-out split)
+      checkpoint_every=200,
+      keep_checkpoints=3,
+      max_bad_steps=5,           # consecutive non-finite steps before the run stops
+      # Peak FLOP/s per device for MFU; 0 = from the device kind (989e12 for H100/H200 bf16
+      # dense), and no MFU on devices without a known peak.
+      peak_flops_per_device=0.0,
+      progress_bar=True,
+  )
 
 
 def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:

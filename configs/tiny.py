@@ -51,4 +51,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   cfg = common.base_config(model=model)
   cfg.data.seq_len = 128  # the tiny model's seq_len
   cfg.data.batch_size = 8
+  # A short CPU run: warm up, hold to 60 % of the steps, cosine-decay to the end (the report's
+  # shape in miniature), counted in steps.
+  cfg.train.steps = 300
+  cfg.train.eval_every = 100
+  cfg.train.checkpoint_every = 100
+  cfg.optim.lr = 3e-3
+  cfg.optim.warmup_steps = 20
+  cfg.optim.schedule_unit = "steps"
+  cfg.optim.decay_start = 180
+  cfg.optim.decay_end = 300
   return cfg

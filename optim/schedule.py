@@ -47,11 +47,13 @@ def lr_factor(cfg: OptimConfig, step) -> jnp.ndarray:
   s = jnp.asarray(step, jnp.float32)
   f = cfg.final_lr_fraction
   warm = (s + 1.0) / max(b.warmup, 1)
-  span = max(b.decay_end - b.decay_start, 1)
-  frac = jnp.clip((s - b.decay_start) / span, 0.0, 1.0)
+  # Boundaries enter as Python floats: a token-count boundary can exceed the int32 range.
+  d0, d1 = float(b.decay_start), float(b.decay_end)
+  span = max(d1 - d0, 1.0)
+  frac = jnp.clip((s - d0) / span, 0.0, 1.0)
   cosine = f + (1.0 - f) * 0.5 * (1.0 + jnp.cos(jnp.pi * frac))
-  out = jnp.where(s < b.warmup, warm, jnp.where(s < b.decay_start, 1.0, cosine))
-  return jnp.where(s >= b.decay_end, f, out).astype(jnp.float32)
+  out = jnp.where(s < b.warmup, warm, jnp.where(s < d0, 1.0, cosine))
+  return jnp.where(s >= d1, f, out).astype(jnp.float32)
 
 
 def learning_rate(cfg: OptimConfig, step) -> jnp.ndarray:

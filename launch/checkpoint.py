@@ -1,0 +1,108 @@
+"""Checkpoints with orbax (TRAINING.md §4): train state, data-iterator state and resolved config.
+
+Layout of a work directory:
+
+    DIR/checkpoints/<step>/state       parameters, optimizer state, MoE biases, step (orbax)
+    DIR/checkpoints/<step>/data_iter   the grain iterator state (per process)
+    DIR/config.json                    the resolved config of the run that owns DIR
+
+Saves are asynchronous; `CheckpointManager` keeps the newest `keep` steps and only lists a step
+once it is complete, so a save that fails or is killed never replaces the last good checkpoint.
+A newest checkpoint that cannot be restored (damaged files) is skipped with a warning in favour
+of the one before. Restoring takes abstract leaves that carry the *current* mesh's shardings, so a
+run can resume on a different mesh shape.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+MODEL_SECTION = "model"
+
+
+class WorkdirMismatch(ValueError):
+  """The work directory holds a checkpoint of another model."""
+
+
+def _jsonable(tree: Any) -> Any:
+  if isinstance(tree, dict):
+    return {k: _jsonable(v) for k, v in tree.items()}
+  if isinstance(tree, (list, tuple)):
+    return [_jsonable(v) for v in tree]
+  return tree
+
+
+def check_or_write_config(workdir: str, config: dict, is_primary: bool) -> None:
+  """Refuse a work directory whose stored model section differs; else store the config."""
+  path = os.path.join(workdir, "config.json")
+  config = _jsonable(config)
+  if os.path.exists(path) and os.path.isdir(os.path.join(workdir, "checkpoints")) and any(
+      n.isdigit() for n in os.listdir(os.path.join(workdir, "checkpoints"))):
+    with open(path) as f:
+      stored = json.load(f)
+    old, new = stored.get(MODEL_SECTION, {}), config.get(MODEL_SECTION, {})
+    diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    if diff:
+      detail = ", ".join(f"{k}: stored {old.get(k)!r} vs now {new.get(k)!r}" for k in diff[:8])
+      raise WorkdirMismatch(
+          f"{workdir} holds checkpoints of another model (config.model differs in {diff}: "
+          f"{detail}); use a new --workdir or the stored model settings")
+  if is_primary:
+    os.makedirs(workdir, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+      json.dump(config, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+class Checkpointer:
+  def __init__(self, workdir: str, keep: int):
+    self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    self.manager = ocp.CheckpointManager(
+        self.directory,
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                             enable_async_checkpointing=True),
+        item_names=("state", "data_iter"))
+
+  def steps(self) -> list[int]:
+    return sorted(self.manager.all_steps())
+
+  def save(self, step: int, state: dict, data_iter: grain.DatasetIterator) -> None:
+    self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        data_iter=grain.checkpoint.CheckpointSave(data_iter)))
+
+  def restore_latest(self, abstract_state: dict, data_iter: grain.DatasetIterator
+                     ) -> tuple[int, dict] | None:
+    """Restore the newest readable checkpoint into `data_iter`; None when there is none."""
+    for step in reversed(self.steps()):
+      try:
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state),
+            data_iter=grain.checkpoint.CheckpointRestore(data_iter)))
+        return step, restored["state"]
+      except Exception as e:  # a damaged checkpoint: fall back to the one before
+        log.warning("checkpoint at step %d cannot be restored (%s: %s); trying an older one",
+                    step, type(e).__name__, str(e).splitlines()[0][:300])
+    return None
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+def abstract_like(tree: Any) -> Any:
+  """ShapeDtypeStructs carrying the leaves' current shardings (a restore target)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)

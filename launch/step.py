@@ -1,0 +1,68 @@
+"""The pure, jitted training and evaluation steps (TRAINING.md §2, §6).
+
+    train_step(params, opt_state, moe_bias, batch) -> (params, opt_state, moe_bias, metrics)
+
+A step whose loss or gradient norm is not finite applies nothing: parameters, optimizer state and
+MoE biases come back unchanged and `metrics["finite"]` is false (the loop counts such steps).
+The MoE routing bias is updated outside the optimizer from the step's per-modality expert loads.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.loss import cross_entropy, objective
+from optim.moe_bias import update_moe_bias
+
+MODEL_KEYS = ("tokens", "positions", "segment_ids", "image_mask", "engram_ids", "images",
+              "image_count", "image_cells", "image_starts")
+
+
+def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+  return {k: batch[k] for k in MODEL_KEYS if k in batch}
+
+
+def make_train_step(cfg: ModelConfig, graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
+                    bias_gamma: float) -> Callable:
+  def loss_fn(params, moe_bias, batch):
+    logits, aux = nnx.merge(graphdef, params)(model_inputs(batch), moe_bias)
+    total, parts = objective(cfg, logits, aux, batch)
+    return total, (parts, aux)
+
+  def train_step(params, opt_state, moe_bias, batch):
+    (loss, (parts, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, moe_bias, batch)
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    new_bias = update_moe_bias(moe_bias, aux["load_2xE"], bias_gamma)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    load = aux["load_2xE"].sum(axis=1)                       # [L, E] over both modalities
+    metrics = dict(parts, loss=loss, grad_norm=grad_norm, finite=finite,
+                   update_norm=optax.global_norm(updates),
+                   expert_load_max_over_mean=load.max(-1) / jnp.maximum(load.mean(-1), 1e-9),
+                   moe_bias_range=moe_bias.max(-1) - moe_bias.min(-1),
+                   dropped_fraction=aux["dropped_fraction"],
+                   engram_gate=aux["engram_gate_N"], engram_rows_touched=aux["engram_rows_touched"])
+    return (keep(new_params, params), keep(new_opt_state, opt_state), keep(new_bias, moe_bias),
+            metrics)
+
+  return train_step
+
+
+def make_eval_step(cfg: ModelConfig, graphdef: nnx.GraphDef) -> Callable:
+  """Summed held-out cross-entropy (nats) and its token count, for loss and bits per byte."""
+
+  def eval_step(params, moe_bias, batch, token_bytes_V):
+    logits, _ = nnx.merge(graphdef, params)(model_inputs(batch), moe_bias)
+    mean, n = cross_entropy(logits, batch["targets"], batch["loss_mask"])
+    n_bytes = jnp.sum(jnp.where(batch["loss_mask"], token_bytes_V[batch["targets"]], 0))
+    return mean * n, n, n_bytes
+
+  return eval_step

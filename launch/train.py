@@ -1,0 +1,296 @@
+"""The main job: sharded pre-training with logs, checkpoints, exact resume and evaluation.
+
+  python -m launch.train --config=configs/tiny.py --workdir=/tmp/dsv41_tiny
+  python -m launch.train --config=configs/tiny.py --workdir=DIR --config.train.steps=50 \
+      --config.mesh.data=2 --config.mesh.expert=4
+
+Multi-host: pass --coordinator_address=host:port --num_processes=N --process_id=i (or set
+JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID; on SLURM, jax detects them). Every
+process reads its own data shard; `data.batch_size` rows per process make one global batch.
+
+A work directory that holds a checkpoint is resumed from it (on any mesh shape). SIGTERM saves a
+checkpoint and exits 0. A step with a non-finite loss or gradient is not applied; after
+`train.max_bad_steps` such steps in a row the run stops, the last good checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import app, flags
+from absl import logging as absl_logging
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+from ml_collections import config_flags
+
+from configs.common import model_config
+from data.pipeline import make_eval_iterator, make_tokenizer, make_train_iterator
+from dsv41_jax import flops, inputs, model as model_lib, sharding
+from dsv41_jax.engram.compression import build_compression_map
+from launch import checkpoint as ckpt_lib
+from launch import evaluation, metrics as metrics_lib
+from launch.step import make_eval_step, make_train_step
+from optim.chain import build_optimizer, init_opt_state, learning_rates
+from optim.config import optim_config
+
+log = logging.getLogger("dsv41.train")
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Work directory (logs, checkpoints).")
+_COORD = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-host).")
+_NPROC = flags.DEFINE_integer("num_processes", None, "Number of processes (multi-host).")
+_PID = flags.DEFINE_integer("process_id", None, "This process's id (multi-host).")
+
+BATCH_AXES = ("batch",)
+
+
+class TrainingError(RuntimeError):
+  """The run cannot continue; the message says what to change."""
+
+
+def init_distributed(coordinator: str | None, num_processes: int | None,
+                     process_id: int | None) -> None:
+  """`jax.distributed.initialize` from flags, else the environment; no-op for one process."""
+  coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+  num_processes = num_processes or _int_env("JAX_NUM_PROCESSES")
+  process_id = process_id if process_id is not None else _int_env("JAX_PROCESS_ID")
+  if coordinator and num_processes and num_processes > 1:
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                               process_id=process_id)
+  elif "SLURM_NTASKS" in os.environ and int(os.environ["SLURM_NTASKS"]) > 1:
+    jax.distributed.initialize()
+
+
+def _int_env(name: str) -> int | None:
+  v = os.environ.get(name)
+  return int(v) if v else None
+
+
+def build_mesh(cfg: ml_collections.ConfigDict) -> jax.sharding.Mesh:
+  try:
+    return sharding.make_mesh(dict(cfg.mesh))
+  except ValueError as e:
+    raise TrainingError(f"config.mesh: {e}") from None
+
+
+def check_batch(cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> int:
+  """Global batch size; it must split evenly over the mesh axes the batch is sharded on."""
+  global_batch = cfg.data.batch_size * jax.process_count()
+  spec = sharding.logical_to_mesh(BATCH_AXES)
+  axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+  ways = int(np.prod([mesh.shape[a] for a in axes if a]))
+  if global_batch % ways:
+    raise TrainingError(
+        f"data.batch_size ({cfg.data.batch_size}) × processes ({jax.process_count()}) = "
+        f"{global_batch} rows do not split over the mesh's batch axes {axes} ({ways} ways); make "
+        f"data.batch_size a multiple of {ways // math.gcd(ways, jax.process_count())}")
+  return global_batch
+
+
+def to_global(batch: dict[str, np.ndarray], mesh) -> dict[str, Any]:
+  """Per-process numpy rows → global arrays sharded over the batch axes."""
+  spec = sharding.logical_to_mesh(BATCH_AXES)
+
+  def put(x):
+    x = np.asarray(x)
+    s = NamedSharding(mesh, P(spec[0], *([None] * (x.ndim - 1))))
+    return jax.make_array_from_process_local_data(s, x)
+
+  return jax.tree.map(put, batch)
+
+
+class _Stop:
+  """SIGTERM sets a flag the loop reads after the step in flight."""
+
+  def __init__(self):
+    self.requested = False
+    self._old = signal.signal(signal.SIGTERM, self._handle)
+
+  def _handle(self, signum, frame):
+    self.requested = True
+
+  def restore(self):
+    signal.signal(signal.SIGTERM, self._old)
+
+
+def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Train per `cfg` in `workdir`; returns a summary (last losses, steps run, eval figures)."""
+  t_start = time.time()
+  mcfg = model_config(cfg)
+  mesh = build_mesh(cfg)
+  global_batch = check_batch(cfg, mesh)
+  tcfg = cfg.train
+  ocfg = optim_config({**dict(cfg.optim),
+                       "tokens_per_step": global_batch * cfg.data.seq_len})
+  primary = jax.process_index() == 0
+  ckpt_lib.check_or_write_config(workdir, cfg.to_dict(), primary)
+
+  # --- data ---
+  tok = make_tokenizer(cfg)
+  if tok.vocab_size > mcfg.vocab_size:
+    raise TrainingError(f"the tokenizer has {tok.vocab_size} tokens but model.vocab_size is "
+                        f"{mcfg.vocab_size}; raise model.vocab_size")
+  cmap = build_compression_map(lambda i: tok.decode([i]), tok.vocab_size,
+                               raw_token=lambda i: tok._tok.id_to_token(i) or "")
+  if mcfg.engram_layer_ids and int(cmap.max()) + 1 > mcfg.engram_compressed_vocab_size:
+    raise TrainingError(f"the tokenizer compresses to {int(cmap.max()) + 1} ids but "
+                        f"model.engram_compressed_vocab_size is {mcfg.engram_compressed_vocab_size}")
+  train_it = make_train_iterator(cfg, jax.process_index(), jax.process_count(), tokenizer=tok)
+  token_bytes = jnp.asarray(evaluation.token_byte_lengths(tok, mcfg.vocab_size))
+
+  def prepare(batch):
+    batch = dict(batch)
+    if mcfg.engram_layer_ids:
+      batch["engram_ids"] = inputs.engram_ids(mcfg, batch["tokens"], batch["segment_ids"],
+                                              batch["image_mask"], cmap)
+    return to_global(batch, mesh)
+
+  # --- model and optimizer, created directly with their shardings ---
+  with jax.set_mesh(mesh):
+    model = model_lib.init_model(mcfg, tcfg.seed, mesh)
+  graphdef, params = nnx.split(model)
+  params = nnx.as_pure(params)
+  del model
+  tx = build_optimizer(ocfg, params)
+  param_shardings = jax.tree.map(lambda x: x.sharding, params)
+  opt_state = init_opt_state(tx, params, param_shardings)
+  replicated = NamedSharding(mesh, P())
+  moe_bias = jax.device_put(model_lib.zero_moe_bias(mcfg), replicated)
+
+  checkpointer = ckpt_lib.Checkpointer(workdir, tcfg.keep_checkpoints)
+  start = 0
+  restored = checkpointer.restore_latest(
+      ckpt_lib.abstract_like({"params": params, "opt_state": opt_state, "moe_bias": moe_bias,
+                              "step": jax.device_put(jnp.zeros((), jnp.int32), replicated)}),
+      train_it)
+  if restored is not None:
+    start, state = restored
+    params, opt_state, moe_bias = state["params"], state["opt_state"], state["moe_bias"]
+    log.info("resumed from step %d", start)
+
+  train_step = jax.jit(
+      make_train_step(mcfg, graphdef, tx, ocfg.moe_bias_gamma), donate_argnums=(0, 1, 2),
+      out_shardings=(param_shardings, jax.tree.map(lambda x: x.sharding, opt_state), replicated,
+                     replicated))
+  eval_step = jax.jit(make_eval_step(mcfg, graphdef), out_shardings=replicated)
+
+  writer = metrics_lib.MetricWriter(workdir, primary)
+  flops_per_token = flops.train_flops_per_token(mcfg.replace(seq_len=cfg.data.seq_len))
+  peak = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind,
+                                           tcfg.peak_flops_per_device)
+  tokens_per_step = global_batch * cfg.data.seq_len
+  stop = _Stop()
+  bar = None
+  if primary and tcfg.progress_bar:
+    from tqdm import tqdm
+    bar = tqdm(total=tcfg.steps, initial=start, dynamic_ncols=True, file=sys.stderr)
+
+  def save(step):
+    state = {"params": params, "opt_state": opt_state, "moe_bias": moe_bias,
+             "step": jax.device_put(jnp.asarray(step, jnp.int32), replicated)}
+    checkpointer.save(step, state, train_it)
+
+  losses: dict[int, float] = {}
+  bad_in_a_row = 0
+  last_eval: dict[str, float] = {}
+  step = start
+  window_t, window_wait, window_steps = 0.0, 0.0, 0
+  try:
+    while step < tcfg.steps:
+      t0 = time.perf_counter()
+      batch = prepare(next(train_it))
+      t1 = time.perf_counter()
+      params, opt_state, moe_bias, m = train_step(params, opt_state, moe_bias, batch)
+      finite = bool(m["finite"])
+      t2 = time.perf_counter()
+      step += 1
+      window_t += t2 - t0
+      window_wait += t1 - t0
+      window_steps += 1
+      loss = float(m["loss"])
+      losses[step] = loss
+      if finite:
+        bad_in_a_row = 0
+      else:
+        bad_in_a_row += 1
+        log.warning("step %d: non-finite loss %s or gradient norm %s; update skipped", step,
+                    loss, float(m["grad_norm"]))
+        if bad_in_a_row >= tcfg.max_bad_steps:
+          raise TrainingError(
+              f"{bad_in_a_row} consecutive steps had a non-finite loss or gradient (last at step "
+              f"{step}); stopping. The last good checkpoint is intact in {checkpointer.directory}"
+              f" (steps {checkpointer.steps()}); lower optim.lr or check the data.")
+      if step % tcfg.log_every == 0 or step == tcfg.steps:
+        step_time = window_t / window_steps
+        tps = tokens_per_step / step_time
+        record = {k: np.asarray(v) for k, v in m.items()}
+        record.update(step_time=step_time, data_wait=window_wait / window_steps,
+                      compute_time=(window_t - window_wait) / window_steps,
+                      tokens_per_second=tps, tokens_seen=step * tokens_per_step)
+        u = metrics_lib.mfu(flops_per_token, tps, jax.device_count(), peak)
+        if u is not None:
+          record["mfu"] = u
+        record["lr"] = learning_rates(ocfg, step)
+        record["data"] = train_it.counters()
+        record["data"]["padding_fraction"] = (
+            record["data"].get("padding_tokens", 0)
+            / max(1, record["data"].get("rows", 0) * cfg.data.seq_len))
+        writer.write(step, record)
+        if bar is not None:
+          bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", step_s=f"{step_time:.3f}",
+                          **({"mfu": f"{u:.2%}"} if u is not None else {}))
+        window_t, window_wait, window_steps = 0.0, 0.0, 0
+      if bar is not None:
+        bar.update(1)
+      if tcfg.eval_every and (step % tcfg.eval_every == 0 or step == tcfg.steps):
+        last_eval = evaluation.evaluate(
+            lambda b: eval_step(params, moe_bias, prepare(b), token_bytes),
+            make_eval_iterator(cfg, jax.process_index(), jax.process_count(), tokenizer=tok),
+            tcfg.eval_batches)
+        writer.write(step, {f"eval/{k}": v for k, v in last_eval.items()})
+        log.info("step %d eval %s", step, last_eval)
+      if finite and (step % tcfg.checkpoint_every == 0 or step == tcfg.steps or stop.requested):
+        save(step)
+      if stop.requested:
+        log.warning("SIGTERM: saved step %d, exiting", step)
+        break
+  finally:
+    checkpointer.close()
+    writer.close()
+    stop.restore()
+    if bar is not None:
+      bar.close()
+  return {"start_step": start, "end_step": step, "losses": losses, "eval": last_eval,
+          "seconds": time.time() - t_start, "params": params, "moe_bias": moe_bias}
+
+
+def main(argv):
+  del argv
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+  absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save step at INFO
+  init_distributed(_COORD.value, _NPROC.value, _PID.value)
+  try:
+    summary = run(_CONFIG.value, _WORKDIR.value)
+  except (TrainingError, ckpt_lib.WorkdirMismatch) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  if jax.process_index() == 0:
+    losses = summary["losses"]
+    last = losses[max(losses)] if losses else float("nan")
+    print(f"done: steps {summary['start_step']}→{summary['end_step']}, last loss {last:.4f}, "
+          f"eval {summary['eval']}, {summary['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config", "workdir"])
+  app.run(main)
