@@ -9,8 +9,9 @@ Figures (JSON keys), all over the first `ceil(rows / batch_size)` batches of pro
 - `padding_fraction`: positions with `segment_ids == 0` / all positions;
 - `multimodal_token_share`: non-padding tokens of multimodal-stream documents / all non-padding
   tokens (from the iterator's `row_tokens/<stream>` counters);
-- `tokens_per_second`: row positions produced / wall-clock seconds of `next()` calls (setup --
-  tokenizer, manifest, worker start -- is reported apart as `setup_seconds`);
+- `tokens_per_second`: row positions / wall-clock seconds of `next()`, steady state: from the
+  second batch on (setup -- tokenizer, manifest -- and the first batch -- worker start-up, pool
+  fill -- are reported apart as `setup_seconds`, `first_batch_seconds`);
 - `skipped_records`: records skipped, in all (`skipped_by_reason` splits it);
 - `segment_length`: the distribution of segment (document piece) lengths in the rows.
 """
@@ -51,11 +52,14 @@ def report(cfg, rows: int) -> dict:
   n_batches = math.ceil(rows / cfg.data.batch_size)
   pad = positions = 0
   lengths = []
-  busy = 0.0
-  for _ in range(n_batches):
+  busy = first = 0.0
+  for i in range(n_batches):
     t = time.perf_counter()
     batch = next(it)
-    busy += time.perf_counter() - t
+    if i == 0:
+      first = time.perf_counter() - t
+    else:
+      busy += time.perf_counter() - t
     pad += int((batch["segment_ids"] == 0).sum())
     positions += batch["segment_ids"].size
     lengths.append(segment_lengths(batch))
@@ -74,8 +78,9 @@ def report(cfg, rows: int) -> dict:
       "worker_count": cfg.data.worker_count,
       "padding_fraction": pad / positions,
       "multimodal_token_share": mm / max(1, text + mm),
-      "tokens_per_second": positions / busy,
+      "tokens_per_second": (positions - batch["segment_ids"].size) / busy if busy else 0.0,
       "setup_seconds": setup,
+      "first_batch_seconds": first,
       "skipped_records": sum(skipped.values()),
       "skipped_by_reason": skipped,
       "segment_length": {
@@ -100,7 +105,8 @@ def format_text(r: dict) -> str:
            f"workers {r['worker_count']})",
            f"padding_fraction        {r['padding_fraction']:.3e}",
            f"multimodal_token_share  {r['multimodal_token_share']:.4f}",
-           f"tokens_per_second       {r['tokens_per_second']:,.0f}  (setup {r['setup_seconds']:.1f} s)",
+           f"tokens_per_second       {r['tokens_per_second']:,.0f}  (setup {r['setup_seconds']:.1f} s, "
+           f"first batch {r['first_batch_seconds']:.1f} s)",
            f"skipped_records         {r['skipped_records']}  {r['skipped_by_reason']}",
            f"packer                  {r['packer']}",
            f"documents               {r['documents']}",
