@@ -205,11 +205,6 @@ def engram_hash_ids(compressed_ids_BxT: np.ndarray, segment_ids_BxT: np.ndarray,
   return np.stack(out, axis=-1).astype(np.int32)
 
 
-def engram_token_mask(segment_ids_BxT: np.ndarray) -> np.ndarray:
-  """Bool [B, T]: the gate may open (MODEL.md §14: padding, segment 0, gets no Engram)."""
-  return np.asarray(segment_ids_BxT) > 0
-
-
 def batch_rows_touched(hash_ids_BxTxH: np.ndarray, token_mask_BxT: np.ndarray) -> int:
   """Distinct table rows read by the real tokens of a whole batch (for logging table coverage)."""
   ids = np.asarray(hash_ids_BxTxH)

@@ -66,7 +66,7 @@ def _inputs(cfg, rng, m, B, T):
   seg[:, T // 2:] = 2
   seg[-1, -2:] = 0                                        # padding
   ids = hashing.engram_hash_ids(toks, seg, None, hp)
-  mask = hashing.engram_token_mask(seg)
+  mask = seg > 0                                          # padding closes the gate (§14)
   X = rng.normal(size=(B, T, cfg.hc_mult, cfg.hidden_size)).astype(np.float32)
   return X, ids, mask
 
