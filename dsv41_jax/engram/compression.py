@@ -3,8 +3,9 @@
 Each token is decoded and keyed by its normalised text; tokens with equal keys share a compressed
 id, numbered in first-seen order of token id:
   key = raw token string                                  if the decoded text contains U+FFFD
-      = NFKC → NFD → drop marks → lowercase (per character) → collapse [ \\t\\r\\n]+ to " " → strip whitespace,
-        except that a text normalised to exactly " " stays " "; the decoded text if that is empty
+      = NFKC → NFD → drop marks → lowercase (per character) → collapse [ \\t\\r\\n]+ to " "
+        → strip whitespace (a text normalised to exactly " " stays " ")
+      = the decoded text                                     if that normal form is empty
 The compressed pad id is `map[engram_pad_token_id]`.
 
 Two implementations of the normalisation exist on purpose: `normalize_token_text` (standard library,
@@ -126,7 +127,8 @@ def cached_compression_map(tokenizer_json_path: str, cache_dir: str,
     return s
 
   table = build_compression_map(lambda i: tok.decode([i], skip_special_tokens=False), n,
-                                raw_token=raw_token, normalize=tokenizers_normalizer().normalize_str)
+                                raw_token=raw_token,
+                                normalize=tokenizers_normalizer().normalize_str)
   os.makedirs(cache_dir, exist_ok=True)
   tmp = f"{path}.{os.getpid()}.tmp.npy"
   np.save(tmp, table)

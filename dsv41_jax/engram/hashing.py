@@ -116,7 +116,8 @@ class EngramHashParams:
     return int(self.primes.size)
 
 
-def engram_multipliers(layer_id: int, compressed_vocab_size: int, max_ngram_size: int) -> np.ndarray:
+def engram_multipliers(layer_id: int, compressed_vocab_size: int,
+                       max_ngram_size: int) -> np.ndarray:
   """mult = 2·r + 1 with r ~ default_rng(10007·layer_id).integers(0, ⌊(2^63−1)/V_c⌋ // 2)."""
   half_bound = max(1, (np.iinfo(np.int64).max // int(compressed_vocab_size)) // 2)
   rng = np.random.default_rng(10007 * int(layer_id))

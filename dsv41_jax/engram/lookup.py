@@ -10,7 +10,7 @@ shard; no dense one-hot over rows is formed.
 Gate (per token and mHC stream i, ε = rms_norm_eps):
   dot_i = Σ_d X_i,d·w_i,d·k_i,d · rsqrt(mean_d X_i² + ε) · rsqrt(mean_d k_i² + ε) · d^{-1/2}
   α_i   = sigmoid(sign(dot_i) · sqrt(max(|dot_i|, 1e-6)))        w = q_w ⊙ k_w
-  X_i  ← X_i + α_i · v                                             α_i = 0 where the token mask is False
+  X_i  ← X_i + α_i · v                  (α_i = 0 where the token mask is False)
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _gather_owned(table_RxD: jax.Array, ids: jax.Array, row_start) -> jax.Array:
 
 
 def _batch_axes(mesh, batch: int) -> tuple[str, ...]:
-  """Mesh axes (size > 1) that split the batch under the "batch" rule, if together they divide it."""
+  """Mesh axes (size > 1) splitting the batch under the "batch" rule, if together they divide it."""
   entry = sharding.RULES["batch"]
   names = (entry,) if isinstance(entry, str) else tuple(entry or ())
   axes = tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1)

@@ -121,7 +121,7 @@ def _hlo_ops(compiled_text):
 
 
 @pytest.mark.parametrize("batch,ids_spec,collective", [
-    (8, P(("data", "engram")), "reduce-scatter"),   # batch split over engram: gather ids, scatter back
+    (8, P(("data", "engram")), "reduce-scatter"),  # batch over engram: gather ids, scatter rows
     (3, P(), "all-reduce"),                        # batch indivisible: replicated ids, psum
 ])
 def test_sharded_lookup_equals_local_values_and_gradients(batch, ids_spec, collective):
@@ -189,8 +189,8 @@ def test_sharded_module_equals_single_device():
   np.testing.assert_allclose(np.asarray(y1), np.asarray(y0), rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(np.asarray(s1["gate_mean"]), np.asarray(s0["gate_mean"]), atol=1e-7)
   assert float(s1["rows_touched"]) == float(s0["rows_touched"])
-  # Float32 arithmetic of the gate's backward (rsqrt norms, cancellation): measured against a float64
-  # run, the local gradients are off by up to 0.4e-5·max|g| and the sharded ones (other fusion and
+  # Float32 arithmetic of the gate's backward (rsqrt norms, cancellation): measured against a
+  # float64 run, the local gradients are off by up to 0.4e-5·max|g| and the sharded ones (other fusion and
   # summation order) by up to 1.4e-5·max|g|; a wrong row, shard or offset is an O(max|g|) error.
   for name in ("table", "w_ekv", "q_w", "k_w"):
     a, b = np.asarray(g0[name][...]), np.asarray(g1[name][...])
