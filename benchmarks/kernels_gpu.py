@@ -2,6 +2,7 @@
 
   python benchmarks/kernels_gpu.py                       # H200: full-size shapes, markdown table
   python benchmarks/kernels_gpu.py --sweep               # also try a few block sizes per kernel
+  python benchmarks/kernels_gpu.py --cases=fp4,hc --tokens=4096   # a subset, smaller
   python benchmarks/kernels_gpu.py --smoke               # CPU: tiny shapes, kernels interpreted
 
 For each kernel the same inputs go through the XLA reference (the model's pure function under
@@ -66,6 +67,7 @@ def _nbytes(*trees) -> int:
 def bench_pair(name, shape_txt, ref_fn, kern_fns, args, reps):
   """Rows for one case: the XLA reference and each Pallas variant (label -> fn)."""
   rows = []
+  _log(f"{name}: xla reference")
   try:
     ref_out = ref_fn(*args)
     moved = _nbytes(args, ref_out)
@@ -77,6 +79,7 @@ def bench_pair(name, shape_txt, ref_fn, kern_fns, args, reps):
     traceback.print_exc()
     return rows
   for label, fn in kern_fns.items():
+    _log(f"{name}: pallas {label}")
     try:
       out = fn(*args)
       diff = _max_diff(out, ref_out)
@@ -137,18 +140,22 @@ def hc_grad_case(tokens: int, n: int, d: int, interpret: bool, reps: int):
                     grad_of(mhc.hc_coefficients), {"(reference VJP)": grad_of(kern)}, args, reps)
 
 
-def table(rows) -> str:
-  out = ["| kernel | shape | impl | ms | min bytes moved | GB/s | of 4.3 TB/s | speed-up vs xla | max abs diff vs xla |",
-         "|---|---|---|---|---|---|---|---|---|"]
-  for name, shape, impl, ms, moved, ratio, diff in rows:
-    if ms is None:
-      out.append(f"| {name} | {shape} | {impl} | — | — | — | — | — | — |")
-      continue
-    gbs = moved / ms / 1e6
-    out.append(f"| {name} | {shape} | {impl} | {ms:.3f} | {moved / 2**20:.1f} MiB | {gbs:.0f} | "
-               f"{gbs / COPY_CEILING_GBS:.0%} | {'—' if ratio is None else f'{ratio:.2f}×'} | "
-               f"{'—' if diff is None else f'{diff:.2e}'} |")
-  return "\n".join(out)
+HEADER = ("| kernel | shape | impl | ms | min bytes moved | GB/s | of 4.3 TB/s | speed-up vs xla | "
+          "max abs diff vs xla |\n|---|---|---|---|---|---|---|---|---|")
+
+
+def row_md(row) -> str:
+  name, shape, impl, ms, moved, ratio, diff = row
+  if ms is None:
+    return f"| {name} | {shape} | {impl} | — | — | — | — | — | — |"
+  gbs = moved / ms / 1e6
+  return (f"| {name} | {shape} | {impl} | {ms:.3f} | {moved / 2**20:.1f} MiB | {gbs:.0f} | "
+          f"{gbs / COPY_CEILING_GBS:.0%} | {'—' if ratio is None else f'{ratio:.2f}×'} | "
+          f"{'—' if diff is None else f'{diff:.2e}'} |")
+
+
+def _log(msg: str) -> None:
+  print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def main(argv=None):
@@ -160,7 +167,7 @@ def main(argv=None):
   p.add_argument("--tokens", type=int, default=16384, help="tokens for hc_coefficients")
   p.add_argument("--hidden", type=int, default=5120)
   p.add_argument("--hc-mult", type=int, default=4)
-  p.add_argument("--no-grad", action="store_true", help="skip the fwd+bwd row")
+  p.add_argument("--cases", default="fp4,hc,hc_grad", help="comma list of fp4, hc, hc_grad")
   a = p.parse_args(argv)
   interpret = a.smoke or jax.default_backend() == "cpu"
   if a.smoke:
@@ -168,12 +175,17 @@ def main(argv=None):
   dev = jax.devices()[0]
   print(f"jax {jax.__version__}, backend {jax.default_backend()}, device {dev.device_kind}, "
         f"kernels {'interpreted' if interpret else 'compiled (Triton, explicit CompilerParams)'}\n")
+  cases = {
+      "fp4": lambda: fp4_case(a.entries, 512, interpret, a.sweep, a.reps),
+      "hc": lambda: hc_case(a.tokens, a.hc_mult, a.hidden, interpret, a.sweep, a.reps),
+      "hc_grad": lambda: hc_grad_case(a.tokens, a.hc_mult, a.hidden, interpret, a.reps),
+  }
+  print(HEADER, flush=True)
   rows = []
-  rows += fp4_case(a.entries, 512, interpret, a.sweep, a.reps)
-  rows += hc_case(a.tokens, a.hc_mult, a.hidden, interpret, a.sweep, a.reps)
-  if not a.no_grad:
-    rows += hc_grad_case(a.tokens, a.hc_mult, a.hidden, interpret, a.reps)
-  print(table(rows))
+  for name in a.cases.split(","):
+    for row in cases[name]():
+      rows.append(row)
+      print(row_md(row), flush=True)
   failed = [r for r in rows if r[3] is None]
   bad_fp4 = [r for r in rows if r[0] == "fp4_main_kv" and r[6] not in (None, 0.0)]
   if failed or bad_fp4:
