@@ -10,10 +10,17 @@ Per stream (text, multimodal): a grain `MapDataset` over the stream's records, s
 process (`[process_index::process_count]`, so processes read disjoint records whose union is
 the whole), shuffled with a per-epoch seed and repeated (training), then mapped (record ->
 segments -> document -> pieces) -- in grain worker processes when `data.worker_count > 0`.
-In the main process, `TokenMixer` picks the stream of each document by token share,
+In the main process, `TokenMixer` picks the stream of each piece by token share,
 `BestFitPacker` packs the pieces, and `assemble_row` lays out rows. Packer bins hold references
-`[stream, index, piece]`; a restore re-reads those records from the `MapDataset`s by index, so the
-state stays small while resume stays exact.
+`[stream, index, piece, start, stop]`; a restore re-reads those records from the `MapDataset`s by
+index, so the state stays small (no token ids, no pixels) while resume stays exact. A state is
+restored by an iterator built from the same config (same sources, seed, seq_len, pool_bins and
+worker_count: grain's worker state is per worker).
+
+Batch keys (numpy, leading dim `batch_size`): `tokens`, `targets`, `loss_mask`, `segment_ids`,
+`positions`, `image_mask` [B, seq_len]; `images` uint8 [B, M, P, P, 3], `image_count` [B],
+`image_cells` [B, M, 2], `image_starts` [B, M] with M = max images per row and P the largest
+image side (`packing.py` defines each).
 """
 
 from __future__ import annotations
