@@ -136,9 +136,9 @@ def attend(q_BxTxHxD: jax.Array, swa_kv_BxTxD: jax.Array, segment_ids_BxT: jax.A
     else:
       acc = acc + jnp.einsum("bthk,btkd->bthd", e_glob.astype(ents.dtype), ents,
                              preferred_element_type=_F32)
-    p_glob = jnp.sum(e_glob / denom[..., None], axis=2)             # [B, Tp, N or K]
-    if impl == "masked":
-      p_glob = jnp.take_along_axis(p_glob, jnp.maximum(topk, 0), axis=-1)
+    if impl == "masked":  # read the K selected columns only, not all N
+      e_glob = jnp.take_along_axis(e_glob, jnp.maximum(topk, 0)[:, :, None, :], axis=-1)
+    p_glob = jnp.sum(e_glob / denom[..., None], axis=2)             # [B, Tp, K]
     global_probs = jnp.where(valid, p_glob, 0.0)[:, :T]
   o = (acc / denom[..., None]).astype(q_BxTxHxD.dtype)[:, :T]
   return o, global_probs
