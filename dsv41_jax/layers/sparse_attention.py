@@ -121,24 +121,26 @@ def attend(q_BxTxHxD: jax.Array, swa_kv_BxTxD: jax.Array, segment_ids_BxT: jax.A
   m = jax.lax.stop_gradient(m)  # the softmax is invariant to the shift; keep its gradient simple
 
   # --- one normaliser: window + global + sink -------------------------------------------------
+  # The exponentials are rounded once to the values' dtype and both the numerator and the
+  # denominator sum those rounded values (fp32 accumulation): the normalisation stays consistent,
+  # and in bf16 the [.., H, N] tensors kept for the backward take half the memory.
   m_blk = m.reshape(B, nb, S, H)
-  e_swa = jnp.exp(s_swa - m_blk[..., None])                         # [B, nb, S, H, L]
-  denom = jnp.sum(e_swa, axis=-1).reshape(B, Tp, H) + jnp.exp(sink - m)
-  acc = jnp.einsum("bnshl,bnld->bnshd", e_swa.astype(k_blk.dtype), k_blk,
-                   preferred_element_type=_F32).reshape(B, Tp, H, D)
+  e_swa = jnp.exp(s_swa - m_blk[..., None]).astype(k_blk.dtype)    # [B, nb, S, H, L]
+  denom = jnp.sum(e_swa, axis=-1, dtype=_F32).reshape(B, Tp, H) + jnp.exp(sink - m)
+  acc = jnp.einsum("bnshl,bnld->bnshd", e_swa, k_blk, preferred_element_type=_F32)
+  acc = acc.reshape(B, Tp, H, D)
   global_probs = None
   if global_kv_BxNxD is not None:
-    e_glob = jnp.exp(s_glob - m[..., None])
-    denom = denom + jnp.sum(e_glob, axis=-1)
-    v = global_kv_BxNxD
+    v = global_kv_BxNxD if impl == "masked" else ents
+    e_glob = jnp.exp(s_glob - m[..., None]).astype(v.dtype)         # [B, Tp, H, N or K]
+    denom = denom + jnp.sum(e_glob, axis=-1, dtype=_F32)
     if impl == "masked":
-      acc = acc + jnp.einsum("bthn,bnd->bthd", e_glob.astype(v.dtype), v, preferred_element_type=_F32)
-    else:
-      acc = acc + jnp.einsum("bthk,btkd->bthd", e_glob.astype(ents.dtype), ents,
-                             preferred_element_type=_F32)
-    if impl == "masked":  # read the K selected columns only, not all N
+      acc = acc + jnp.einsum("bthn,bnd->bthd", e_glob, v, preferred_element_type=_F32)
+      # global_probs reads the K selected columns only, not all N.
       e_glob = jnp.take_along_axis(e_glob, jnp.maximum(topk, 0)[:, :, None, :], axis=-1)
-    p_glob = jnp.sum(e_glob / denom[..., None], axis=2)             # [B, Tp, K]
+    else:
+      acc = acc + jnp.einsum("bthk,btkd->bthd", e_glob, v, preferred_element_type=_F32)
+    p_glob = jnp.sum(e_glob.astype(_F32) / denom[..., None], axis=2)  # [B, Tp, K]
     global_probs = jnp.where(valid, p_glob, 0.0)[:, :T]
   o = (acc / denom[..., None]).astype(q_BxTxHxD.dtype)[:, :T]
   return o, global_probs
