@@ -169,6 +169,22 @@ def test_gradients_agree_with_dense_reference():
   assert np.all(np.asarray(grads["gather"][3])[:, unused] == 0)
 
 
+@pytest.mark.parametrize("impl", ["masked", "gather"])
+def test_attend_bfloat16(impl):
+  """bf16 inputs: products in bf16, scores and sums in fp32. Each exponential is rounded once to
+  bf16 (relative error ≤ 2⁻⁹) and so is the output, so |o − o_exact| ≤ 2·2⁻⁹·max|v| + fp32 noise."""
+  a = attend_inputs(seed=17)
+  bf = {k: jnp.asarray(a[k], jnp.bfloat16) for k in ("q", "kv", "g")}
+  o, probs = _attend(bf["q"], bf["kv"], a["seg"], a["sink"], bf["g"], a["topk"], window=5, impl=impl)
+  assert o.dtype == jnp.bfloat16 and probs.dtype == jnp.float32
+  f64 = {k: np.asarray(v, np.float64) for k, v in bf.items()}
+  o_ref, probs_ref = np_attend(f64["q"], f64["kv"], a["seg"], a["sink"], 5, 8 ** -0.5, f64["g"],
+                               a["topk"])
+  vmax = max(np.abs(f64["kv"]).max(), np.abs(f64["g"]).max())
+  np.testing.assert_allclose(np.asarray(o, np.float64), o_ref, rtol=0, atol=2 * 2.0 ** -9 * vmax)
+  np.testing.assert_allclose(np.asarray(probs), probs_ref, rtol=2.0 ** -8, atol=1e-6)
+
+
 def test_window_holds_query_and_exactly_w_keys():
   """The keys that influence o[t] are exactly rows t−W+1 … t of t's document."""
   W, T = 6, 27
