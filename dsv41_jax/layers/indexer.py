@@ -123,10 +123,12 @@ class Indexer(nnx.Module):
   """One Full or Reindex layer's indexer: `wq_b`, `weights_proj` and (Full only) `wk`, `k_norm`.
 
   `query_chunk` bounds memory: queries are scored and selected in chunks of that many rows (a
-  checkpointed `lax.map`), so the [chunk, H_I, N] logits, not [T, H_I, N], are live at once.
+  checkpointed `lax.map`), so the [chunk, H_I, N] logits, not [T, H_I, N], are live at once. On
+  the H200 the chunk size barely changes the time (benchmarks/RESULTS.md, "CSA2 indexer"), so
+  the default is small: 512 rows keep the backward's temporaries at ~2 GiB for N = 16K entries.
   """
 
-  def __init__(self, cfg, spec, rngs: nnx.Rngs, *, query_chunk: int = 1024):
+  def __init__(self, cfg, spec, rngs: nnx.Rngs, *, query_chunk: int = 512):
     if spec.mode not in ("full", "reindex"):
       raise ValueError(f"layer {spec.index} is a {spec.mode} layer; only Full and Reindex layers "
                        "own an indexer")
