@@ -90,7 +90,7 @@ class Block(nnx.Module):
       self.indexer = Indexer(cfg, spec, rngs)
     self.moe = MoE(cfg, rngs)
     if spec.engram:
-      self.engram = Engram(cfg, spec.index, rngs=rngs)
+      self.engram = Engram(cfg, spec.index, rngs=rngs, fp8_table=cfg.engram_fp8_table)
 
   def __call__(self, state: StreamState, ctx: Context, moe_bias_2xE: jax.Array
                ) -> tuple[StreamState, LayerAux]:

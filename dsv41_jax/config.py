@@ -73,6 +73,9 @@ class ModelConfig:
   engram_vocab_size: int = 16_000_000
   engram_compressed_vocab_size: int = 99_092
   engram_pad_token_id: int = 2
+  # Store Engram tables in FP8 (E4M3, one scale per 32 columns; MODEL.md §7.4): frozen storage
+  # for evaluation and memory-bound runs; the optimizer never sees it.
+  engram_fp8_table: bool = False
 
   # --- context the model is trained at (validation of top-k and window against it) ---
   seq_len: int = 65536

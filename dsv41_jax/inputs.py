@@ -15,8 +15,8 @@ from dsv41_jax.engram import compression, hashing
 
 
 @functools.lru_cache(maxsize=None)
-def _hash_params(cfg: ModelConfig, layer_id: int) -> hashing.EngramHashParams:
-  return hashing.engram_hash_params(cfg, layer_id)
+def _hash_params(cfg: ModelConfig, layer_id: int, pad_id: int | None) -> hashing.EngramHashParams:
+  return hashing.engram_hash_params(cfg, layer_id, pad_id)
 
 
 def engram_ids(cfg: ModelConfig, tokens_BxT: np.ndarray, segment_ids_BxT: np.ndarray,
@@ -37,7 +37,11 @@ def engram_ids(cfg: ModelConfig, tokens_BxT: np.ndarray, segment_ids_BxT: np.nda
       bad = tokens[(tokens < 0) | (tokens >= cfg.vocab_size)].flat[0]
       raise ValueError(f"token id {int(bad)} is outside the vocabulary [0, {cfg.vocab_size})")
     canonical = tokens.astype(np.int64)
+    pad_id = None
   else:
     canonical = compression.compress_token_ids(tokens, compression_map)
-  return {l: hashing.engram_hash_ids(canonical, segment_ids_BxT, image_mask_BxT, _hash_params(cfg, l))
+    # The pad id is the canonical id of the pad token (MODEL.md §7.1: `map[pad]`).
+    pad_id = int(compression_map[cfg.engram_pad_token_id])
+  return {l: hashing.engram_hash_ids(canonical, segment_ids_BxT, image_mask_BxT,
+                                     _hash_params(cfg, l, pad_id))
           for l in cfg.engram_layer_ids}
