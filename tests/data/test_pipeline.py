@@ -141,6 +141,23 @@ def test_two_processes_see_disjoint_data_whose_union_is_the_whole(corpus_dir, sm
   assert tok_count(parts[0]) and tok_count(parts[1])
 
 
+def test_train_shards_are_disjoint(corpus_dir, small_tok):
+  cfg = make_cfg(corpus_dir)
+  seen = []
+  for i in range(2):
+    it = pipeline.make_train_iterator(cfg, i, 2, tokenizer=small_tok)
+    seen.append(set(headers(segment_tokens(take(it, 8)), small_tok)))
+  assert seen[0] and seen[1] and not seen[0] & seen[1]
+
+
+@pytest.mark.slow
+def test_worker_processes_do_not_change_the_batches(corpus_dir, small_tok):
+  plain = take(pipeline.make_train_iterator(make_cfg(corpus_dir), tokenizer=small_tok), 8)
+  it = pipeline.make_train_iterator(make_cfg(corpus_dir, worker_count=2), tokenizer=small_tok)
+  assert_batches_equal(take(it, 8), plain)
+  it.close()
+
+
 def test_eval_pass_conserves_every_token(corpus_dir, small_tok):
   cfg = make_cfg(corpus_dir)
   batches = eval_pass(cfg, small_tok, 0, 1)
