@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 
 import grain
-import numpy as np
 
 from data import corpus, documents, images, packing
 from data.mixture import TokenMixer, normalized_weights
