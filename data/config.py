@@ -21,9 +21,14 @@ def data_defaults() -> dict:
       multimodal_sources=(),
       text_eval_sources=(),
       multimodal_eval_sources=(),
-      tokenizer_path="",  # a Hugging Face tokenizer.json; "" = byte-level BPE trained on the corpus
+      # A Hugging Face tokenizer.json; "" = byte-level BPE of model.vocab_size entries, trained
+      # once on the default corpus and cached.
+      tokenizer_path="",
       cache_dir="",  # "" = $DSV41_CACHE or ~/.cache/dsv41_jax (tokenizer, corpus manifest)
-      max_image_size=168,  # px; images are fitted into this box, then snapped to multiples of 42
+      # px; images are fitted into this box, then snapped to multiples of 42. Small by default:
+      # every image slot of a batch is this size ([batch, max_images, 168, 168, 3] uint8), and
+      # the generated shapes need no more; raise it for real photos.
+      max_image_size=168,
       max_images_per_row=0,  # 0 = seq_len // 64 (at least 1); rows never hold more
       # Open bins of the best-fit packer. Few bins suffice (cuts fill the last gaps); more bins
       # delay documents longer, which skews the stream shares of the first rows.
