@@ -94,13 +94,31 @@ def bench_pair(name, shape_txt, ref_fn, kern_fns, args, reps):
 
 def fp4_case(entries: int, dim: int, interpret: bool, sweep: bool, reps: int):
   x = jax.random.normal(jax.random.key(0), (entries, dim), jnp.float32)
-  block_mag = jnp.exp(2.0 * jax.random.normal(jax.random.key(1), (entries, dim // 16, 1)))
+  # Block magnitudes e^-8 .. e^5: subnormal E4M3 scales up to amax ≈ 800 < 2688 (no overflow).
+  block_mag = jnp.exp(jnp.clip(2.0 * jax.random.normal(jax.random.key(1), (entries, dim // 16, 1)),
+                               -8, 5))
   x = (x.reshape(entries, dim // 16, 16) * block_mag).reshape(entries, dim).astype(jnp.bfloat16)
   ref = jax.jit(quant.fp4_main_kv)
   configs = [(256, 4)] + ([(64, 2), (128, 4), (512, 4), (1024, 8), (2048, 8)] if sweep else [])
   kerns = {f"rows={br},warps={nw}": jax.jit(lambda v, br=br, nw=nw: fp4_kernel.fp4_main_kv_pallas(
       v, block_rows=br, num_warps=nw, interpret=interpret)) for br, nw in configs}
-  return bench_pair("fp4_main_kv", f"[{entries}, {dim}] bf16", ref, kerns, (x,), reps)
+  rows = bench_pair("fp4_main_kv", f"[{entries}, {dim}] bf16", ref, kerns, (x,), reps)
+  # Independent check on the host: the ml_dtypes float8/float4 casts with the spec's scales.
+  import ml_dtypes
+  head = np.asarray(x[:4096], np.float32).reshape(-1, 16)
+  amax = np.abs(head).max(-1, keepdims=True)
+  sc = (np.maximum(amax, np.float32(6 * 2.0 ** -9)) / np.float32(6)).astype(
+      ml_dtypes.float8_e4m3fn).astype(np.float32)
+  want = (np.clip(head / sc, -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(np.float32) * sc)
+  want = want.astype(ml_dtypes.bfloat16).astype(np.float32).reshape(-1, dim)
+  for label, fn in [("xla", ref), *kerns.items()]:
+    try:
+      got = np.asarray(fn(x[:4096]), np.float32)
+      print(f"host check, {label}: {(got != want).sum()} of {want.size} values differ from "
+            "the ml_dtypes casts", flush=True)
+    except Exception as e:
+      print(f"host check, {label}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+  return rows
 
 
 def _hc_inputs(tokens: int, n: int, d: int):

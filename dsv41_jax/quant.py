@@ -60,6 +60,25 @@ def _ceil_pow2(y_f32: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(exponent << 23, jnp.float32)
 
 
+def div_short(x: jax.Array, s: jax.Array) -> jax.Array:
+  """x / s correctly rounded (float32), for positive divisors s with at most 4 significant bits.
+
+  Needed because XLA rewrites `x / broadcast(s)` and `x / constant` into `x * (1/s)`, which is
+  not the correctly rounded quotient and flips E2M1 ties under `jit`. The rough quotient
+  q0 = x·(1/s) is corrected by its exact residual ρ = x − q0·s: q0 is split into a 20-bit head
+  and a 4-bit tail, so head·s and tail·s are exact and so are both subtractions (Sterbenz), and
+  q0 + ρ·(1/s) rounds to RN(x/s). No quotient x/s is exactly halfway between two floats (x would
+  need more than 24 bits), and it stays ≥ ulp/32 from such a midpoint, far beyond the error of
+  ρ·(1/s), so the result does not depend on how 1/s itself was rounded.
+  """
+  r = 1.0 / s
+  q0 = x * r
+  head = jax.lax.bitcast_convert_type(
+      jax.lax.bitcast_convert_type(q0, jnp.int32) & ~0xF, jnp.float32)
+  rho = (x - head * s) - (q0 - head) * s
+  return jnp.copysign(q0 + rho * r, x)  # s > 0: keeps the sign of x, and of ±0
+
+
 def _blocks(x: jax.Array, block: int) -> jax.Array:
   if x.shape[-1] % block:
     raise ValueError(f"last axis ({x.shape[-1]}) is not a multiple of the block size {block}")
@@ -75,8 +94,8 @@ def _block_amax(xb: jax.Array) -> jax.Array:
 
 def fp4_main_kv_scale(amax: jax.Array) -> jax.Array:
   """E4M3(max(amax, 6·2^-9) / 6) in float32, saturating at 448 (amax beyond 2688 is clipped)."""
-  s = jnp.minimum(jnp.maximum(amax, E2M1_MAX * E4M3_MIN_SUBNORMAL) / E2M1_MAX, E4M3_MAX)
-  return s.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+  s = div_short(jnp.maximum(amax, E2M1_MAX * E4M3_MIN_SUBNORMAL), jnp.float32(E2M1_MAX))
+  return jnp.minimum(s, E4M3_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
 
 
 def fp4_main_kv(x: jax.Array) -> jax.Array:
@@ -84,11 +103,12 @@ def fp4_main_kv(x: jax.Array) -> jax.Array:
 
   Blocks of 16 along the last axis; scale = E4M3(max(amax, 6·2^-9)/6); q = RNE_E2M1(clip(x/scale,
   −6, 6)); returns q·scale in x's dtype. The E4M3 scale is rounded to nearest, so the block
-  maximum can exceed 6·scale and is then clipped.
+  maximum can exceed 6·scale and is then clipped. Both divisions are correctly rounded
+  (`div_short`) also under `jit`.
   """
   xb = _blocks(x, FP4_MAIN_KV_BLOCK)
   scale = fp4_main_kv_scale(_block_amax(xb))
-  q = round_to_e2m1(jnp.clip(xb / scale, -E2M1_MAX, E2M1_MAX))
+  q = round_to_e2m1(jnp.clip(div_short(xb, scale), -E2M1_MAX, E2M1_MAX))
   return (q * scale).reshape(x.shape).astype(x.dtype)
 
 

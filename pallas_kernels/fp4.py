@@ -8,7 +8,8 @@ amax, the E4M3 scale and the E2M1 codes in registers, and writes q·scale. The m
   deq   = RNE_E2M1(clip(x / scale, −6, 6)) · scale
 
 No float8/float4 casts inside the kernel (a float4 cast fails on Hopper, TRAINING.md §5): the E4M3
-scale is rounded from its float32 bits, the E2M1 grid by thresholds whose ties follow §9.1.
+scale is rounded from its float32 bits, the E2M1 grid by thresholds whose ties follow §9.1, and the
+divisions are made correctly rounded by hand (`div_rn`: Triton's float32 division is approximate).
 Backend: Triton through `pl.pallas_call` with explicit `CompilerParams` (block shapes are powers of
 two); `interpret=True` runs the same kernel on CPU. The VJP is the straight-through identity.
 """
@@ -65,14 +66,33 @@ def e4m3_round_positive(s: jax.Array) -> jax.Array:
   return q.astype(jnp.float32) * _pow2(biased - 23 + k)
 
 
+def div_rn(x: jax.Array, s: jax.Array) -> jax.Array:
+  """x / s rounded to nearest for divisors s with at most 4 significant bits (E4M3 values, 6).
+
+  Triton lowers float32 `/` to the approximate `div.full.f32`, which flips E2M1 decisions near
+  the thresholds. Here a rough quotient q0 = x · (1/s) is corrected with its exact residual
+  ρ = x − q0·s (q0 split into a 20-bit head and a 4-bit tail, so both products with the 4-bit s
+  are exact and the subtraction is exact by Sterbenz): q0 + ρ·(1/s) then rounds to RN(x/s). x/s
+  is never exactly halfway between two floats (that would need x to carry more than 24 bits), and
+  it stays ≥ ulp/32 away from such a midpoint, far beyond the error of ρ·(1/s).
+  """
+  r = 1.0 / s
+  q0 = x * r
+  head = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(q0, jnp.int32) & ~0xF,
+                                      jnp.float32)
+  tail = q0 - head
+  rho = (x - head * s) - tail * s
+  return q0 + rho * r
+
+
 def _fp4_kernel(x_ref, o_ref):
   x = x_ref[...].astype(jnp.float32)  # [block_rows, 16]
   amax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
-  s = jnp.minimum(jnp.maximum(amax, 6.0 * 2.0 ** -9) / 6.0, 448.0)
+  s = jnp.minimum(div_rn(jnp.maximum(amax, 6.0 * 2.0 ** -9), jnp.float32(6.0)), 448.0)
   scale = e4m3_round_positive(s)
-  v = jnp.clip(x / scale, -6.0, 6.0)
+  v = jnp.clip(div_rn(x, scale), -6.0, 6.0)
   q = e2m1_magnitude(jnp.abs(v))
-  sign = jax.lax.bitcast_convert_type(v, jnp.int32) & _F32_SIGN
+  sign = jax.lax.bitcast_convert_type(x, jnp.int32) & _F32_SIGN  # sign(v) = sign(x), ±0 kept
   q = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(q, jnp.int32) | sign, jnp.float32)
   o_ref[...] = (q * scale).astype(o_ref.dtype)
 

@@ -14,8 +14,9 @@ further groups are padding. The wrapper splits it into (pre [.., n], post [.., n
 
 The math restates `dsv41_jax.layers.mhc.hc_coefficients` (tests compare the two); `_reference`
 below restates it once more in jnp for the backward pass (custom VJP = the reference's VJP).
-Backend: Triton via `pl.pallas_call` with explicit `CompilerParams` (power-of-two blocks; the mix is
-an IEEE-float32 `dot`); `interpret=True` runs the same kernel on CPU.
+Backend: Triton via `pl.pallas_call` with explicit `CompilerParams` (power-of-two blocks). The mix
+is an IEEE-float32 `dot` for float32 streams and three bfloat16 tensor-core dots against fn split
+into hi + mid + lo (`split_bf16x3`) for bfloat16 streams; `interpret=True` runs it on CPU.
 """
 
 from __future__ import annotations
@@ -39,17 +40,21 @@ def _next_pow2(v: int) -> int:
   return 1 << (v - 1).bit_length()
 
 
-def _mhc_kernel(x_ref, f_ref, scale_ref, base_ref, o_ref, *, n: int, groups: int, k_total: int,
-                block_k: int, iters: int, hc_eps: float, norm_eps: float):
+def _mhc_kernel(x_ref, *refs, n: int, groups: int, k_total: int, block_k: int, iters: int,
+                hc_eps: float, norm_eps: float):
+  *f_refs, scale_ref, base_ref, o_ref = refs
   bt = x_ref.shape[0]
   p = groups * n
 
   def chunk(c, carry):
     acc, ss = carry
-    xc = x_ref[:, pl.ds(c * block_k, block_k)].astype(jnp.float32)  # [bt, block_k]
-    fc = f_ref[pl.ds(c * block_k, block_k), :]                      # [block_k, P]
-    acc = acc + jnp.dot(xc, fc, precision=_HIGHEST, preferred_element_type=jnp.float32)
-    ss = ss + jnp.sum(xc * xc, axis=1, keepdims=True)
+    xc = x_ref[:, pl.ds(c * block_k, block_k)]                      # [bt, block_k]
+    x32 = xc.astype(jnp.float32)
+    for f_ref in f_refs:  # one float32 fn, or its three bfloat16 pieces for bfloat16 streams
+      fc = f_ref[pl.ds(c * block_k, block_k), :]                    # [block_k, P]
+      lhs = xc if fc.dtype == xc.dtype else x32
+      acc = acc + jnp.dot(lhs, fc, precision=_HIGHEST, preferred_element_type=jnp.float32)
+    ss = ss + jnp.sum(x32 * x32, axis=1, keepdims=True)
     return acc, ss
 
   acc, ss = jax.lax.fori_loop(0, k_total // block_k, chunk,
@@ -78,6 +83,20 @@ def _mhc_kernel(x_ref, f_ref, scale_ref, base_ref, o_ref, *, n: int, groups: int
   o_ref[...] = out.reshape(bt, p)
 
 
+def split_bf16x3(f: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """float32 f as hi + mid + lo, three bfloat16 arrays (8 significant bits each, 24 in all).
+
+  A bfloat16 x times each piece is exact in float32, so x·hi + x·mid + x·lo with float32
+  accumulation is the float32 product x·f on the bfloat16 tensor cores (the model's streams are
+  bfloat16; Triton's IEEE float32 dot runs on the slow FMA path).
+  """
+  hi = f.astype(jnp.bfloat16)
+  r1 = f - hi.astype(jnp.float32)
+  mid = r1.astype(jnp.bfloat16)
+  lo = (r1 - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+  return hi, mid, lo
+
+
 @functools.partial(jax.jit, static_argnames=("iters", "hc_eps", "norm_eps", "block_tokens",
                                              "block_k", "interpret", "num_warps", "num_stages"))
 def hc_coefficients_pallas(X_BxTxNxD, fn, base, scale, *, iters: int, hc_eps: float,
@@ -97,6 +116,11 @@ def hc_coefficients_pallas(X_BxTxNxD, fn, base, scale, *, iters: int, hc_eps: fl
   if padded != tokens:
     x = jnp.pad(x, ((0, padded - tokens), (0, 0)))
   f_kxp = jnp.pad(fn.astype(jnp.float32).T, ((0, 0), (0, p - fn.shape[0])))
+  if X_BxTxNxD.dtype == jnp.bfloat16:
+    f_parts = split_bf16x3(f_kxp)
+  else:
+    x = x.astype(jnp.float32)
+    f_parts = (f_kxp,)
   scale = scale.astype(jnp.float32)
   scale_row = jnp.concatenate([jnp.full((n,), scale[0]), jnp.full((n,), scale[1]),
                                jnp.full((p - 2 * n,), scale[2])])[None, :]
@@ -107,15 +131,15 @@ def hc_coefficients_pallas(X_BxTxNxD, fn, base, scale, *, iters: int, hc_eps: fl
       kernel,
       out_shape=jax.ShapeDtypeStruct((padded, p), jnp.float32),
       grid=(padded // block_tokens,),
-      in_specs=[pl.BlockSpec((block_tokens, k_total), lambda i: (i, 0)),
-                pl.BlockSpec((k_total, p), lambda i: (0, 0)),
-                pl.BlockSpec((1, p), lambda i: (0, 0)),
+      in_specs=[pl.BlockSpec((block_tokens, k_total), lambda i: (i, 0))]
+               + [pl.BlockSpec((k_total, p), lambda i: (0, 0))] * len(f_parts)
+               + [pl.BlockSpec((1, p), lambda i: (0, 0)),
                 pl.BlockSpec((1, p), lambda i: (0, 0))],
       out_specs=pl.BlockSpec((block_tokens, p), lambda i: (i, 0)),
       compiler_params=None if interpret else _triton_params(num_warps, num_stages),
       interpret=interpret,
       name="mhc_coefficients",
-  )(x, f_kxp, scale_row, base_row)
+  )(x, *f_parts, scale_row, base_row)
   out = out[:tokens].reshape(*lead, groups, n)
   return out[..., 0, :], out[..., 1, :], out[..., 2:2 + n, :]
 

@@ -70,3 +70,25 @@ def test_fake_quant_switch_forward_and_straight_through_gradient():
   g_ref = jax.grad(lambda v: jnp.sum(w * quant.fake_quant_main_kv(v, "xla")))(x)
   _bits_equal(g_kernel, w)
   _bits_equal(g_ref, w)
+
+
+def test_div_rn_is_correctly_rounded_with_a_coarse_reciprocal():
+  # On the GPU 1/s is approximate; emulate that with a reciprocal off by a few ulps and check the
+  # corrected quotient still equals the correctly rounded x / s for every E4M3 divisor.
+  rng = np.random.default_rng(5)
+  grid = np.arange(1, 127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  s = np.concatenate([grid, [6.0]]).astype(np.float32)[:, None]
+  x = (rng.standard_normal((1, 4000)) * s * 3).astype(np.float32)
+  want = (x.astype(np.float64) / s.astype(np.float64)).astype(np.float32)
+  assert (want != x / s).sum() == 0  # numpy's float32 division is correctly rounded
+  got = np.asarray(jax.jit(fp4.div_rn)(jnp.asarray(x), jnp.asarray(s)))
+  _bits_equal(got, want)
+
+  def coarse_div(x, s):  # same algorithm, reciprocal perturbed by 3 ulps
+    r = np.nextafter(np.nextafter(np.nextafter(np.float32(1) / s, 2), 2), 2).astype(np.float32)
+    q0 = (x * r).astype(np.float32)
+    head = (q0.view(np.int32) & ~0xF).view(np.float32)
+    tail = q0 - head
+    rho = (x - head * s) - tail * s
+    return (q0 + rho * r).astype(np.float32)
+  _bits_equal(coarse_div(x, s), want)

@@ -94,9 +94,36 @@ def test_round_to_e2m1_bfloat16_keeps_dtype():
                                             (quant.fp8_swa, ref_fp8_swa, 32)])
 def test_block_format_matches_ml_dtypes_casts(fq, ref, block):
   x = _kv_like(np.random.default_rng(block), (3, 5, 128), block)
+  want = ref(x)
   got = fq(jnp.asarray(x))
   assert got.dtype == jnp.float32 and got.shape == x.shape
-  _assert_bitwise(got, ref(x))
+  _assert_bitwise(got, want)
+  # Under jit XLA rewrites x / broadcast(s) into x * (1/s); the result must not change.
+  _assert_bitwise(jax.jit(fq)(jnp.asarray(x)), want)
+
+
+def test_fp4_main_kv_exact_ties_under_jit():
+  # Blocks whose quotients x / scale land exactly on the E2M1 ties (scale = 1.875, 0.625, ...):
+  # a reciprocal multiply misses some of them; the spec's division does not.
+  rng = np.random.default_rng(11)
+  grid = np.arange(8, 127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+  scales = rng.choice(grid, 4096)
+  x = ties[rng.integers(0, 7, (4096, 15))] * scales[:, None] * rng.choice([-1, 1], (4096, 15))
+  x = np.concatenate([x, 6 * scales[:, None]], axis=1).astype(np.float32)  # amax / 6 = scale
+  exact = np.all(x / scales[:, None] == x.astype(np.float64) / scales[:, None].astype(np.float64))
+  assert exact  # the inputs are exact tie multiples of their block scale
+  want = ref_fp4_main_kv(x)
+  _assert_bitwise(quant.fp4_main_kv(jnp.asarray(x)), want)
+  _assert_bitwise(jax.jit(quant.fp4_main_kv)(jnp.asarray(x)), want)
+
+
+def test_div_short_correctly_rounded_under_jit():
+  rng = np.random.default_rng(12)
+  grid = np.arange(1, 127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  s = np.concatenate([grid, [6.0]]).astype(np.float32)[:, None]
+  x = (rng.standard_normal((1, 3000)) * s * 3).astype(np.float32)
+  _assert_bitwise(jax.jit(quant.div_short)(jnp.asarray(x), jnp.asarray(s)), x / s)
 
 
 def test_fp4_main_kv_exercises_clipping_and_subnormal_scales():
