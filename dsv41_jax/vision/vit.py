@@ -79,8 +79,7 @@ class Attention(nnx.Module):
   """Multi-head self-attention with 2-D RoPE: wq, wk, wv [D, D], wo [D, D] (heads flattened)."""
 
   def __init__(self, width: int, heads: int, theta: float, rngs: nnx.Rngs, param_dtype):
-    self.heads = heads
-    self.inv_freq = rope2d_inv_freq(width // heads, theta)
+    self.heads, self.theta = heads, theta
     init = sharding.fan_in_normal((0,))
     self.wq = sharding.param(rngs, (width, width), ("vit_embed", "vit_heads"), init, param_dtype)
     self.wk = sharding.param(rngs, (width, width), ("vit_embed", "vit_heads"), init, param_dtype)
@@ -95,8 +94,9 @@ class Attention(nnx.Module):
       y = jnp.einsum("nsd,de->nse", x_NxSxD, w[...].astype(dt))
       return y.reshape(N, S, self.heads, D // self.heads)
 
-    q = apply_rope2d(heads(self.wq), rows_NxS, cols_NxS, self.inv_freq)
-    k = apply_rope2d(heads(self.wk), rows_NxS, cols_NxS, self.inv_freq)
+    inv_freq = rope2d_inv_freq(D // self.heads, self.theta)
+    q = apply_rope2d(heads(self.wq), rows_NxS, cols_NxS, inv_freq)
+    k = apply_rope2d(heads(self.wk), rows_NxS, cols_NxS, inv_freq)
     o = vit_attention(q, k, heads(self.wv), key_mask_NxS).reshape(N, S, D)
     return jnp.einsum("nse,ed->nsd", o, self.wo[...].astype(dt))
 

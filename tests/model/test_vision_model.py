@@ -1,0 +1,166 @@
+"""The vision pathway inside `dsv41_jax.model.Transformer`: image spans reach the LM causally, the
+frozen ViT gets no gradient (and does after the switch), the optimizer freezes and scales it, and a
+sharded run equals the single-device one."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from data.packing import assemble_row, stack_rows
+from dsv41_jax import inputs, model as M, sharding
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.loss import objective
+from dsv41_jax.vision.config import VisionConfig
+from dsv41_jax.vision.merge import check_image_batch
+from optim import OptimConfig, build_optimizer
+from optim.chain import frozen_trainable
+from tests.model.test_vision_merge import piece
+
+PAD, IMG = 0, 3
+T, MAX_IMG, CANVAS = 32, 2, 84
+
+
+def micro_config() -> ModelConfig:
+  """Two SWA layers (Engram on the second) and a one-layer ViT on an 84-px canvas (2 × 2 cells)."""
+  return ModelConfig(
+      vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, head_dim=32,
+      qk_rope_head_dim=16, q_lora_rank=16, o_groups=2, o_lora_rank=16, sliding_window=8,
+      compress_ratios=(0, 0), kv_source_layer_ids=(), index_source_layer_ids=(), index_n_heads=2,
+      index_head_dim=16, index_topk=4, yarn_enabled=False, n_routed_experts=4,
+      num_experts_per_tok=2, moe_intermediate_size=16, engram_layer_ids=(1,), engram_n_heads=2,
+      engram_head_dim=8, engram_vocab_size=211, engram_compressed_vocab_size=128, seq_len=T,
+      dtype="float32", hc_init_fn_std=0.02, remat=False,
+      vision=VisionConfig(num_layers=1, hidden_size=16, num_heads=2, intermediate_size=24,
+                          projector_hidden=24, max_image_size=CANVAS, remat=False))
+
+
+def make_batch(cfg, seed=0, rows=4):
+  rng = np.random.default_rng(seed)
+  layouts = [[[2, (1, 2), 3], [1, (2, 2), 2]], [[4, (2, 1), 9]], [[12]], [[1, (1, 1), 2, (2, 2), 3]]]
+  b = stack_rows([assemble_row([piece(p, rng) for p in layouts[r % 4]], T, MAX_IMG, CANVAS, PAD, IMG)
+                  for r in range(rows)])
+  check_image_batch(b, cell_px=42, max_image_size=CANVAS)
+  out = {k: jnp.asarray(v) for k, v in b.items()}
+  out["engram_ids"] = {k: jnp.asarray(v) for k, v in inputs.engram_ids(
+      cfg, b["tokens"], b["segment_ids"], b["image_mask"]).items()}
+  return out
+
+
+@pytest.fixture(scope="module")
+def cfg():
+  return micro_config()
+
+
+@pytest.fixture(scope="module")
+def split_model(cfg):
+  return nnx.split(M.Transformer(cfg, nnx.Rngs(0)))
+
+
+def _loss(graphdef, cfg, train_vit):
+  def loss_fn(params, batch):
+    logits, aux = nnx.merge(graphdef, params)(batch, M.zero_moe_bias(cfg), train_vit=train_vit)
+    return objective(cfg, logits, aux, batch)[0], logits
+  return loss_fn
+
+
+def test_param_paths_and_ledger(split_model):
+  from configs import common, flash
+  from dsv41_jax import ledger
+  _, state = split_model
+  tops = {k[0] for k, _ in state.flat_state()}
+  assert {"vision", "projector"} <= tops
+  fcfg = common.model_config(flash.get_config())
+  v, d = fcfg.vision, fcfg.hidden_size
+  D, F, L, u2 = v.hidden_size, v.intermediate_size, v.num_layers, v.unshuffle ** 2
+  vit = v.patch_dim * D + L * (4 * D * D + 3 * D * F + 2 * D) + D
+  proj = u2 * D + u2 * D * v.projector_hidden + v.projector_hidden * d
+  led = ledger.ledger(fcfg)
+  assert led["vision_params"] == vit + proj
+  assert led["backbone_params"] + led["engram_params"] + vit + proj == led["total_params"]
+
+
+def test_images_reach_only_later_positions_of_their_document(cfg, split_model):
+  graphdef, state = split_model
+  fwd = jax.jit(lambda b: nnx.merge(graphdef, state)(b, M.zero_moe_bias(cfg))[0])
+  batch = make_batch(cfg)
+  base = np.asarray(fwd(batch))
+  # Row 0 holds two documents; change the pixels of its second image (document 2).
+  px = np.asarray(batch["images"]).copy()
+  px[0, 1] = np.random.default_rng(9).integers(0, 256, px[0, 1].shape)
+  changed = np.abs(np.asarray(fwd(dict(batch, images=jnp.asarray(px)))) - base).max(-1)
+  start = int(batch["image_starts"][0, 1])
+  doc = np.asarray(batch["segment_ids"][0]) == int(batch["segment_ids"][0, start])
+  assert changed[0, :start].max() == 0.0                  # causal: nothing before the span moves
+  assert (changed[0, start:][doc[start:]] > 1e-6).all()   # the span and the rest of its document do
+  assert changed[0][~doc].max() == 0.0                    # the other document does not
+  assert changed[1:].max() == 0.0                         # nor other rows
+
+
+def test_frozen_vit_gets_no_gradient_and_unfrozen_does(cfg, split_model):
+  graphdef, state = split_model
+  batch = make_batch(cfg, seed=1)
+
+  def grads(train_vit):
+    return jax.jit(jax.grad(lambda p, b: _loss(graphdef, cfg, train_vit)(p, b)[0]))(state, batch)
+
+  def sizes(g, top):
+    return [float(jnp.abs(v[...]).max()) for k, v in g.flat_state() if k[0] == top]
+
+  frozen, trained = grads(False), grads(True)
+  assert all(x == 0.0 for x in sizes(frozen, "vision"))
+  assert all(x > 0.0 for x in sizes(trained, "vision"))
+  assert all(x > 0.0 for x in sizes(frozen, "projector"))   # the projector trains in both phases
+  # "No gradient computed": the frozen backward pass holds no ViT matrix products.
+  def n_dots(train_vit):
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p, b: _loss(graphdef, cfg, train_vit)(p, b)[0]))(
+        state, batch)
+    return str(jaxpr).count("dot_general")
+  assert n_dots(False) < n_dots(True)
+
+
+def test_optimizer_freezes_the_vit_until_decay_then_scales_it(cfg, split_model):
+  _, state = split_model
+  params = nnx.as_pure(nnx.state(nnx.merge(*split_model), nnx.Param))
+  oc = OptimConfig(lr=1e-2, warmup_steps=0, schedule_unit="steps", decay_start=2, decay_end=10,
+                   frozen=("vision/**",), unfreeze_at="decay_start", vision_lr_mult=0.1,
+                   clip_norm=0.0)
+  full = OptimConfig(**{**oc.__dict__, "vision_lr_mult": 1.0})
+  rng = np.random.default_rng(3)
+  grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
+  tx, tx_full = build_optimizer(oc, params), build_optimizer(full, params)
+  s, s_full = tx.init(params), tx_full.init(params)
+  vision_paths = lambda u: [np.asarray(v) for k, v in nnx.State(u).flat_state() if k[0] == "vision"]
+  for step in range(3):
+    assert frozen_trainable(oc, step) == (step >= 2)
+    u, s = tx.update(grads, s, params)
+    u_full, s_full = tx_full.update(grads, s_full, params)
+    vis, vis_full = vision_paths(u), vision_paths(u_full)
+    if step < 2:
+      assert all((v == 0).all() for v in vis)
+    else:
+      assert all(np.abs(v).max() > 0 for v in vis)
+      for a, b in zip(vis, vis_full):
+        np.testing.assert_allclose(a, 0.1 * b, rtol=1e-6, atol=1e-12)
+
+
+def test_sharded_forward_and_gradients_equal_single_device(cfg, split_model):
+  graphdef, state = split_model
+  batch = make_batch(cfg, seed=2)
+  fn = jax.value_and_grad(_loss(graphdef, cfg, True), has_aux=True)
+  (l1, logits1), g1 = jax.jit(fn)(state, batch)
+  mesh = sharding.make_mesh({"data": 2, "expert": 2, "tensor": 2})
+  shard = sharding.state_shardings(state, mesh)
+  lead = sharding.logical_to_mesh(("batch",))[0]
+  with jax.set_mesh(mesh):
+    params = jax.device_put(state, shard)
+    sbatch = jax.tree.map(lambda x: jax.device_put(x, jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(lead, *([None] * (x.ndim - 1))))), batch)
+    (l2, logits2), g2 = jax.jit(fn)(params, sbatch)
+  np.testing.assert_allclose(float(l2), float(l1), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(logits2), np.asarray(logits1), rtol=1e-4, atol=1e-4)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree.leaves(g2)):
+    scale = max(float(np.abs(np.asarray(a)).max()), 1e-6)
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-4 * scale,
+                               err_msg=jax.tree_util.keystr(path))
