@@ -19,7 +19,7 @@ _JSON = flags.DEFINE_bool("json", False, "Print one JSON object.")
 
 def _fmt(key: str, value) -> str:
   if "params" in key:
-    return f"{value:>20,d}  ({value / 1e9:.2f} B)"
+    return f"{value:>20,d}  ({value / 1e9:.2f} B)" if value >= 1e9 else f"{value:>20,d}  ({value / 1e6:.2f} M)"
   if key == "train_flops_per_token":
     return f"{value:>20.4e}"
   return f"{value:>20,}"
