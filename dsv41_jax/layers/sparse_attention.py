@@ -14,6 +14,8 @@ part has two forms of the same function (TRAINING.md §7): "masked" scores all N
 the selected set (fast at moderate T), "gather" gathers the k selected entries per query
 ([B, T, K, D]; memory-bound, but linear in N). Both require the valid slots of a row of `topk` to be
 distinct (as `lax.top_k` produces them): "masked" counts a repeated entry once, "gather" twice.
+Either form holds a [B, T, H, N] or [B, T, K, D] intermediate; `query_chunk` bounds that at long T by
+scanning over chunks of query rows (rematerialised in the backward pass).
 
 `attend_reference` is the same function written densely over all T + N keys, for tests.
 """
@@ -21,6 +23,7 @@ distinct (as `lax.top_k` produces them): "masked" counts a repeated entry once, 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -63,12 +66,18 @@ def _blocks(x, S: int, P: int):
 def attend(q_BxTxHxD: jax.Array, swa_kv_BxTxD: jax.Array, segment_ids_BxT: jax.Array,
            sink_H: jax.Array, *, window: int, scale: float,
            global_kv_BxNxD: jax.Array | None = None, topk_BxTxK: jax.Array | None = None,
-           impl: str = "masked") -> tuple[jax.Array, jax.Array | None]:
+           impl: str = "masked", query_chunk: int | None = None
+           ) -> tuple[jax.Array, jax.Array | None]:
   """Sparse attention with sink; returns (o_BxTxHxD in q's dtype, global_probs_BxTxK or None).
 
   `global_probs_BxTxK` (fp32) is the probability each selected slot received, summed over heads,
   0 for empty slots: the target of the indexer KL loss (the caller stops its gradient).
-  Scores, softmax and accumulation are fp32; the products take the inputs' dtype.
+  Scores and sums are fp32; the products take the inputs' dtype.
+
+  `query_chunk` (rows, rounded down to whole blocks of S = min(window, T)): process the queries in
+  chunks of that many rows, one after another, each rematerialised in the backward pass, so the
+  largest intermediate is [B, chunk, H, N] ("masked") or [B, chunk, K, D] ("gather") instead of
+  the whole row. None = one chunk. The result does not depend on it.
   """
   if impl not in ("masked", "gather"):
     raise ValueError(f"impl must be 'masked' or 'gather' (got {impl!r})")
@@ -77,45 +86,66 @@ def attend(q_BxTxHxD: jax.Array, swa_kv_BxTxD: jax.Array, segment_ids_BxT: jax.A
   B, T, H, D = q_BxTxHxD.shape
   S = min(window, T)
   nb = -(-T // S)
+  c = nb if query_chunk is None else max(1, min(nb, query_chunk // S))   # blocks per chunk
+  nb = -(-nb // c) * c
   P = min(-(-(window - 1) // S), nb - 1)
   Tp = nb * S
-  pad_t = Tp - T
 
-  def pad(x, value=0):
-    return jnp.pad(x, [(0, 0), (0, pad_t)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
+  def blocked(x, value=0):  # [B, T, ...] → [B, nb, S, ...], padded with `value`
+    x = jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
+    return x.reshape(B, nb, S, *x.shape[2:])
 
-  q = pad(q_BxTxHxD)
-  seg = pad(segment_ids_BxT)
-  sink = sink_H.astype(_F32)
+  seg_q = blocked(segment_ids_BxT)                                  # [B, nb, S]
+  xs = dict(q=blocked(q_BxTxHxD), seg_q=seg_q,
+            k=_blocks(blocked(swa_kv_BxTxD).reshape(B, Tp, D), S, P),       # [B, nb, L, D]
+            seg_k=_blocks(seg_q.reshape(B, Tp), S, P))                      # [B, nb, L]
+  if topk_BxTxK is not None:
+    xs["topk"] = blocked(topk_BxTxK, -1)                            # [B, nb, S, K]
+  core = partial(_attend_blocks, sink=sink_H.astype(_F32), global_kv=global_kv_BxNxD,
+                 window=window, scale=scale, impl=impl, P=P)
+  if c == nb:
+    o, probs = core(xs)
+  else:  # chunks of c blocks, scanned
+    xs = jax.tree.map(lambda x: jnp.moveaxis(x.reshape(B, nb // c, c, *x.shape[2:]), 1, 0), xs)
+    o, probs = jax.lax.map(jax.checkpoint(core), xs)
+    o = jnp.moveaxis(o, 0, 1)
+    probs = None if probs is None else jnp.moveaxis(probs, 0, 1)
+  o = o.reshape(B, Tp, H, D)[:, :T]
+  return o, (None if probs is None else probs.reshape(B, Tp, -1)[:, :T])
 
-  # --- window: block-local scores [B, nb, S, H, L], L = (P+1)·S ------------------------------
-  L = (P + 1) * S
-  q_blk = q.reshape(B, nb, S, H, D)
-  k_blk = _blocks(pad(swa_kv_BxTxD), S, P)                          # [B, nb, L, D]
-  seg_k = _blocks(seg, S, P)                                        # [B, nb, L]
-  a = jnp.arange(S)[:, None]
-  c = jnp.arange(L)[None, :]
-  delta = a + P * S - c                                             # t − j inside a block
+
+def _attend_blocks(xs, *, sink, global_kv, window: int, scale: float, impl: str, P: int):
+  """`attend` on c blocks of S query rows: xs["q"] [B, c, S, H, D], xs["k"] [B, c, L, D] (each
+  block's own and P previous key blocks), segments, and optionally xs["topk"] [B, c, S, K].
+  Returns (o [B, c, S, H, D], probs [B, c, S, K] or None)."""
+  q_blk, k_blk, seg_q, seg_k = xs["q"], xs["k"], xs["seg_q"], xs["seg_k"]
+  B, c, S, H, D = q_blk.shape
+  L = k_blk.shape[2]
+  R = c * S                                                         # query rows in this chunk
+  q = q_blk.reshape(B, R, H, D)
+
+  # --- window: block-local scores [B, c, S, H, L] -------------------------------------------
+  delta = jnp.arange(S)[:, None] + P * S - jnp.arange(L)[None, :]   # t − j inside a block
   in_window = (delta >= 0) & (delta < window)                       # [S, L]
-  seg_q = seg.reshape(B, nb, S)
-  vis = (in_window[None, None] & (seg_q[..., :, None] == seg_k[..., None, :])
-         & (seg_q[..., :, None] > 0))                               # [B, nb, S, L]
+  vis = (in_window & (seg_q[..., :, None] == seg_k[..., None, :])
+         & (seg_q[..., :, None] > 0))                               # [B, c, S, L]
   s_swa = jnp.einsum("bnshd,bnld->bnshl", q_blk, k_blk, preferred_element_type=_F32) * scale
   s_swa = jnp.where(vis[:, :, :, None, :], s_swa, _MASKED)
-  m = jnp.maximum(jnp.max(s_swa, axis=-1).reshape(B, Tp, H), sink)  # [B, Tp, H]
+  m = jnp.maximum(jnp.max(s_swa, axis=-1).reshape(B, R, H), sink)   # [B, R, H]
 
   # --- global: scores over the selected entries ----------------------------------------------
-  if global_kv_BxNxD is not None:
-    N = global_kv_BxNxD.shape[1]
-    topk = pad(topk_BxTxK, -1)
-    valid = topk >= 0                                               # [B, Tp, K]
+  if global_kv is not None:
+    N = global_kv.shape[1]
+    topk = xs["topk"].reshape(B, R, -1)
+    valid = topk >= 0                                               # [B, R, K]
     if impl == "masked":
-      sel = selected_mask(topk, N)                                  # [B, Tp, N]
-      s_glob = jnp.einsum("bthd,bnd->bthn", q, global_kv_BxNxD, preferred_element_type=_F32) * scale
+      v = global_kv
+      sel = selected_mask(topk, N)                                  # [B, R, N]
+      s_glob = jnp.einsum("bthd,bnd->bthn", q, v, preferred_element_type=_F32) * scale
       s_glob = jnp.where(sel[:, :, None, :], s_glob, _MASKED)
     else:
-      ents = jax.vmap(lambda kv_b, i_b: kv_b[i_b])(global_kv_BxNxD, jnp.maximum(topk, 0))
-      s_glob = jnp.einsum("bthd,btkd->bthk", q, ents, preferred_element_type=_F32) * scale
+      v = jax.vmap(lambda kv_b, i_b: kv_b[i_b])(global_kv, jnp.maximum(topk, 0))  # [B, R, K, D]
+      s_glob = jnp.einsum("bthd,btkd->bthk", q, v, preferred_element_type=_F32) * scale
       s_glob = jnp.where(valid[:, :, None, :], s_glob, _MASKED)
     m = jnp.maximum(m, jnp.max(s_glob, axis=-1))
   m = jax.lax.stop_gradient(m)  # the softmax is invariant to the shift; keep its gradient simple
@@ -124,15 +154,13 @@ def attend(q_BxTxHxD: jax.Array, swa_kv_BxTxD: jax.Array, segment_ids_BxT: jax.A
   # The exponentials are rounded once to the values' dtype and both the numerator and the
   # denominator sum those rounded values (fp32 accumulation): the normalisation stays consistent,
   # and in bf16 the [.., H, N] tensors kept for the backward take half the memory.
-  m_blk = m.reshape(B, nb, S, H)
-  e_swa = jnp.exp(s_swa - m_blk[..., None]).astype(k_blk.dtype)    # [B, nb, S, H, L]
-  denom = jnp.sum(e_swa, axis=-1, dtype=_F32).reshape(B, Tp, H) + jnp.exp(sink - m)
+  e_swa = jnp.exp(s_swa - m.reshape(B, c, S, H)[..., None]).astype(k_blk.dtype)
+  denom = jnp.sum(e_swa, axis=-1, dtype=_F32).reshape(B, R, H) + jnp.exp(sink - m)
   acc = jnp.einsum("bnshl,bnld->bnshd", e_swa, k_blk, preferred_element_type=_F32)
-  acc = acc.reshape(B, Tp, H, D)
-  global_probs = None
-  if global_kv_BxNxD is not None:
-    v = global_kv_BxNxD if impl == "masked" else ents
-    e_glob = jnp.exp(s_glob - m[..., None]).astype(v.dtype)         # [B, Tp, H, N or K]
+  acc = acc.reshape(B, R, H, D)
+  probs = None
+  if global_kv is not None:
+    e_glob = jnp.exp(s_glob - m[..., None]).astype(v.dtype)         # [B, R, H, N or K]
     denom = denom + jnp.sum(e_glob, axis=-1, dtype=_F32)
     if impl == "masked":
       acc = acc + jnp.einsum("bthn,bnd->bthd", e_glob, v, preferred_element_type=_F32)
@@ -140,10 +168,10 @@ def attend(q_BxTxHxD: jax.Array, swa_kv_BxTxD: jax.Array, segment_ids_BxT: jax.A
       e_glob = jnp.take_along_axis(e_glob, jnp.maximum(topk, 0)[:, :, None, :], axis=-1)
     else:
       acc = acc + jnp.einsum("bthk,btkd->bthd", e_glob, v, preferred_element_type=_F32)
-    p_glob = jnp.sum(e_glob.astype(_F32) / denom[..., None], axis=2)  # [B, Tp, K]
-    global_probs = jnp.where(valid, p_glob, 0.0)[:, :T]
-  o = (acc / denom[..., None]).astype(q_BxTxHxD.dtype)[:, :T]
-  return o, global_probs
+    p_glob = jnp.sum(e_glob.astype(_F32) / denom[..., None], axis=2)  # [B, R, K]
+    probs = jnp.where(valid, p_glob, 0.0).reshape(B, c, S, -1)
+  o = (acc / denom[..., None]).astype(q_blk.dtype).reshape(B, c, S, H, D)
+  return o, probs
 
 
 def attend_reference(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, *, window: int, scale: float,
