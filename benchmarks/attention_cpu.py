@@ -43,6 +43,8 @@ def main():
   ap.add_argument("--dtype", default="float32")
   ap.add_argument("--n", type=int, default=5)
   ap.add_argument("--no-reference", action="store_true")
+  ap.add_argument("--query-chunk", type=int, default=None, help="rows per chunk (attend query_chunk)")
+  ap.add_argument("--impls", default="masked,gather,window", help="which of masked,gather,window")
   a = ap.parse_args()
   B, T, H, D, W, m, K = a.B, a.T, a.H, a.D, a.W, a.m, a.K
   N = T // m
@@ -64,17 +66,19 @@ def main():
     return jnp.sum(o.astype(jnp.float32) ** 2), jax.lax.stop_gradient(p)
 
   def loss_swa(q, kv, g, sink, seg, topk):
-    o, _ = sa.attend(q, kv, seg, sink, window=W, scale=D ** -0.5)
+    o, _ = sa.attend(q, kv, seg, sink, window=W, scale=D ** -0.5, query_chunk=a.query_chunk)
     return jnp.sum(o.astype(jnp.float32) ** 2), g
 
-  fns = {"masked": partial(loss, partial(sa.attend, impl="masked")),
-         "gather": partial(loss, partial(sa.attend, impl="gather")),
+  qc = a.query_chunk
+  fns = {"masked": partial(loss, partial(sa.attend, impl="masked", query_chunk=qc)),
+         "gather": partial(loss, partial(sa.attend, impl="gather", query_chunk=qc)),
          "window only": loss_swa}
+  fns = {k: f for k, f in fns.items() if k.split()[0] in a.impls.split(",")}
   if not a.no_reference:
     fns["dense reference"] = partial(loss, sa.attend_reference)
   useful = 3 * 4 * B * T * H * (W + K) * D
   print(f"{jax.__version__} {jax.devices()[0].device_kind}  B{B} T{T} H{H} D{D} W{W} m{m} "
-        f"N{N} K{K} {a.dtype}, forward+backward")
+        f"N{N} K{K} {a.dtype}, query_chunk {qc}, forward+backward")
   for name, fn in fns.items():
     # Inputs are arguments, not closed-over constants, so XLA cannot fold the mask at compile time.
     step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 2, 3), has_aux=True))
