@@ -99,7 +99,7 @@ def fp4_case(entries: int, dim: int, interpret: bool, sweep: bool, reps: int):
                                -8, 5))
   x = (x.reshape(entries, dim // 16, 16) * block_mag).reshape(entries, dim).astype(jnp.bfloat16)
   ref = jax.jit(quant.fp4_main_kv)
-  configs = [(256, 4)] + ([(64, 2), (128, 4), (512, 4), (1024, 8), (2048, 8)] if sweep else [])
+  configs = [(1024, 8)] + ([(128, 4), (256, 4), (512, 8), (4096, 8)] if sweep else [])
   kerns = {f"rows={br},warps={nw}": jax.jit(lambda v, br=br, nw=nw: fp4_kernel.fp4_main_kv_pallas(
       v, block_rows=br, num_warps=nw, interpret=interpret)) for br, nw in configs}
   rows = bench_pair("fp4_main_kv", f"[{entries}, {dim}] bf16", ref, kerns, (x,), reps)
@@ -133,9 +133,9 @@ def _hc_inputs(tokens: int, n: int, d: int):
 def hc_case(tokens: int, n: int, d: int, interpret: bool, sweep: bool, reps: int):
   args = _hc_inputs(tokens, n, d)
   ref = jax.jit(lambda *a: mhc.hc_coefficients(*a, **HC))
-  configs = [(32, 128, 4, 2)]
+  configs = [(64, 64, 4, 3)]
   if sweep:
-    configs += [(16, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 2), (32, 256, 8, 2), (128, 64, 8, 2)]
+    configs += [(32, 64, 4, 3), (64, 32, 4, 4), (128, 64, 4, 3), (64, 64, 2, 3), (64, 128, 4, 3)]
   kerns = {f"tok={bt},k={bk},warps={nw},stages={ns}": jax.jit(
       lambda *a, bt=bt, bk=bk, nw=nw, ns=ns: mhc_kernel.hc_coefficients_pallas(
           *a, **HC, block_tokens=bt, block_k=bk, num_warps=nw, num_stages=ns,

@@ -2,9 +2,11 @@
 
 Every quantizer here is a pure quantize -> dequantize function of a float array: the result has
 the input's dtype and holds exactly the values the low-precision format can represent after
-scaling. Block amaxes and scales are computed in float32 (§9.4). The FP4 grid is reached
-arithmetically (no float4 cast), so the same arithmetic works inside kernels on Hopper
-(TRAINING.md §5); the tests check it bit for bit against the `ml_dtypes` casts.
+scaling. Block amaxes and scales are computed in float32 (§9.4). Both grids (E2M1, E4M3) are
+reached arithmetically, never by a float4/float8 cast: inside a kernel a float4 cast fails on
+Hopper (TRAINING.md §5), and under `jit` on GPU XLA drops a f32 -> f8 -> f32 round trip
+altogether (excess precision). The tests check every function bit for bit against the
+`ml_dtypes` casts with the spec's scales, eagerly and under `jit`.
 
 Formats (block = contiguous elements of the LAST axis sharing one scale):
 
@@ -52,6 +54,30 @@ def round_to_e2m1(x: jax.Array) -> jax.Array:
   return jnp.copysign(jnp.round(a / step) * step, x)
 
 
+def _pow2(biased_exponent: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(biased_exponent << 23, jnp.float32)
+
+
+def round_to_e4m3(x: jax.Array) -> jax.Array:
+  """Round float32 |x| ≤ 448 to the nearest E4M3 value (RNE, subnormals included), sign kept.
+
+  Integer arithmetic on the float32 bits instead of `astype(float8_e4m3fn).astype(float32)`:
+  XLA on GPU drops such a round trip inside `jit` (excess precision is allowed by default), so
+  the cast would not round at all. x = m·2^(e−23) with the 24-bit significand m; E4M3 keeps 3
+  mantissa bits down to exponent −6 and the fixed spacing 2^-9 below, so k = 20 + max(0, −6 − e)
+  low bits of m are dropped with round-half-to-even (k ≤ 25 suffices: smaller values round to 0).
+  """
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  biased = (bits >> 23) & 0xFF
+  m = (bits & 0x7FFFFF) | 0x800000
+  k = 20 + jnp.clip((127 - 6) - biased, 0, 5)
+  q = m >> k
+  rem = m & ((1 << k) - 1)
+  half = 1 << (k - 1)
+  q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).astype(jnp.int32)
+  return jnp.copysign(q.astype(jnp.float32) * _pow2(biased - 23 + k), x)
+
+
 def _ceil_pow2(y_f32: jax.Array) -> jax.Array:
   """2^ceil(log2 y) for positive normal float32 y, exactly (read from the bits, no log)."""
   bits = jax.lax.bitcast_convert_type(y_f32, jnp.int32)
@@ -95,7 +121,7 @@ def _block_amax(xb: jax.Array) -> jax.Array:
 def fp4_main_kv_scale(amax: jax.Array) -> jax.Array:
   """E4M3(max(amax, 6·2^-9) / 6) in float32, saturating at 448 (amax beyond 2688 is clipped)."""
   s = div_short(jnp.maximum(amax, E2M1_MAX * E4M3_MIN_SUBNORMAL), jnp.float32(E2M1_MAX))
-  return jnp.minimum(s, E4M3_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+  return round_to_e4m3(jnp.minimum(s, E4M3_MAX))
 
 
 def fp4_main_kv(x: jax.Array) -> jax.Array:
@@ -129,7 +155,7 @@ def fp8_swa(x: jax.Array) -> jax.Array:
   xb = _blocks(x, FP8_SWA_BLOCK)
   amax = jnp.maximum(_block_amax(xb), 1e-4)
   scale = _ceil_pow2(amax / E4M3_MAX)
-  q = jnp.clip(xb / scale, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+  q = round_to_e4m3(jnp.clip(xb / scale, -E4M3_MAX, E4M3_MAX))
   return (q * scale).reshape(x.shape).astype(x.dtype)
 
 

@@ -98,8 +98,8 @@ def _fp4_kernel(x_ref, o_ref):
 
 
 @functools.partial(jax.jit, static_argnames=("block_rows", "interpret", "num_warps"))
-def fp4_main_kv_pallas(x: jax.Array, *, block_rows: int = 256, interpret: bool = False,
-                       num_warps: int = 4) -> jax.Array:
+def fp4_main_kv_pallas(x: jax.Array, *, block_rows: int = 1024, interpret: bool = False,
+                       num_warps: int = 8) -> jax.Array:
   """Quantize->dequantize x (last axis a multiple of 16) in the main-KV FP4 format; x's dtype."""
   if x.shape[-1] % BLOCK:
     raise ValueError(f"last axis ({x.shape[-1]}) is not a multiple of the block size {BLOCK}")

@@ -88,20 +88,24 @@ def split_bf16x3(f: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
 
   A bfloat16 x times each piece is exact in float32, so x·hi + x·mid + x·lo with float32
   accumulation is the float32 product x·f on the bfloat16 tensor cores (the model's streams are
-  bfloat16; Triton's IEEE float32 dot runs on the slow FMA path).
+  bfloat16; Triton's IEEE float32 dot runs on the slow FMA path). The pieces are cut from the bits
+  (truncation, exact), not by `f - f.astype(bf16).astype(f32)`: XLA on GPU folds that round trip.
   """
-  hi = f.astype(jnp.bfloat16)
-  r1 = f - hi.astype(jnp.float32)
-  mid = r1.astype(jnp.bfloat16)
-  lo = (r1 - mid.astype(jnp.float32)).astype(jnp.bfloat16)
-  return hi, mid, lo
+  def head(v):  # the top 8 significant bits, by truncation: exact in bfloat16
+    bits = jax.lax.bitcast_convert_type(v, jnp.int32) & np.int32(-65536)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+  hi = head(f)
+  r1 = f - hi
+  mid = head(r1)
+  lo = r1 - mid
+  return hi.astype(jnp.bfloat16), mid.astype(jnp.bfloat16), lo.astype(jnp.bfloat16)
 
 
 @functools.partial(jax.jit, static_argnames=("iters", "hc_eps", "norm_eps", "block_tokens",
                                              "block_k", "interpret", "num_warps", "num_stages"))
 def hc_coefficients_pallas(X_BxTxNxD, fn, base, scale, *, iters: int, hc_eps: float,
-                           norm_eps: float, block_tokens: int = 32, block_k: int = 128,
-                           interpret: bool = False, num_warps: int = 4, num_stages: int = 2):
+                           norm_eps: float, block_tokens: int = 64, block_k: int = 64,
+                           interpret: bool = False, num_warps: int = 4, num_stages: int = 3):
   """(pre, post, comb) of one mHC site from the fused kernel; float32, shapes as the reference."""
   *lead, n, d = X_BxTxNxD.shape
   k_total = n * d
