@@ -17,6 +17,10 @@ below restates it once more in jnp for the backward pass (custom VJP = the refer
 Backend: Triton via `pl.pallas_call` with explicit `CompilerParams` (power-of-two blocks). The mix
 is an IEEE-float32 `dot` for float32 streams and three bfloat16 tensor-core dots against fn split
 into hi + mid + lo (`split_bf16x3`) for bfloat16 streams; `interpret=True` runs it on CPU.
+Measured on the H200 (benchmarks/RESULTS.md): 2.5–3.1× the XLA reference for bfloat16 streams,
+outputs within 2.6e-4 of XLA's float32 path (the tensor cores' float32 accumulation over n·d
+terms); the IEEE float32 dot is within 1.3e-5 but runs on the FMA path, 8× slower than XLA.
+Under a multi-device mesh `pallas_call` is not partitioned by GSPMD: call it per shard.
 """
 
 from __future__ import annotations
