@@ -91,14 +91,15 @@ def attend(q_BxTxHxD: jax.Array, swa_kv_BxTxD: jax.Array, segment_ids_BxT: jax.A
   P = min(-(-(window - 1) // S), nb - 1)
   Tp = nb * S
 
-  def blocked(x, value=0):  # [B, T, ...] → [B, nb, S, ...], padded with `value`
-    x = jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
-    return x.reshape(B, nb, S, *x.shape[2:])
+  def padded(x, value=0):  # [B, T, ...] → [B, Tp, ...]
+    return jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
 
-  seg_q = blocked(segment_ids_BxT)                                  # [B, nb, S]
-  xs = dict(q=blocked(q_BxTxHxD), seg_q=seg_q,
-            k=_blocks(blocked(swa_kv_BxTxD).reshape(B, Tp, D), S, P),       # [B, nb, L, D]
-            seg_k=_blocks(seg_q.reshape(B, Tp), S, P))                      # [B, nb, L]
+  def blocked(x, value=0):  # [B, T, ...] → [B, nb, S, ...]
+    return padded(x, value).reshape(B, nb, S, *x.shape[2:])
+
+  xs = dict(q=blocked(q_BxTxHxD), seg_q=blocked(segment_ids_BxT),       # [B, nb, S, ...]
+            k=_blocks(padded(swa_kv_BxTxD), S, P),                      # [B, nb, L, D]
+            seg_k=_blocks(padded(segment_ids_BxT), S, P))               # [B, nb, L]
   if topk_BxTxK is not None:
     xs["topk"] = blocked(topk_BxTxK, -1)                            # [B, nb, S, K]
   core = partial(_attend_blocks, sink=sink_H.astype(_F32), global_kv=global_kv_BxNxD,
