@@ -87,7 +87,7 @@ class Block(nnx.Module):
     if spec.mode == "full":
       self.compressor = Compressor(cfg, spec, rngs)
     if spec.mode in ("full", "reindex"):
-      self.indexer = Indexer(cfg, spec, rngs)
+      self.indexer = Indexer(cfg, spec, rngs, query_chunk=cfg.index_query_chunk)
     self.moe = MoE(cfg, rngs)
     if spec.engram:
       self.engram = Engram(cfg, spec.index, rngs=rngs, fp8_table=cfg.engram_fp8_table)

@@ -92,6 +92,10 @@ class ModelConfig:
   # Global-branch attention over the selected entries: "masked" scores all entries and masks to
   # the top-k (fast up to ~16K tokens on the H200), "gather" gathers the k entries per query.
   global_attn_impl: Literal["masked", "gather"] = "masked"
+  # Queries per chunk in attention and in the indexer (0 = the whole row): bounds the [T, N]
+  # score intermediates of long rows (the chunks are recomputed in the backward pass).
+  attn_query_chunk: int = 0
+  index_query_chunk: int = 512
   # MoE dispatch: "dropless" (exact) or "capacity" (static per-expert capacity).
   moe_dispatch: Literal["dropless", "capacity"] = "dropless"
   moe_capacity_factor: float = 1.25
@@ -184,6 +188,8 @@ def _validate(c: ModelConfig) -> None:
        f"global_attn_impl must be 'masked' or 'gather' (got {c.global_attn_impl!r})")
   need(c.moe_dispatch in ("dropless", "capacity"),
        f"moe_dispatch must be 'dropless' or 'capacity' (got {c.moe_dispatch!r})")
+  need(c.attn_query_chunk >= 0 and c.index_query_chunk >= 0,
+       "attn_query_chunk and index_query_chunk must be >= 0 (0 = the whole row)")
   need(c.moe_capacity_factor > 0, f"moe_capacity_factor must be positive (got {c.moe_capacity_factor})")
   need(c.kernels in ("xla", "pallas"), f"kernels must be 'xla' or 'pallas' (got {c.kernels!r})")
   n = c.num_hidden_layers

@@ -134,6 +134,7 @@ class Attention(nnx.Module):
       topk = visible_topk(topk_BxTxK, kv, segment_ids_BxT)
     o, global_probs = attend(q, swa, segment_ids_BxT, self.attn_sink[...],
                              window=cfg.sliding_window, scale=default_scale(cfg.head_dim),
-                             global_kv_BxNxD=global_kv, topk_BxTxK=topk, impl=cfg.global_attn_impl)
+                             global_kv_BxNxD=global_kv, topk_BxTxK=topk, impl=cfg.global_attn_impl,
+                             query_chunk=cfg.attn_query_chunk or None)
     o = sharding.constrain(o, ("batch", "seq", "heads", None))
     return self.output(o, positions_BxT), c_q, global_probs
