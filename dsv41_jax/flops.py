@@ -44,6 +44,16 @@ def active_matrix_params(cfg: ModelConfig) -> float:
   return total
 
 
+def routed_expert_params_per_token(cfg: ModelConfig) -> float:
+  """The routed-expert part of `active_matrix_params`: k/E of every layer's expert weights."""
+  from dsv41_jax.ledger import per_layer_params
+  from dsv41_jax.model import abstract_params
+
+  k_over_e = cfg.num_experts_per_tok / cfg.n_routed_experts
+  return sum(size * k_over_e for layer, rest, size in per_layer_params(cfg, abstract_params(cfg))
+             if layer is not None and rest.startswith("moe/experts/"))
+
+
 def _is_matrix(rest: str) -> bool:
   leaf = rest.rsplit("/", 1)[-1]
   return leaf not in ("scale", "base", "attn_sink", "q_w", "k_w")

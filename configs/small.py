@@ -1,0 +1,126 @@
+"""Small models with V4.1-Flash's structure, for GPU runs and scaling ladders: 's1' … 's4'.
+
+Every size keeps the released layout scaled to its depth L (MODEL.md §1-§2): two pure-SWA layers,
+an encoder at compress ratio 2 and a decoder at ratio 1 (halves of L); a Full layer every 6
+encoder layers from layer 2 plus the first decoder layer, a Reindex layer every 4 decoder layers,
+Engram at layer 1 and at ⌊0.35·L⌋, the ViT + projector frozen until the decay. Width, experts and
+tables shrink with the size:
+
+  size  d     L   heads×dim  experts (k)  expert I  vocab   Engram rows/head  seq
+  s1    512   12  8×128      16 (2)       256       16384    50 000           1024
+  s2    768   16  12×128     32 (4)       384       32768   100 000           2048
+  s3    1024  20  16×128     48 (4)       512       32768   150 000           2048
+  s4    1536  24  16×192     64 (6)       768       65536   200 000           4096
+
+Ledger (`python -m launch.ledger --config=configs/small.py:s2`): total / Engram / activated
+(decode) parameters and train FLOPs per token at the size's seq:
+  s1 0.19 B / 77 M / 34 M, 2.4e8;   s2 0.80 B / 231 M / 129 M, 8.8e8;
+  s3 2.19 B / 462 M / 265 M, 1.8e9; s4 7.29 B / 1.23 B / 892 M, 5.9e9. Launch (one host, every local GPU in the batch/expert axes):
+
+  python -m launch.train --config=configs/small.py:s1 --workdir=/tmp/dsv41_s1
+  python -m launch.train --config=configs/small.py:s2 --workdir=DIR \
+      --config.mesh.data=2 --config.mesh.expert=4 --config.data.batch_size=32
+  python -m launch.aot --config=configs/small.py:s3 --mesh=data:2,expert:4 --batch=16   # memory
+
+The learning-rate schedule is counted in tokens: warm-up `warmup_steps`, hold, cosine decay over
+the last 30 % of `train.steps` × the global batch × seq_len (set from the config's batch here; a
+command-line batch or step change should move `optim.decay_start` / `decay_end` with it).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from configs import common
+
+SIZES: dict[str, dict] = {
+    "s1": dict(d=512, layers=12, heads=8, head_dim=128, experts=16, k=2, inter=256, vocab=16384,
+               engram_rows=50_000, engram_heads=4, engram_dim=64, index_heads=8, index_dim=64,
+               topk=128, seq=1024, batch=32, lr=2e-3, steps=20_000,
+               vit=dict(num_layers=4, hidden_size=256, num_heads=4, intermediate_size=1024,
+                        projector_hidden=1024)),
+    "s2": dict(d=768, layers=16, heads=12, head_dim=128, experts=32, k=4, inter=384, vocab=32768,
+               engram_rows=100_000, engram_heads=4, engram_dim=96, index_heads=8, index_dim=64,
+               topk=256, seq=2048, batch=32, lr=1.5e-3, steps=30_000,
+               vit=dict(num_layers=6, hidden_size=384, num_heads=6, intermediate_size=1536,
+                        projector_hidden=1536)),
+    "s3": dict(d=1024, layers=20, heads=16, head_dim=128, experts=48, k=4, inter=512, vocab=32768,
+               engram_rows=150_000, engram_heads=8, engram_dim=64, index_heads=16, index_dim=128,
+               topk=256, seq=2048, batch=64, lr=1e-3, steps=40_000,
+               vit=dict(num_layers=8, hidden_size=512, num_heads=8, intermediate_size=2048,
+                        projector_hidden=2048)),
+    "s4": dict(d=1536, layers=24, heads=16, head_dim=192, experts=64, k=6, inter=768, vocab=65536,
+               engram_rows=200_000, engram_heads=8, engram_dim=128, index_heads=16, index_dim=128,
+               topk=512, seq=4096, batch=64, lr=8e-4, steps=50_000,
+               vit=dict(num_layers=12, hidden_size=768, num_heads=12, intermediate_size=3072,
+                        projector_hidden=3072)),
+}
+
+
+def layout(layers: int) -> dict:
+  """Flash's layer roles at depth `layers` (even): ratios, KV / index sources, Engram layers."""
+  if layers % 2 or layers < 8:
+    raise ValueError(f"layers ({layers}) must be even and at least 8")
+  enc = layers // 2
+  kv = tuple(range(2, enc, 6)) + (enc,)
+  index = kv + tuple(range(enc + 4, layers, 4))
+  engram_late = max(2, int(0.35 * layers))
+  return dict(
+      num_hidden_layers=layers,
+      compress_ratios=(0, 0) + (2,) * (enc - 2) + (1,) * enc,
+      kv_source_layer_ids=kv,
+      index_source_layer_ids=index,
+      candidate_source_layer_id=enc,
+      engram_layer_ids=(1, engram_late),
+  )
+
+
+def model_fields(size: str) -> dict:
+  if size not in SIZES:
+    raise ValueError(f"unknown small size {size!r}; sizes are {sorted(SIZES)}")
+  s = SIZES[size]
+  d, h = s["d"], s["heads"]
+  return dict(
+      vocab_size=s["vocab"],
+      hidden_size=d,
+      num_attention_heads=h,
+      head_dim=s["head_dim"],
+      qk_rope_head_dim=64,
+      q_lora_rank=d // 4,
+      o_groups=h // 4,
+      o_lora_rank=d // 4,
+      sliding_window=128,
+      index_n_heads=s["index_heads"],
+      index_head_dim=s["index_dim"],
+      index_topk=s["topk"],
+      n_routed_experts=s["experts"],
+      num_experts_per_tok=s["k"],
+      moe_intermediate_size=s["inter"],
+      engram_n_heads=s["engram_heads"],
+      engram_head_dim=s["engram_dim"],
+      engram_vocab_size=s["engram_rows"],
+      engram_compressed_vocab_size=s["vocab"],
+      seq_len=s["seq"],
+      yarn_enabled=False,  # pre-training: plain RoPE (MODEL.md §4.5)
+      vision=dict(s["vit"]),
+      **layout(s["layers"]),
+  )
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  size = arg or "s1"
+  s = SIZES.get(size)
+  cfg = common.base_config(model=model_fields(size))
+  cfg.data.seq_len = s["seq"]
+  cfg.data.batch_size = s["batch"]
+  cfg.train.steps = s["steps"]
+  cfg.train.eval_every = 1000
+  cfg.train.checkpoint_every = 1000
+  cfg.train.log_every = 20
+  cfg.optim.lr = s["lr"]
+  cfg.optim.warmup_steps = max(100, s["steps"] // 50)
+  tokens = s["steps"] * s["batch"] * s["seq"]
+  cfg.optim.schedule_unit = "tokens"
+  cfg.optim.decay_start = 0.7 * tokens
+  cfg.optim.decay_end = float(tokens)
+  return cfg
