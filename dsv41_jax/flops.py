@@ -7,10 +7,24 @@
 
 with, at sequence length T = cfg.seq_len and averaging over query positions t = 0..T−1:
 w̄ = mean min(t + 1, W) window keys, k̄_l = mean min(k, ⌊(t+1)/m_l⌋) selected entries (0 on pure-SWA
-layers) and n̄_l = mean ⌊(t+1)/m_l⌋ visible entries. Sparse attention is counted at the entries a
-query actually attends, not at what an implementation computes: the "masked" global branch scores
-all N entries, so XLA's `cost_analysis()` counts more than this formula on the global branch, and
-elementwise work (norms, softmax, RoPE, mHC Sinkhorn) is left out here.
+layers) and n̄_l = mean ⌊(t+1)/m_l⌋ visible entries.
+
+What it counts: model FLOPs, i.e. the multiply-adds a perfect implementation of the spec needs, so
+MFU does not reward wasted work. It leaves out, by design:
+  * elementwise work and reductions (norms, softmax, RoPE, SwiGLU, mHC Sinkhorn, the loss),
+  * implementation excess: the "masked" global branch scores all N entries (the formula counts
+    the k̄ attended), the block-local window scores (P+1)·S keys per query (the formula w̄), the
+    indexer-loss attention distributions, capacity buffers (E·C rows = capacity_factor × the
+    routed rows), the CPU expansion of `ragged_dot` over all E experts,
+  * remat: the recomputed forward (another ~1× forward with layer remat),
+  * the optimizer (Muon's Newton–Schulz matmuls are per step, not per token), the vision tower.
+
+Cross-check (tests/model/test_flops.py, benchmarks/RESULTS.md "MFU formula vs XLA"): XLA's
+`cost_analysis()['flops']` of jax.grad(loss) on one CPU device, four unrolled layers (d 256, T 64,
+no remat, capacity buffers of exactly n·k/E rows) is 1.067 × this formula: its dot ops alone are
+1.025 × (the attention excess above), the remaining 4.2 points are elementwise ops. With remat
+XLA also counts the recompute, and how it counts a scanned (while-loop) body depends on its
+trip-count analysis, so the comparison uses an unrolled, remat-free program.
 """
 
 from __future__ import annotations
