@@ -1,0 +1,136 @@
+"""launch.aot: mesh parsing, the analytic per-device plan against jax's own shard shapes and the
+real optimizer state, the CLI (errors, analytic fallback), and (slow) the compiled plan."""
+
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import tiny
+from configs.common import model_config
+from dsv41_jax import model as model_lib, sharding
+from launch import aot
+from optim.chain import build_optimizer, opt_state_shardings
+from optim.config import optim_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_parse_mesh_and_errors():
+  assert aot.parse_mesh("data:8,expert:4") == {"data": 8, "expert": 4}
+  assert aot.resolve_mesh({"data": -1, "expert": 4}, 32)["data"] == 8
+  for bad, words in [("dta:8", "unknown mesh axis 'dta'"), ("data=8", "not AXIS:SIZE"),
+                     ("data:x", "not an integer"), ("data:0", "positive"),
+                     ("data:-1,fsdp:-1", "at most one"), ("data:2,data:2", "twice"),
+                     ("", "empty mesh")]:
+    with pytest.raises(aot.PlanError, match=words):
+      aot.parse_mesh(bad)
+  with pytest.raises(aot.PlanError, match="has 12 positions but there are 8 devices"):
+    aot.resolve_mesh({"data": 3, "expert": 4}, 8)
+  with pytest.raises(aot.PlanError, match="does not divide the 8 devices"):
+    aot.resolve_mesh({"data": -1, "expert": 3}, 8)
+  with pytest.raises(aot.PlanError, match="unknown mesh axes"):
+    aot.parse_rules("engram_rows=engram+rows")
+  assert aot.parse_rules("engram_rows=engram+fsdp")["engram_rows"] == ("engram", "fsdp")
+
+
+def test_global_batch():
+  assert aot.global_batch_for(None, 8, 32) == (32, aot.global_batch_for(None, 8, 32)[1])
+  assert "rounded up" in aot.global_batch_for(None, 8, 32)[1]
+  assert aot.global_batch_for(64, 8, 32) == (64, "")
+  with pytest.raises(aot.PlanError, match="multiple of 32"):
+    aot.global_batch_for(48, 8, 32)
+
+
+@pytest.mark.parametrize("sizes", [{"data": 2, "expert": 4}, {"fsdp": 2, "tensor": 2, "engram": 2}])
+def test_analytic_bytes_match_jax_shard_shapes_and_the_real_optimizer_state(sizes):
+  """Parameters: Σ of `NamedSharding.shard_shape` over the real shardings; optimizer: Σ over the
+  leaves of `tx.init` (abstract) with `opt_state_shardings`, counters included (a few bytes)."""
+  cfg = tiny.get_config()
+  mcfg = model_config(cfg)
+  full = aot.resolve_mesh(sizes, math.prod(sizes.values()))
+  mesh = sharding.make_mesh(full, jax.devices()[:math.prod(sizes.values())])
+  plan = aot.analytic_plan(mcfg, full, global_batch=8, seq_len=cfg.data.seq_len)
+
+  abs_state = nnx.state(model_lib.abstract_model(mcfg), nnx.Param)
+  shard = nnx.as_pure(sharding.state_shardings(abs_state, mesh))
+  params = nnx.as_pure(abs_state)
+
+  def local_bytes(tree, shardings):
+    leaves, ss = jax.tree.leaves(tree), jax.tree.leaves(shardings)
+    return sum(int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize for x, s in zip(leaves, ss))
+
+  assert plan["param_bytes"] == local_bytes(params, shard)
+  assert plan["total_params"] == model_lib.param_count(params)
+  tx = build_optimizer(optim_config(dict(cfg.optim)), params)
+  opt = jax.eval_shape(tx.init, params)
+  got = local_bytes(opt, opt_state_shardings(tx, params, shard))
+  n_scalars = sum(1 for x in jax.tree.leaves(opt) if x.ndim == 0)
+  assert 0 <= got - plan["opt_bytes"] <= 8 * n_scalars
+  assert plan["rows_per_device"] == 8 // math.prod(
+      full[a] for a in ("data", "fsdp", "expert", "engram"))
+  # every axis that splits something is reported with what it splits
+  assert set(plan["axes_use"]) == {a for a, s in full.items() if s > 1}
+  if "engram" in sizes:
+    assert "engram/table" in plan["axes_use"]["engram"]
+
+
+def test_activation_estimate_terms():
+  """The estimate's terms follow its formula: logits and carries scale with rows, the masked
+  global branch grows quadratically in T while "gather" grows linearly."""
+  mcfg = model_config(tiny.get_config())
+  one = aot.activation_bytes(mcfg, 1, 128, {"data": 1})
+  two = aot.activation_bytes(mcfg, 2, 128, {"data": 1})
+  for k in ("carries", "unit_work", "logits", "total"):
+    assert two[k] == pytest.approx(2 * one[k])
+  assert one["logits"] == 3 * 128 * mcfg.vocab_size * 4
+  units = sum(s.repeats for s in model_lib.build_layer_plan(mcfg).segments)
+  assert one["carries"] == (units + 1) * 128 * mcfg.hc_mult * mcfg.hidden_size * 4
+  tp = aot.activation_bytes(mcfg, 1, 128, {"tensor": 2})
+  assert tp["logits"] == one["logits"] / 2
+  masked = [aot.activation_bytes(mcfg, 1, T, {})["unit_work"] for T in (512, 1024, 2048)]
+  gathered = [aot.activation_bytes(mcfg.replace(global_attn_impl="gather"), 1, T, {})["unit_work"]
+              for T in (512, 1024, 2048)]
+  assert masked[2] - masked[1] > 1.9 * (masked[1] - masked[0])
+  assert gathered[2] - gathered[1] == pytest.approx(2 * (gathered[1] - gathered[0]), rel=0.05)
+
+
+def _cli(*args):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  return subprocess.run([sys.executable, "-m", "launch.aot", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_cli_errors_and_analytic_fallback():
+  r = _cli("--config=configs/tiny.py", "--mesh=data:8,experts:4")
+  assert r.returncode == 2 and "unknown mesh axis 'experts'" in r.stderr, r.stderr[-2000:]
+  r = _cli("--config=configs/tiny.py", "--mesh=data:4,expert:4", "--devices=8")
+  assert r.returncode == 2 and "has 16 positions but there are 8 devices" in r.stderr
+  r = _cli("--config=configs/tiny.py", "--mesh=data:8,expert:4", "--max_compile_params=1e5")
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "ANALYTIC" in r.stdout and "analytic plan only" in r.stdout
+  assert "global batch 32" in r.stdout and "rounded up" in r.stdout
+
+
+@pytest.mark.slow
+def test_compiled_plan_arguments_are_params_optimizer_and_batch():
+  """XLA's per-device argument bytes = analytic parameters + optimizer state + the batch shard."""
+  cfg = tiny.get_config()
+  sizes = aot.resolve_mesh({"data": 2, "expert": 2}, 4)
+  gb = 4
+  cfg.data.batch_size = gb
+  out = aot.compiled_plan(cfg, sizes, gb)
+  plan = aot.analytic_plan(model_config(cfg), sizes, gb, cfg.data.seq_len)
+  batch = aot.abstract_batch(cfg, model_config(cfg), gb)
+  batch_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(batch)) / 4
+  m = out["memory"]
+  expected = plan["param_bytes"] + plan["opt_bytes"] + batch_bytes
+  assert m["argument"] == pytest.approx(expected, rel=0.01, abs=4096)
+  assert m["alias"] > 0.99 * (plan["param_bytes"] + plan["opt_bytes"])
+  assert m["temp"] > plan["param_bytes"]  # the gradients at least
