@@ -24,7 +24,7 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dsv41.checkpoint")
 
 MODEL_SECTION = "model"
 
@@ -83,17 +83,42 @@ class Checkpointer:
 
   def restore_latest(self, abstract_state: dict, data_iter: grain.DatasetIterator
                      ) -> tuple[int, dict] | None:
-    """Restore the newest readable checkpoint into `data_iter`; None when there is none."""
+    """Restore the newest readable checkpoint into `data_iter`; None when there is none.
+
+    Damaged checkpoints newer than the one restored are moved aside to `damaged-<step>` (the run
+    will save those steps again, and orbax refuses to overwrite a step)."""
+    damaged = []
+    result = None
     for step in reversed(self.steps()):
       try:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state),
             data_iter=grain.checkpoint.CheckpointRestore(data_iter)))
-        return step, restored["state"]
+        result = step, restored["state"]
+        break
       except Exception as e:  # a damaged checkpoint: fall back to the one before
+        first_line = (str(e).splitlines() or [""])[0][:300]
         log.warning("checkpoint at step %d cannot be restored (%s: %s); trying an older one",
-                    step, type(e).__name__, str(e).splitlines()[0][:300])
-    return None
+                    step, type(e).__name__, first_line)
+        damaged.append(step)
+    if damaged:
+      self._move_aside(damaged)
+    return result
+
+  def _move_aside(self, steps: list[int]) -> None:
+    if jax.process_index() == 0:
+      for step in steps:
+        target = os.path.join(self.directory, f"damaged-{step}")
+        n = 0
+        while os.path.exists(target):
+          n += 1
+          target = os.path.join(self.directory, f"damaged-{step}.{n}")
+        os.rename(os.path.join(self.directory, str(step)), target)
+        log.warning("moved the damaged checkpoint of step %d to %s", step, target)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices("dsv41: damaged checkpoints moved aside")
+    self.manager.reload()
 
   def wait(self) -> None:
     self.manager.wait_until_finished()

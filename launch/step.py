@@ -2,8 +2,8 @@
 
     train_step(params, opt_state, moe_bias, batch) -> (params, opt_state, moe_bias, metrics)
 
-A step whose loss or gradient norm is not finite applies nothing: parameters, optimizer state and
-MoE biases come back unchanged and `metrics["finite"]` is false (the loop counts such steps).
+A step whose loss, gradient norm or update norm is not finite applies nothing: parameters,
+optimizer state and MoE biases come back unchanged and `metrics["finite"]` is false (the loop counts such steps).
 The MoE routing bias is updated outside the optimizer from the step's per-modality expert loads.
 """
 
@@ -38,14 +38,16 @@ def make_train_step(cfg: ModelConfig, graphdef: nnx.GraphDef, tx: optax.Gradient
   def train_step(params, opt_state, moe_bias, batch):
     (loss, (parts, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, moe_bias, batch)
     grad_norm = optax.global_norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, new_opt_state = tx.update(grads, opt_state, params)
+    update_norm = optax.global_norm(updates)
+    # A finite gradient can still give a non-finite update (optimizer state gone bad): not applied.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
     new_params = optax.apply_updates(params, updates)
     new_bias = update_moe_bias(moe_bias, aux["load_2xE"], bias_gamma)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     load = aux["load_2xE"].sum(axis=1)                       # [L, E] over both modalities
     metrics = dict(parts, loss=loss, grad_norm=grad_norm, finite=finite,
-                   update_norm=optax.global_norm(updates),
+                   update_norm=update_norm,
                    expert_load_max_over_mean=load.max(-1) / jnp.maximum(load.mean(-1), 1e-9),
                    moe_bias_range=moe_bias.max(-1) - moe_bias.min(-1),
                    dropped_fraction=aux["dropped_fraction"],

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -76,6 +77,10 @@ def _int_env(name: str) -> int | None:
   return int(v) if v else None
 
 
+def _message(e: BaseException) -> str:
+  return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+
+
 def build_mesh(cfg: ml_collections.ConfigDict) -> jax.sharding.Mesh:
   try:
     return sharding.make_mesh(dict(cfg.mesh))
@@ -95,6 +100,12 @@ def check_batch(cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> int:
         f"{global_batch} rows do not split over the mesh's batch axes {axes} ({ways} ways); make "
         f"data.batch_size a multiple of {ways // math.gcd(ways, jax.process_count())}")
   return global_batch
+
+
+def batch_digest(batch: dict[str, np.ndarray]) -> str:
+  """sha256 (first 16 hex digits) of a host batch's tokens: which data a process saw."""
+  import hashlib
+  return hashlib.sha256(np.ascontiguousarray(batch["tokens"]).tobytes()).hexdigest()[:16]
 
 
 def to_global(batch: dict[str, np.ndarray], mesh) -> dict[str, Any]:
@@ -126,17 +137,26 @@ class _Stop:
 def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Train per `cfg` in `workdir`; returns a summary (last losses, steps run, eval figures)."""
   t_start = time.time()
-  mcfg = model_config(cfg)
+  try:
+    mcfg = model_config(cfg)
+  except (KeyError, ValueError) as e:  # ConfigError names the contradicting fields
+    raise TrainingError(f"config.model: {_message(e)}") from None
   mesh = build_mesh(cfg)
   global_batch = check_batch(cfg, mesh)
   tcfg = cfg.train
-  ocfg = optim_config({**dict(cfg.optim),
-                       "tokens_per_step": global_batch * cfg.data.seq_len})
+  try:
+    ocfg = optim_config({**dict(cfg.optim),
+                         "tokens_per_step": global_batch * cfg.data.seq_len})
+  except (KeyError, ValueError) as e:
+    raise TrainingError(f"config.optim: {_message(e)}") from None
   primary = jax.process_index() == 0
   ckpt_lib.check_or_write_config(workdir, cfg.to_dict(), primary)
 
   # --- data ---
-  tok = make_tokenizer(cfg)
+  try:
+    tok = make_tokenizer(cfg)
+  except (KeyError, ValueError) as e:
+    raise TrainingError(f"config.data / model.vocab_size: {_message(e)}") from None
   if tok.vocab_size > mcfg.vocab_size:
     raise TrainingError(f"the tokenizer has {tok.vocab_size} tokens but model.vocab_size is "
                         f"{mcfg.vocab_size}; raise model.vocab_size")
@@ -145,7 +165,11 @@ def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   if mcfg.engram_layer_ids and int(cmap.max()) + 1 > mcfg.engram_compressed_vocab_size:
     raise TrainingError(f"the tokenizer compresses to {int(cmap.max()) + 1} ids but "
                         f"model.engram_compressed_vocab_size is {mcfg.engram_compressed_vocab_size}")
-  train_it = make_train_iterator(cfg, jax.process_index(), jax.process_count(), tokenizer=tok)
+  try:
+    train_it = make_train_iterator(cfg, jax.process_index(), jax.process_count(), tokenizer=tok)
+  except (KeyError, ValueError) as e:  # the data section's checks name the field
+    raise TrainingError(f"config.data: {_message(e)}") from None
+  t_data = time.time()
   token_bytes = jnp.asarray(evaluation.token_byte_lengths(tok, mcfg.vocab_size))
 
   def prepare(batch):
@@ -176,7 +200,10 @@ def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   if restored is not None:
     start, state = restored
     params, opt_state, moe_bias = state["params"], state["opt_state"], state["moe_bias"]
-    log.info("resumed from step %d", start)
+    log.info("resumed from step %d of %s", start, checkpointer.directory)
+  t_state = time.time()
+  log.info("startup: config and data %.1f s, model and optimizer state %.1f s",
+           t_data - t_start, t_state - t_data)
 
   train_step = jax.jit(
       make_train_step(mcfg, graphdef, tx, ocfg.moe_bias_gamma), donate_argnums=(0, 1, 2),
@@ -208,11 +235,18 @@ def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   try:
     while step < tcfg.steps:
       t0 = time.perf_counter()
-      batch = prepare(next(train_it))
+      host_batch = next(train_it)
+      if step == start:
+        log.info("process %d: first batch at step %d: %d rows, tokens sha256 %s",
+                 jax.process_index(), step + 1, len(host_batch["tokens"]),
+                 batch_digest(host_batch))
+      batch = prepare(host_batch)
       t1 = time.perf_counter()
       params, opt_state, moe_bias, m = train_step(params, opt_state, moe_bias, batch)
       finite = bool(m["finite"])
       t2 = time.perf_counter()
+      if step == start:
+        log.info("first step (compile and run) %.1f s", t2 - t1)
       step += 1
       window_t += t2 - t0
       window_wait += t1 - t0
@@ -246,6 +280,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             record["data"].get("padding_tokens", 0)
             / max(1, record["data"].get("rows", 0) * cfg.data.seq_len))
         writer.write(step, record)
+        log.info("process %d step %d loss %r step_time %.3f s (data wait %.3f s)",
+                 jax.process_index(), step, loss, step_time, record["data_wait"])
         if bar is not None:
           bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", step_s=f"{step_time:.3f}",
                           **({"mfu": f"{u:.2%}"} if u is not None else {}))
@@ -276,21 +312,45 @@ def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
 def main(argv):
   del argv
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-  absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save step at INFO
+  # absl owns the root logger (set to WARNING: orbax logs every save at INFO); this job's own
+  # logger ("dsv41.*") gets a handler of its own at INFO.
+  absl_logging.set_verbosity(absl_logging.WARNING)
+  ours = logging.getLogger("dsv41")
+  if not ours.handlers:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    ours.addHandler(handler)
+  ours.setLevel(logging.INFO)
+  ours.propagate = False
   init_distributed(_COORD.value, _NPROC.value, _PID.value)
   try:
     summary = run(_CONFIG.value, _WORKDIR.value)
   except (TrainingError, ckpt_lib.WorkdirMismatch) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-  if jax.process_index() == 0:
-    losses = summary["losses"]
-    last = losses[max(losses)] if losses else float("nan")
-    print(f"done: steps {summary['start_step']}→{summary['end_step']}, last loss {last:.4f}, "
-          f"eval {summary['eval']}, {summary['seconds']:.0f} s")
+  losses = summary["losses"]
+  last = losses[max(losses)] if losses else float("nan")
+  print(f"done (process {jax.process_index()}): steps {summary['start_step']}→"
+        f"{summary['end_step']}, last loss {last:.4f}, eval {summary['eval']}, "
+        f"{summary['seconds']:.0f} s")
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with a one-line message (not a traceback) for a bad --config override."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    print(f"error: {e}", file=sys.stderr)
+  except (AttributeError, KeyError, TypeError, ValueError) as e:
+    # ml_collections raises these for an unknown key ('stepz' ... Did you mean "steps"?).
+    text = " ".join(str(e).replace("\\n", " ").replace("\\'", "'").strip("'\" ").split())
+    text = re.sub(r"^([^'\s]+)' ", r"'\1' ", text)  # "'stepz' Did you mean ..."
+    given = " ".join(a for a in argv[1:] if a.startswith("--config."))
+    print(f"error: a --config override does not fit the config file: {text} (overrides given: "
+          f"{given}); fix the key or value", file=sys.stderr)
+  sys.exit(2)
 
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config", "workdir"])
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -1,0 +1,411 @@
+"""The training launch end to end (issue 7): `python -m launch.train` in subprocesses on a micro model.
+
+One uninterrupted reference run (mesh data 4 × expert 2, 4 steps, checkpoints at 2 and 4) is shared:
+
+* bitwise resume: the same run SIGKILLed after checkpoint 1, resumed, SIGTERMed (it saves and exits
+  0), resumed again, logs the same loss bits at every step and ends with the same state bits;
+* a damaged newest checkpoint is skipped for the one before, which is restored onto another mesh
+  (data 2 × expert 4): the losses after the restore match within a float32 tolerance;
+* a poisoned parameter makes every step non-finite: nothing is applied, the run stops after
+  `train.max_bad_steps`, the last good checkpoint stays as it was;
+* bad input stops before any step with a message naming what to change;
+* two processes on 127.0.0.1 train one model, each on its own data shard, with equal losses.
+
+Every subprocess shares a JAX persistent compilation cache and a data cache (tokenizer) in a
+temporary folder, so only the first run of each mesh compiles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG = os.path.join(REPO, "tests", "launch", "micro_config.py")
+STEPS = 4
+# Compile fast: the XLA CPU backend's LLVM optimisation level changes speed, not semantics
+# (every compared run uses the same flags).
+FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+TIMEOUT = 400
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+  root = tmp_path_factory.mktemp("launch")
+  e = dict(os.environ)
+  e.update(
+      XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {FAST_XLA}",
+      JAX_PLATFORMS="cpu",
+      JAX_COMPILATION_CACHE_DIR=str(root / "jax_cache"),
+      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+      PYTHONUNBUFFERED="1",
+  )
+  e.pop("JAX_COORDINATOR_ADDRESS", None)
+  # The default-corpus BPE tokenizer, trained once (a few seconds) before any run reads it.
+  cache = str(root / "data_cache")
+  subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+      import importlib.util
+      from data.pipeline import make_tokenizer
+      spec = importlib.util.spec_from_file_location("micro", {CONFIG!r})
+      m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
+      cfg = m.get_config(); cfg.data.cache_dir = {cache!r}
+      make_tokenizer(cfg)
+      """)], cwd=REPO, env=e, check=True, timeout=TIMEOUT)
+  return {"env": e, "root": root, "data_cache": cache}
+
+
+def args(env, workdir, *overrides):
+  return [sys.executable, "-m", "launch.train", f"--config={CONFIG}", f"--workdir={workdir}",
+          f"--config.data.cache_dir={env['data_cache']}", *overrides]
+
+
+def start(env, workdir, *overrides, extra_env=None, driver=None):
+  """Popen of the launcher (or of `driver`, a list [code, *leading args] run with python -c)."""
+  e = dict(env["env"], **(extra_env or {}))
+  cmd = args(env, workdir, *overrides)
+  if driver is not None:
+    cmd = [sys.executable, "-c", *driver] + cmd[3:]
+  log = open(os.path.join(env["root"], f"log-{os.path.basename(workdir)}-{time.time_ns()}"), "w+")
+  p = subprocess.Popen(cmd, cwd=REPO, env=e, stdout=log, stderr=subprocess.STDOUT)
+  p.log = log
+  return p
+
+
+def finish(p, timeout=TIMEOUT) -> tuple[int, str]:
+  try:
+    rc = p.wait(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    p.kill()
+    p.wait()
+    rc = "timeout"
+  p.log.seek(0)
+  out = p.log.read()
+  p.log.close()
+  return rc, out
+
+
+def train(env, workdir, *overrides, **kw) -> str:
+  rc, out = finish(start(env, workdir, *overrides, **kw))
+  assert rc == 0, out[-6000:]
+  return out
+
+
+def metrics(workdir) -> list[dict]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def step_losses(records) -> dict[int, float]:
+  return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def ckpt_steps(workdir) -> list[int]:
+  d = os.path.join(workdir, "checkpoints")
+  return sorted(int(n) for n in os.listdir(d) if n.isdigit())
+
+
+def load_state(workdir, step) -> dict:
+  import jax
+  import orbax.checkpoint as ocp
+  state = ocp.PyTreeCheckpointer().restore(os.path.join(workdir, "checkpoints", str(step), "state"))
+  return jax.tree.map(np.asarray, state)
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+  import jax
+  return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def files_digest(path) -> dict[str, str]:
+  out = {}
+  for dirpath, _, names in os.walk(path):
+    for n in names:
+      full = os.path.join(dirpath, n)
+      with open(full, "rb") as f:
+        out[os.path.relpath(full, path)] = hashlib.sha256(f.read()).hexdigest()
+  return out
+
+
+def wait_for(cond, proc, what, timeout=TIMEOUT):
+  t0 = time.time()
+  while not cond():
+    if proc.poll() is not None:
+      rc, out = finish(proc)
+      pytest.fail(f"run ended (rc {rc}) before {what}:\n{out[-6000:]}")
+    if time.time() - t0 > timeout:
+      proc.kill()
+      pytest.fail(f"timed out waiting for {what}")
+    time.sleep(0.02)
+
+
+MESH_A = ("--config.mesh.data=4", "--config.mesh.expert=2")
+MESH_B = ("--config.mesh.data=2", "--config.mesh.expert=4")
+
+
+@pytest.fixture(scope="module")
+def reference(env):
+  """The uninterrupted run: 4 steps on data 4 × expert 2, checkpoints at 2 and 4.
+
+  With a configured peak FLOP/s (so MFU is logged) and the progress bar on."""
+  workdir = str(env["root"] / "reference")
+  t0 = time.time()
+  out = train(env, workdir, *MESH_A, "--config.train.progress_bar=True",
+              "--config.train.peak_flops_per_device=1e12")
+  print(f"reference run: {time.time() - t0:.0f} s")
+  return {"workdir": workdir, "out": out, "records": metrics(workdir),
+          "losses": step_losses(metrics(workdir))}
+
+
+def test_reference_run_logs(reference):
+  """Every step logs step, loss, the step-time split (data wait vs compute), tokens/s and MFU;
+  the progress bar shows loss, tokens/s, step time and MFU; the startup phases are logged."""
+  recs = [r for r in reference["records"] if "loss" in r]
+  assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
+  for r in recs:
+    assert np.isfinite(r["loss"]) and r["finite"] is True
+    assert r["step_time"] > 0 and 0 <= r["data_wait"] <= r["step_time"]
+    assert r["compute_time"] == pytest.approx(r["step_time"] - r["data_wait"], rel=1e-9, abs=1e-12)
+    assert r["tokens_per_second"] == pytest.approx(8 * 32 / r["step_time"], rel=1e-9)
+    assert r["tokens_seen"] == r["step"] * 8 * 32
+    assert 0 < r["mfu"] < 1
+    assert r["data/rows"] == r["step"] * 8
+  out = reference["out"]
+  keys = ("loss=", "tok_s=", "step_s=", "mfu=")
+  assert any(all(k in seg for k in keys) for seg in out.split("\r")), out[-3000:]
+  assert "startup: config and data" in out and "first step (compile and run)" in out
+  assert ckpt_steps(reference["workdir"]) == [2, 4]
+  # The loss moves: the optimizer updates what the next step sees.
+  assert len(set(reference["losses"].values())) == STEPS
+
+
+def test_bitwise_resume_after_sigkill_and_sigterm(env, reference):
+  """SIGKILL after checkpoint 1, resume, SIGTERM after the next checkpoint (saves, exits 0),
+  resume to the end: every logged loss (replayed steps included) and the final state (params,
+  optimizer state, MoE biases, step) equal the uninterrupted run's bit for bit."""
+  workdir = str(env["root"] / "chain")
+  ckpt = ("--config.train.checkpoint_every=1",)
+  # 1. SIGKILL once checkpoint 1 is complete on disk.
+  p = start(env, workdir, *MESH_A, *ckpt)
+  wait_for(lambda: os.path.isdir(os.path.join(workdir, "checkpoints", "1")), p, "checkpoint 1")
+  p.send_signal(signal.SIGKILL)
+  rc, out1 = finish(p)
+  assert rc == -signal.SIGKILL, out1[-3000:]
+  killed_at = ckpt_steps(workdir)[-1]
+  assert killed_at < STEPS
+  # 2. Resume; SIGTERM once it has written a newer checkpoint.
+  p = start(env, workdir, *MESH_A, *ckpt)
+  wait_for(lambda: ckpt_steps(workdir)[-1] > killed_at, p, f"a checkpoint after {killed_at}")
+  p.send_signal(signal.SIGTERM)
+  rc, out2 = finish(p)
+  assert rc == 0, out2[-3000:]
+  assert f"resumed from step {killed_at}" in out2
+  saved = re.search(r"SIGTERM: saved step (\d+), exiting", out2)
+  assert saved, out2[-3000:]
+  term_step = int(saved.group(1))
+  assert ckpt_steps(workdir)[-1] == term_step
+  # 3. Resume to the end.
+  out3 = train(env, workdir, *MESH_A, *ckpt)
+  assert f"resumed from step {term_step}" in out3
+  records = [r for r in metrics(workdir) if "loss" in r]
+  assert {r["step"] for r in records} == set(range(1, STEPS + 1))
+  ref = reference["losses"]
+  for r in records:  # exact float equality: same bits (json keeps every float32 digit)
+    assert r["loss"] == ref[r["step"]], (r["step"], r["loss"], ref[r["step"]])
+  # No MFU without a known peak on CPU.
+  assert all("mfu" not in r for r in records)
+  got, want = flat(load_state(workdir, STEPS)), flat(load_state(reference["workdir"], STEPS))
+  assert got.keys() == want.keys()
+  bad = [k for k in want if not np.array_equal(got[k], want[k])]
+  assert not bad, bad[:5]
+
+
+def corrupt(step_dir):
+  rng = np.random.default_rng(0)
+  for dirpath, _, names in os.walk(os.path.join(step_dir, "state")):
+    for n in names:
+      full = os.path.join(dirpath, n)
+      size = max(os.path.getsize(full), 16)
+      with open(full, "wb") as f:
+        f.write(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+
+
+def test_damaged_newest_checkpoint_and_other_mesh(env, reference):
+  """The newest checkpoint (4) is damaged: the restart warns, moves it aside, resumes from 2 on
+  data 2 × expert 4, and steps 3 and 4 give the uninterrupted run's losses.
+
+  Tolerance: step 3 starts from the bitwise-restored state on the same batch, only the order of
+  the float32 reductions differs (batch sum over 2 vs 4 shards, expert sums placed differently):
+  a few ulps, |Δloss| <= 1e-5 × loss. Step 4 adds one optimizer update computed from those
+  reordered gradients (Muon's Newton-Schulz iterations amplify the rounding), so 1e-4."""
+  workdir = str(env["root"] / "other_mesh")
+  shutil.copytree(reference["workdir"], workdir)
+  corrupt(os.path.join(workdir, "checkpoints", "4"))
+  n_before = len(metrics(workdir))
+  out = train(env, workdir, *MESH_B)
+  assert "checkpoint at step 4 cannot be restored" in out
+  assert "resumed from step 2" in out
+  assert os.path.isdir(os.path.join(workdir, "checkpoints", "damaged-4"))
+  assert ckpt_steps(workdir) == [2, 4]
+  new = step_losses(metrics(workdir)[n_before:])
+  assert sorted(new) == [3, 4]
+  ref = reference["losses"]
+  print("mesh change relative loss differences:",
+        {s: abs(new[s] - ref[s]) / ref[s] for s in new})
+  assert new[3] == pytest.approx(ref[3], rel=1e-5)
+  assert new[4] == pytest.approx(ref[4], rel=1e-4)
+
+
+SPY = textwrap.dedent("""
+    # Driver: launch.train with the restored parameters poisoned (one NaN in the final norm) and
+    # the jitted train step observed from outside (inputs copied before the call, outputs after).
+    import json, sys
+    import jax, numpy as np
+    from absl import app
+    from launch import checkpoint as ckpt_lib, train
+
+    out_path = sys.argv.pop(1)
+    records = []
+    real_restore = ckpt_lib.Checkpointer.restore_latest
+
+    def poisoned_restore(self, abstract, data_iter):
+      step, state = real_restore(self, abstract, data_iter)
+      def poison(path, x):
+        if "final_norm" in jax.tree_util.keystr(path):
+          return jax.device_put(x.at[0].set(np.nan), x.sharding)
+        return x
+      state["params"] = jax.tree_util.tree_map_with_path(poison, state["params"])
+      return step, state
+
+    def same(a, b):
+      return all(np.array_equal(x, y, equal_nan=True)
+                 for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+    def spy_jit(fn, **kw):
+      jitted = jax.jit(fn, **kw)
+      if kw.get("donate_argnums") != (0, 1, 2):
+        return jitted
+      def call(params, opt_state, moe_bias, batch):
+        before = jax.device_get((params, opt_state, moe_bias))
+        out = jitted(params, opt_state, moe_bias, batch)
+        after = jax.device_get(out[:3])
+        nan_params = sum(int(np.isnan(x).sum()) for x in jax.tree.leaves(after[0]))
+        records.append(dict(finite=bool(out[3]["finite"]), params=same(before[0], after[0]),
+                            opt_state=same(before[1], after[1]),
+                            moe_bias=same(before[2], after[2]), nan_params=nan_params))
+        with open(out_path, "w") as f:
+          json.dump(records, f)
+        return out
+      return call
+
+    class JaxWithSpy:
+      jit = staticmethod(spy_jit)
+      def __getattr__(self, name):
+        return getattr(jax, name)
+
+    ckpt_lib.Checkpointer.restore_latest = poisoned_restore
+    train.jax = JaxWithSpy()
+    app.run(train.main, flags_parser=train.parse_flags)
+    """)
+
+
+def test_nonfinite_steps_are_not_applied(env, reference):
+  """A NaN in a restored parameter makes every step's loss non-finite: each step returns the
+  parameters, optimizer state and MoE biases it was given (bit for bit, NaN included), after
+  `train.max_bad_steps` = 2 such steps the run stops with a message (exit 2), and the last good
+  checkpoint (4) is intact: same files, no newer step written."""
+  workdir = str(env["root"] / "nonfinite")
+  shutil.copytree(reference["workdir"], workdir)
+  before = files_digest(os.path.join(workdir, "checkpoints"))
+  spy_out = str(env["root"] / "spy.json")
+  n_before = len(metrics(workdir))
+  p = start(env, workdir, *MESH_A, "--config.train.steps=8", "--config.train.max_bad_steps=2",
+            driver=[SPY, spy_out])
+  rc, out = finish(p)
+  assert rc == 2, out[-6000:]
+  assert "2 consecutive steps had a non-finite loss or gradient" in out
+  assert "The last good checkpoint is intact" in out
+  with open(spy_out) as f:
+    calls = json.load(f)
+  assert len(calls) == 2
+  for c in calls:
+    assert c == dict(finite=False, params=True, opt_state=True, moe_bias=True, nan_params=1), c
+  new = metrics(workdir)[n_before:]
+  assert [r["step"] for r in new] == [5, 6]
+  assert all(r["finite"] is False and r["loss"] is None for r in new)
+  assert ckpt_steps(workdir) == [2, 4]
+  assert files_digest(os.path.join(workdir, "checkpoints")) == before
+
+
+def test_bad_input_stops_before_any_step(env, reference):
+  """Each mistake stops before the first step (no metrics written) with a message naming the fix."""
+  cases = {
+      "unknown_key": (("--config.train.stepz=3",), ["'stepz'", 'Did you mean "steps"']),
+      "mesh": (("--config.mesh.data=3",), ["config.mesh", "8 are available"]),
+      "batch": (("--config.data.batch_size=6", "--config.mesh.data=8"),
+                ["data.batch_size (6)", "multiple of 8"]),
+      "model": (("--config.model.hidden_size=64",), ["another model", "hidden_size",
+                                                     "stored 32 vs now 64"]),
+  }
+  procs = {}
+  for name, (overrides, _) in cases.items():
+    workdir = reference["workdir"] if name == "model" else str(env["root"] / f"bad_{name}")
+    procs[name] = (start(env, workdir, *overrides), workdir)
+  before = files_digest(reference["workdir"] + "/checkpoints")
+  for name, (p, workdir) in procs.items():
+    rc, out = finish(p, timeout=120)
+    assert rc == 2, (name, out[-3000:])
+    for text in cases[name][1]:
+      assert text in out, (name, text, out[-3000:])
+    assert "Traceback" not in out, out[-3000:]
+    if name != "model":
+      assert not os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+  assert len(metrics(reference["workdir"])) == len(reference["records"])
+  assert files_digest(reference["workdir"] + "/checkpoints") == before
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_train_one_model(env):
+  """Two processes (one CPU device each) on 127.0.0.1 train one model over a data-2 mesh: each
+  reads its own data shard (different first-batch hashes), both log the same global loss at
+  every step, and both finish."""
+  workdir = str(env["root"] / "two_proc")
+  port = free_port()
+  one_device = {"XLA_FLAGS": f"--xla_force_host_platform_device_count=1 {FAST_XLA}"}
+  procs = [start(env, workdir, "--config.mesh.data=-1", "--config.data.batch_size=4",
+                 "--config.train.steps=2", f"--coordinator_address=127.0.0.1:{port}",
+                 "--num_processes=2", f"--process_id={i}", extra_env=one_device)
+           for i in range(2)]
+  outs = [finish(p) for p in procs]
+  for i, (rc, out) in enumerate(outs):
+    assert rc == 0, (i, out[-6000:])
+    assert f"done (process {i}): steps 0→2" in out
+  digests, losses = [], []
+  for i, (_, out) in enumerate(outs):
+    m = re.search(rf"process {i}: first batch at step 1: 4 rows, tokens sha256 (\w+)", out)
+    assert m, out[-3000:]
+    digests.append(m.group(1))
+    losses.append({int(s): float(v) for s, v in
+                   re.findall(rf"process {i} step (\d+) loss (\S+) ", out)})
+  assert digests[0] != digests[1]
+  assert sorted(losses[0]) == [1, 2]
+  assert losses[0] == losses[1]
+  assert step_losses(metrics(workdir)) == losses[0]
+  assert ckpt_steps(workdir) == [2]
