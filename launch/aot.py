@@ -463,8 +463,9 @@ def format_plan(name: str, plan: dict[str, Any], compiled: dict[str, Any] | None
                  f"{m['alias'] / GiB:.3f} GiB")
     lines.append(f"    temporaries    {_gib(m['temp'])}   (gradients, activations, workspace)")
     lines.append(f"    peak           {_gib(m['peak'])}")
-    lines.append(f"  XLA flops per device {compiled['xla_flops_per_device']:.4g}; model formula "
-                 f"(all devices) {compiled['formula_flops']:.4g}")
+    lines.append(f"  XLA cost_analysis flops per device {compiled['xla_flops_per_device']:.4g}; model "
+                 f"FLOPs of the step (formula, all devices) {compiled['formula_flops']:.4g} "
+                 f"(not comparable with scan/remat/optimizer: see dsv41_jax/flops.py)")
   return "\n".join(lines)
 
 

@@ -134,3 +134,24 @@ def test_compiled_plan_arguments_are_params_optimizer_and_batch():
   assert m["argument"] == pytest.approx(expected, rel=0.01, abs=4096)
   assert m["alias"] > 0.99 * (plan["param_bytes"] + plan["opt_bytes"])
   assert m["temp"] > plan["param_bytes"]  # the gradients at least
+
+
+def test_small_configs_keep_flash_layout_and_plan():
+  """`configs/small.layout` at Flash's depth reproduces the released layer roles; every size builds
+  a valid ModelConfig, growing in width, depth and experts; s1 plans on an 8-device mesh."""
+  from configs import flash, small
+  ref = model_config(flash.get_config())
+  got = small.layout(ref.num_hidden_layers)
+  for k, v in got.items():
+    assert getattr(ref, k) == v, k
+  last = (0, 0, 0)
+  for name in sorted(small.SIZES):
+    cfg = small.get_config(name)
+    mcfg = model_config(cfg)
+    assert mcfg.seq_len == cfg.data.seq_len and mcfg.vision is not None
+    now = (mcfg.hidden_size, mcfg.num_hidden_layers, mcfg.n_routed_experts)
+    assert all(a > b for a, b in zip(now, last)), name
+    last = now
+  sizes = aot.resolve_mesh({"data": 2, "expert": 4}, 8)
+  plan = aot.analytic_plan(model_config(small.get_config("s1")), sizes, 8, 256)
+  assert plan["rows_per_device"] == 1 and plan["opt_bytes"] >= plan["param_bytes"]

@@ -1,0 +1,125 @@
+"""Train-step time (compile seconds, step seconds, tokens/s) of real configs on this host, and the
+memory plan of Flash on a 512-device mesh (analytic: it cannot compile here).
+
+  python benchmarks/step_time.py                        # tiny and small:s1 (batch 2 × seq 256)
+  python benchmarks/step_time.py --only=tiny --steps=5
+  python benchmarks/step_time.py --only=plan            # the Flash plan only
+
+Each config runs the same jitted, donated train step as launch.train (launch.step) on one device,
+on random packed rows (one document per row, no images), after a compile whose time is reported
+separately; tokens/s counts every row token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from configs import flash, small, tiny  # noqa: E402
+from configs.common import model_config  # noqa: E402
+from dsv41_jax import flops, inputs, model as model_lib, sharding  # noqa: E402
+from launch import aot  # noqa: E402
+from launch.step import make_train_step  # noqa: E402
+from optim.chain import build_optimizer, init_opt_state  # noqa: E402
+from optim.config import optim_config  # noqa: E402
+
+
+def random_batch(cfg: ml_collections.ConfigDict, mcfg, B: int, seed: int = 0) -> dict:
+  T = cfg.data.seq_len
+  rng = np.random.default_rng(seed)
+  tok = rng.integers(3, mcfg.vocab_size, (B, T)).astype(np.int32)
+  seg = np.ones((B, T), np.int32)
+  shapes = aot.abstract_batch(cfg, mcfg, B)
+  batch = {k: np.zeros(v.shape, v.dtype) for k, v in shapes.items() if k != "engram_ids"}
+  batch.update(tokens=tok, targets=np.roll(tok, -1, 1), loss_mask=np.ones((B, T), bool),
+               segment_ids=seg, positions=np.tile(np.arange(T, dtype=np.int32), (B, 1)))
+  if "image_starts" in batch:
+    batch["image_starts"][:] = -1
+  if mcfg.engram_layer_ids:
+    cmap = np.arange(mcfg.vocab_size) % mcfg.engram_compressed_vocab_size
+    batch["engram_ids"] = inputs.engram_ids(mcfg, tok, seg, batch["image_mask"], cmap)
+  return batch
+
+
+def step_time(name: str, cfg: ml_collections.ConfigDict, steps: int) -> dict:
+  mcfg = model_config(cfg)
+  B, T = cfg.data.batch_size, cfg.data.seq_len
+  mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
+  with jax.set_mesh(mesh):
+    model = model_lib.init_model(mcfg, 0, mesh)
+  graphdef, params = nnx.split(model)
+  params = nnx.as_pure(params)
+  ocfg = optim_config({**dict(cfg.optim), "tokens_per_step": B * T})
+  tx = build_optimizer(ocfg, params)
+  shard = jax.tree.map(lambda x: x.sharding, params)
+  opt_state = init_opt_state(tx, params, shard)
+  rep = NamedSharding(mesh, P())
+  bias = jax.device_put(model_lib.zero_moe_bias(mcfg), rep)
+  batch = jax.device_put(random_batch(cfg, mcfg, B), rep)
+  fn = jax.jit(make_train_step(mcfg, graphdef, tx, ocfg.moe_bias_gamma), donate_argnums=(0, 1, 2))
+  t0 = time.perf_counter()
+  with jax.set_mesh(mesh):
+    compiled = fn.lower(params, opt_state, bias, batch).compile()
+  compile_s = time.perf_counter() - t0
+  params, opt_state, bias, m = compiled(params, opt_state, bias, batch)  # warm-up
+  jax.block_until_ready(m["loss"])
+  t0 = time.perf_counter()
+  for _ in range(steps):
+    params, opt_state, bias, m = compiled(params, opt_state, bias, batch)
+  jax.block_until_ready(m["loss"])
+  dt = (time.perf_counter() - t0) / steps
+  out = dict(name=name, params=model_lib.param_count(params), batch=B, seq=T,
+             compile_s=compile_s, step_s=dt, tokens_per_s=B * T / dt, loss=float(m["loss"]),
+             model_flops_per_token=flops.train_flops_per_token(mcfg.replace(seq_len=T)))
+  print(f"{name}: {out['params'] / 1e6:.1f} M params, batch {B} × {T}: compile {compile_s:.1f} s, "
+        f"step {dt:.3f} s, {out['tokens_per_s']:,.0f} tokens/s, loss {out['loss']:.3f}, "
+        f"achieved {out['tokens_per_s'] * out['model_flops_per_token'] / 1e9:.2f} GFLOP/s (model)",
+        flush=True)
+  return out
+
+
+def flash_plan() -> str:
+  cfg = flash.get_config()
+  lines = []
+  for mesh, rules in [("fsdp:8,expert:8,engram:8", None),
+                      ("fsdp:8,expert:8,engram:8", "engram_rows=engram+fsdp+expert"),
+                      ("fsdp:8,expert:8,engram:4,tensor:2",
+                       "engram_rows=engram+fsdp+expert+tensor")]:
+    _, _, text = aot.plan(cfg, mesh, batch=512, seq_len=4096, rules_text=rules, analytic=True,
+                          name="configs/flash.py" + (f" (rules {rules})" if rules else ""))
+    lines.append(text)
+  out = "\n\n".join(lines)
+  print(out, flush=True)
+  return out
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--only", choices=["tiny", "s1", "plan"], default=None)
+  ap.add_argument("--steps", type=int, default=3)
+  args = ap.parse_args()
+  if args.only in (None, "plan"):
+    flash_plan()
+  if args.only in (None, "tiny"):
+    step_time("tiny", tiny.get_config(), args.steps)
+  if args.only in (None, "s1"):
+    cfg = small.get_config("s1")
+    cfg.data.batch_size, cfg.data.seq_len = 2, 256
+    cfg.model.seq_len = 256
+    step_time("small:s1 (batch 2 × 256)", cfg, args.steps)
+
+
+if __name__ == "__main__":
+  main()
