@@ -25,7 +25,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import app, flags
@@ -102,6 +101,13 @@ def check_batch(cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> int:
   return global_batch
 
 
+def replicate(x, sharding: NamedSharding) -> jax.Array:
+  """A host value as a replicated global array (valid with several processes, unlike
+  `jax.device_put` of a process-local array)."""
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
 def batch_digest(batch: dict[str, np.ndarray]) -> str:
   """sha256 (first 16 hex digits) of a host batch's tokens: which data a process saw."""
   import hashlib
@@ -170,7 +176,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   except (KeyError, ValueError) as e:  # the data section's checks name the field
     raise TrainingError(f"config.data: {_message(e)}") from None
   t_data = time.time()
-  token_bytes = jnp.asarray(evaluation.token_byte_lengths(tok, mcfg.vocab_size))
+  token_bytes = replicate(evaluation.token_byte_lengths(tok, mcfg.vocab_size),
+                          NamedSharding(mesh, P()))
 
   def prepare(batch):
     batch = dict(batch)
@@ -189,13 +196,13 @@ def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   param_shardings = jax.tree.map(lambda x: x.sharding, params)
   opt_state = init_opt_state(tx, params, param_shardings)
   replicated = NamedSharding(mesh, P())
-  moe_bias = jax.device_put(model_lib.zero_moe_bias(mcfg), replicated)
+  moe_bias = replicate(model_lib.zero_moe_bias(mcfg), replicated)
 
   checkpointer = ckpt_lib.Checkpointer(workdir, tcfg.keep_checkpoints)
   start = 0
   restored = checkpointer.restore_latest(
       ckpt_lib.abstract_like({"params": params, "opt_state": opt_state, "moe_bias": moe_bias,
-                              "step": jax.device_put(jnp.zeros((), jnp.int32), replicated)}),
+                              "step": replicate(np.int32(0), replicated)}),
       train_it)
   if restored is not None:
     start, state = restored
@@ -224,7 +231,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
   def save(step):
     state = {"params": params, "opt_state": opt_state, "moe_bias": moe_bias,
-             "step": jax.device_put(jnp.asarray(step, jnp.int32), replicated)}
+             "step": replicate(np.int32(step), replicated)}
     checkpointer.save(step, state, train_it)
 
   losses: dict[int, float] = {}
@@ -257,13 +264,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         bad_in_a_row = 0
       else:
         bad_in_a_row += 1
-        log.warning("step %d: non-finite loss %s or gradient norm %s; update skipped", step,
-                    loss, float(m["grad_norm"]))
-        if bad_in_a_row >= tcfg.max_bad_steps:
-          raise TrainingError(
-              f"{bad_in_a_row} consecutive steps had a non-finite loss or gradient (last at step "
-              f"{step}); stopping. The last good checkpoint is intact in {checkpointer.directory}"
-              f" (steps {checkpointer.steps()}); lower optim.lr or check the data.")
+        log.warning("step %d: non-finite loss %s, gradient norm %s or update norm %s; update "
+                    "skipped", step, loss, float(m["grad_norm"]), float(m["update_norm"]))
       if step % tcfg.log_every == 0 or step == tcfg.steps:
         step_time = window_t / window_steps
         tps = tokens_per_step / step_time
@@ -288,6 +290,11 @@ def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         window_t, window_wait, window_steps = 0.0, 0.0, 0
       if bar is not None:
         bar.update(1)
+      if bad_in_a_row >= tcfg.max_bad_steps:  # after the step's metrics are logged
+        raise TrainingError(
+            f"{bad_in_a_row} consecutive steps had a non-finite loss or gradient (last at step "
+            f"{step}); stopping. The last good checkpoint is intact in {checkpointer.directory}"
+            f" (steps {checkpointer.steps()}); lower optim.lr or check the data.")
       if tcfg.eval_every and (step % tcfg.eval_every == 0 or step == tcfg.steps):
         last_eval = evaluation.evaluate(
             lambda b: eval_step(params, moe_bias, prepare(b), token_bytes),

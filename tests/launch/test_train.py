@@ -118,9 +118,14 @@ def ckpt_steps(workdir) -> list[int]:
 
 
 def load_state(workdir, step) -> dict:
+  import warnings
+
   import jax
   import orbax.checkpoint as ocp
-  state = ocp.PyTreeCheckpointer().restore(os.path.join(workdir, "checkpoints", str(step), "state"))
+  with warnings.catch_warnings():  # "sharding info not provided": read as saved, same 8 devices
+    warnings.simplefilter("ignore", UserWarning)
+    state = ocp.PyTreeCheckpointer().restore(
+        os.path.join(workdir, "checkpoints", str(step), "state"))
   return jax.tree.map(np.asarray, state)
 
 
@@ -159,11 +164,13 @@ MESH_B = ("--config.mesh.data=2", "--config.mesh.expert=4")
 def reference(env):
   """The uninterrupted run: 4 steps on data 4 × expert 2, checkpoints at 2 and 4.
 
-  With a configured peak FLOP/s (so MFU is logged) and the progress bar on."""
+  With a configured peak FLOP/s (so MFU is logged), the progress bar on and a held-out
+  evaluation (2 batches) after the last step."""
   workdir = str(env["root"] / "reference")
   t0 = time.time()
   out = train(env, workdir, *MESH_A, "--config.train.progress_bar=True",
-              "--config.train.peak_flops_per_device=1e12")
+              "--config.train.peak_flops_per_device=1e12", "--config.train.eval_every=4",
+              "--config.train.eval_batches=2")
   print(f"reference run: {time.time() - t0:.0f} s")
   return {"workdir": workdir, "out": out, "records": metrics(workdir),
           "losses": step_losses(metrics(workdir))}
@@ -187,6 +194,13 @@ def test_reference_run_logs(reference):
   assert any(all(k in seg for k in keys) for seg in out.split("\r")), out[-3000:]
   assert "startup: config and data" in out and "first step (compile and run)" in out
   assert ckpt_steps(reference["workdir"]) == [2, 4]
+  evals = [r for r in reference["records"] if "eval/loss" in r]
+  assert [r["step"] for r in evals] == [STEPS]
+  ev = evals[0]
+  assert ev["eval/tokens"] > 0 and ev["eval/tokens"] <= 2 * 8 * 32
+  assert np.isfinite(ev["eval/loss"]) and ev["eval/loss"] > 0
+  # bits/byte = bits/token ÷ bytes/token, and a BPE token of this corpus covers > 1 byte.
+  assert 0 < ev["eval/bits_per_byte"] < ev["eval/loss"] / np.log(2)
   # The loss moves: the optimizer updates what the next step sees.
   assert len(set(reference["losses"].values())) == STEPS
 
