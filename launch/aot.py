@@ -429,7 +429,7 @@ def compiled_plan(cfg: ml_collections.ConfigDict, sizes: Mapping[str, int], glob
 # --- report -------------------------------------------------------------------------------------
 
 def _gib(x: float) -> str:
-  return f"{x / GiB:10.3f} GiB"
+  return f"{x / GiB:10.3f} GiB" if x >= GiB else f"{x / 2**20:10.3f} MiB"
 
 
 def format_plan(name: str, plan: dict[str, Any], compiled: dict[str, Any] | None) -> str:
@@ -447,20 +447,20 @@ def format_plan(name: str, plan: dict[str, Any], compiled: dict[str, Any] | None
     lines.append(f"    {a:7s} ({plan['mesh'][a]}): {fam}{batch}")
   lines.append("  per device (analytic):")
   lines.append(f"    parameters     {_gib(plan['param_bytes'])}   by group: " + ", ".join(
-      f"{g} {v / GiB:.3f}" for g, v in sorted(plan["param_bytes_by_group"].items())))
+      f"{g} {_gib(v).strip()}" for g, v in sorted(plan["param_bytes_by_group"].items())))
   lines.append(f"    gradients      {_gib(plan['grad_bytes'])}")
   lines.append(f"    optimizer      {_gib(plan['opt_bytes'])}   (1 buffer muon/sinkhorn, 2 adamw)")
   act = plan["activation_bytes"]
   lines.append(f"    activations    {_gib(act['total'])}   estimate: carries "
-               f"{act['carries'] / GiB:.3f} + largest unit {act['unit_work'] / GiB:.3f} + logits "
-               f"{act['logits'] / GiB:.3f}")
+               f"{_gib(act['carries']).strip()} + largest unit {_gib(act['unit_work']).strip()} + "
+               f"logits {_gib(act['logits']).strip()}")
   lines.append(f"    total          {_gib(plan['total_bytes'])}")
   if compiled:
     m = compiled["memory"]
     lines.append(f"  per device (XLA memory_analysis, compiled in {compiled['compile_seconds']:.1f} s):")
     lines.append(f"    arguments      {_gib(m['argument'])}   (params + optimizer state + batch)")
     lines.append(f"    outputs        {_gib(m['output'])}   aliased with donated inputs "
-                 f"{m['alias'] / GiB:.3f} GiB")
+                 f"{_gib(m['alias']).strip()}")
     lines.append(f"    temporaries    {_gib(m['temp'])}   (gradients, activations, workspace)")
     lines.append(f"    peak           {_gib(m['peak'])}")
     lines.append(f"  XLA cost_analysis flops per device {compiled['xla_flops_per_device']:.4g}; model "
