@@ -65,7 +65,7 @@ def device_batch(mc, b: dict, blank: bool, vcfg) -> dict:
 def setup(args):
   """Config, model definition and the jitted steps, shared by both runs (one compile each)."""
   cfg = tiny.get_config()
-  cfg.data.text_weight, cfg.data.multimodal_weight = 1.0, 1.0
+  cfg.data.text_weight, cfg.data.multimodal_weight = args.text_weight, 1.0
   mc = common.model_config(cfg)
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: M.Transformer(mc, nnx.Rngs(0))))
   # AdamW rather than the project's Muon chain: the comparison is about the images, and the
@@ -97,7 +97,11 @@ def setup(args):
 
 def run(blank: bool, args, setup_) -> dict:
   cfg, mc, tx, step, eval_sums = setup_
-  params = nnx.as_pure(nnx.split(M.Transformer(mc, nnx.Rngs(args.seed)))[1])
+  model = M.Transformer(mc, nnx.Rngs(args.seed))
+  if args.vit_checkpoint:   # the two-stage recipe: start the ViT from the SigLIP stage
+    from launch.vit_pretrain import load_vit
+    load_vit(model, args.vit_checkpoint)
+  params = nnx.as_pure(nnx.split(model)[1])
   opt_state = tx.init(params)
   bias = M.zero_moe_bias(mc)
   it = pipeline.make_train_iterator(cfg)
@@ -128,6 +132,10 @@ def main():
   ap.add_argument("--eval_batches", type=int, default=24)
   ap.add_argument("--lr", type=float, default=3e-3)
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--text_weight", type=float, default=0.25,
+                  help="text tokens per multimodal token in the training mixture")
+  ap.add_argument("--vit_checkpoint", default="",
+                  help="start both runs' ViT from this launch.vit_pretrain checkpoint (workdir/vit)")
   args = ap.parse_args()
   res, su = {}, setup(args)
   for blank in (False, True):

@@ -146,7 +146,8 @@ def main(argv):
   model = SigLIP(vcfg, int(cfg.model.vocab_size), nnx.Rngs(_SEED.value))
   graphdef, state = nnx.split(model)
   params = nnx.as_pure(state)
-  sched = optax.warmup_cosine_decay_schedule(0.0, _LR.value, min(20, steps), steps, _LR.value * 0.1)
+  sched = optax.warmup_cosine_decay_schedule(0.0, _LR.value, min(20, steps // 2), steps,
+                                             _LR.value * 0.1)
   tx = optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=1e-4)
   opt_state = tx.init(params)
 
