@@ -4,10 +4,13 @@ memory plan of Flash on a 512-device mesh (analytic: it cannot compile here).
   python benchmarks/step_time.py                        # tiny and small:s1 (batch 2 × seq 256)
   python benchmarks/step_time.py --only=tiny --steps=5
   python benchmarks/step_time.py --only=plan            # the Flash plan only
+  JAX_PLATFORMS=cuda python benchmarks/step_time.py --only=s1 --batch=16 --seq=1024   # not run yet
 
 Each config runs the same jitted, donated train step as launch.train (launch.step) on one device,
-on random packed rows (one document per row, no images), after a compile whose time is reported
-separately; tokens/s counts every row token.
+on random packed rows (one document per row), after a compile whose time is reported separately;
+tokens/s counts every row token. `--images` gives the rows the data pipeline's (empty) image
+slots, so the ViT runs over them as in a multimodal run; without it the rows are text-only.
+MFU = tokens/s × model FLOPs per token (dsv41_jax.flops) / the device's peak (launch.metrics).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import os
 import sys
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # JAX_PLATFORMS=cuda for a GPU
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
@@ -30,19 +33,22 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from configs import flash, small, tiny  # noqa: E402
 from configs.common import model_config  # noqa: E402
 from dsv41_jax import flops, inputs, model as model_lib, sharding  # noqa: E402
-from launch import aot  # noqa: E402
+from launch import aot, metrics as metrics_lib  # noqa: E402
 from launch.step import make_train_step  # noqa: E402
 from optim.chain import build_optimizer, init_opt_state  # noqa: E402
 from optim.config import optim_config  # noqa: E402
 
 
-def random_batch(cfg: ml_collections.ConfigDict, mcfg, B: int, seed: int = 0) -> dict:
+def random_batch(cfg: ml_collections.ConfigDict, mcfg, B: int, seed: int = 0,
+                 images: bool = False) -> dict:
   T = cfg.data.seq_len
   rng = np.random.default_rng(seed)
   tok = rng.integers(3, mcfg.vocab_size, (B, T)).astype(np.int32)
   seg = np.ones((B, T), np.int32)
-  shapes = aot.abstract_batch(cfg, mcfg, B)
-  batch = {k: np.zeros(v.shape, v.dtype) for k, v in shapes.items() if k != "engram_ids"}
+  batch = {"image_mask": np.zeros((B, T), bool)}
+  if images:
+    shapes = aot.abstract_batch(cfg, mcfg, B)
+    batch = {k: np.zeros(v.shape, v.dtype) for k, v in shapes.items() if k != "engram_ids"}
   batch.update(tokens=tok, targets=np.roll(tok, -1, 1), loss_mask=np.ones((B, T), bool),
                segment_ids=seg, positions=np.tile(np.arange(T, dtype=np.int32), (B, 1)))
   if "image_starts" in batch:
@@ -53,7 +59,7 @@ def random_batch(cfg: ml_collections.ConfigDict, mcfg, B: int, seed: int = 0) ->
   return batch
 
 
-def step_time(name: str, cfg: ml_collections.ConfigDict, steps: int) -> dict:
+def step_time(name: str, cfg: ml_collections.ConfigDict, steps: int, images: bool = False) -> dict:
   mcfg = model_config(cfg)
   B, T = cfg.data.batch_size, cfg.data.seq_len
   mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
@@ -67,7 +73,7 @@ def step_time(name: str, cfg: ml_collections.ConfigDict, steps: int) -> dict:
   opt_state = init_opt_state(tx, params, shard)
   rep = NamedSharding(mesh, P())
   bias = jax.device_put(model_lib.zero_moe_bias(mcfg), rep)
-  batch = jax.device_put(random_batch(cfg, mcfg, B), rep)
+  batch = jax.device_put(random_batch(cfg, mcfg, B, images=images), rep)
   fn = jax.jit(make_train_step(mcfg, graphdef, tx, ocfg.moe_bias_gamma), donate_argnums=(0, 1, 2))
   t0 = time.perf_counter()
   with jax.set_mesh(mesh):
@@ -83,10 +89,14 @@ def step_time(name: str, cfg: ml_collections.ConfigDict, steps: int) -> dict:
   out = dict(name=name, params=model_lib.param_count(params), batch=B, seq=T,
              compile_s=compile_s, step_s=dt, tokens_per_s=B * T / dt, loss=float(m["loss"]),
              model_flops_per_token=flops.train_flops_per_token(mcfg.replace(seq_len=T)))
-  print(f"{name}: {out['params'] / 1e6:.1f} M params, batch {B} × {T}: compile {compile_s:.1f} s, "
-        f"step {dt:.3f} s, {out['tokens_per_s']:,.0f} tokens/s, loss {out['loss']:.3f}, "
-        f"achieved {out['tokens_per_s'] * out['model_flops_per_token'] / 1e9:.2f} GFLOP/s (model)",
-        flush=True)
+  achieved = out["tokens_per_s"] * out["model_flops_per_token"]
+  peak = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind, 0.0)
+  out["mfu"] = None if peak is None else achieved / peak
+  mfu = "" if peak is None else f", MFU {out['mfu']:.2%} of {peak / 1e12:.0f} TFLOP/s"
+  print(f"{name} on {jax.devices()[0].device_kind}: {out['params'] / 1e6:.1f} M params, batch {B} "
+        f"× {T}{' (+ image slots)' if images else ''}: compile {compile_s:.1f} s, step {dt:.3f} s, "
+        f"{out['tokens_per_s']:,.0f} tokens/s, loss {out['loss']:.3f}, model "
+        f"{achieved / 1e9:.2f} GFLOP/s{mfu}", flush=True)
   return out
 
 
@@ -109,16 +119,19 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--only", choices=["tiny", "s1", "plan"], default=None)
   ap.add_argument("--steps", type=int, default=3)
+  ap.add_argument("--batch", type=int, default=2, help="s1 rows per step")
+  ap.add_argument("--seq", type=int, default=256, help="s1 sequence length")
+  ap.add_argument("--images", action="store_true", help="rows with (empty) image slots")
   args = ap.parse_args()
   if args.only in (None, "plan"):
     flash_plan()
   if args.only in (None, "tiny"):
-    step_time("tiny", tiny.get_config(), args.steps)
+    step_time("tiny", tiny.get_config(), args.steps, args.images)
   if args.only in (None, "s1"):
     cfg = small.get_config("s1")
-    cfg.data.batch_size, cfg.data.seq_len = 2, 256
-    cfg.model.seq_len = 256
-    step_time("small:s1 (batch 2 × 256)", cfg, args.steps)
+    cfg.data.batch_size, cfg.data.seq_len = args.batch, args.seq
+    cfg.model.seq_len = args.seq
+    step_time("small:s1", cfg, args.steps, args.images)
 
 
 if __name__ == "__main__":
