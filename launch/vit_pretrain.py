@@ -41,7 +41,7 @@ from dsv41_jax.vision.siglip import SigLIP, l2_normalize
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=False)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
-_STEPS = flags.DEFINE_integer("steps", 300, "Training steps.")
+_STEPS = flags.DEFINE_integer("steps", 400, "Training steps.")
 _BATCH = flags.DEFINE_integer("batch_size", 64, "Pairs per step (the sigmoid loss's N).")
 _LR = flags.DEFINE_float("lr", 2e-3, "Peak AdamW learning rate (warm-up 20 steps, cosine).")
 _EVAL = flags.DEFINE_integer("eval_pairs", 200, "Held-out pairs for retrieval.")

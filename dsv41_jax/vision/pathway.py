@@ -17,7 +17,7 @@ import jax
 from flax import nnx
 
 from dsv41_jax import sharding
-from dsv41_jax.vision.merge import merge_image_embeddings
+from dsv41_jax.vision.merge import check_image_batch, merge_image_embeddings
 from dsv41_jax.vision.projector import Projector
 from dsv41_jax.vision.vit import ViT
 
@@ -41,7 +41,14 @@ def image_embeddings(vit: ViT, projector: Projector, images_BxMxPxPx3: jax.Array
 
 def embed_with_images(vit: ViT, projector: Projector, h_BxTxD: jax.Array, batch: dict, *,
                       train_vit: bool) -> jax.Array:
-  """Token embeddings with the batch's image spans replaced by their image embeddings."""
+  """Token embeddings with the batch's image spans replaced by their image embeddings.
+
+  Called outside `jit` (concrete arrays), the batch is first checked by `check_image_batch`; under
+  `jit` the host loader must run that check (a traced batch cannot raise).
+  """
+  keys = ("images", "image_cells", "image_starts", "image_count", "image_mask")
+  if not any(isinstance(batch.get(k), jax.core.Tracer) for k in keys):
+    check_image_batch(batch, cell_px=vit.cfg.cell_px, max_image_size=vit.cfg.max_image_size)
   e = image_embeddings(vit, projector, batch["images"], batch["image_cells"], train_vit=train_vit)
   h = merge_image_embeddings(h_BxTxD, e, batch["image_cells"], batch["image_starts"],
                              batch["image_count"])

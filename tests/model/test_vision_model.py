@@ -187,3 +187,12 @@ def test_sharded_pathway_and_gradients_equal_single_device(cfg, split_model):
     scale = max(float(np.abs(np.asarray(a)).max()), 1e-6)
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5 * scale,
                                err_msg=jax.tree_util.keystr(path))
+
+
+def test_eager_call_checks_the_rows(cfg, split_model):
+  model = nnx.merge(*split_model)
+  batch = make_batch(cfg, seed=6)
+  mask = np.asarray(batch["image_mask"]).copy()
+  mask[3, int(batch["image_starts"][3, 1])] = False
+  with pytest.raises(ValueError, match=r"row 3: 4 placeholder tokens do not match its 2 images"):
+    model(dict(batch, image_mask=jnp.asarray(mask)), M.zero_moe_bias(cfg))
