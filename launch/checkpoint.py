@@ -33,6 +33,10 @@ class WorkdirMismatch(ValueError):
   """The work directory holds a checkpoint of another model."""
 
 
+class RestoreError(RuntimeError):
+  """Checkpoints exist but none can be restored (damaged, or saved by an incompatible run)."""
+
+
 def _jsonable(tree: Any) -> Any:
   if isinstance(tree, dict):
     return {k: _jsonable(v) for k, v in tree.items()}
@@ -86,8 +90,10 @@ class Checkpointer:
     """Restore the newest readable checkpoint into `data_iter`; None when there is none.
 
     Damaged checkpoints newer than the one restored are moved aside to `damaged-<step>` (the run
-    will save those steps again, and orbax refuses to overwrite a step)."""
-    damaged = []
+    will save those steps again, and orbax refuses to overwrite a step). When checkpoints exist
+    but none restores, nothing is moved and `RestoreError` says so: starting over silently would
+    hide an incompatible configuration (another optimizer state layout, say)."""
+    damaged, errors = [], []
     result = None
     for step in reversed(self.steps()):
       try:
@@ -101,6 +107,12 @@ class Checkpointer:
         log.warning("checkpoint at step %d cannot be restored (%s: %s); trying an older one",
                     step, type(e).__name__, first_line)
         damaged.append(step)
+        errors.append(f"step {step}: {type(e).__name__}: {first_line}")
+    if damaged and result is None:
+      raise RestoreError(
+          f"none of the checkpoints in {self.directory} can be restored ({'; '.join(errors)}); "
+          "if they are damaged, move them away; if the optimizer or model settings changed, "
+          "restore those settings or use a new --workdir")
     if damaged:
       self._move_aside(damaged)
     return result

@@ -127,7 +127,10 @@ def to_global(batch: dict[str, np.ndarray], mesh) -> dict[str, Any]:
 
 
 class _Stop:
-  """SIGTERM sets a flag the loop reads after the step in flight."""
+  """SIGTERM sets a flag the loop reads after the step in flight.
+
+  With several processes they must stop after the same step (the save is collective), so
+  `agreed()` asks every process and stops all of them when any one was signalled."""
 
   def __init__(self):
     self.requested = False
@@ -135,6 +138,12 @@ class _Stop:
 
   def _handle(self, signum, frame):
     self.requested = True
+
+  def agreed(self) -> bool:
+    if jax.process_count() == 1:
+      return self.requested
+    from jax.experimental import multihost_utils
+    return bool(np.max(multihost_utils.process_allgather(np.int32(self.requested))))
 
   def restore(self):
     signal.signal(signal.SIGTERM, self._old)
@@ -149,6 +158,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     raise TrainingError(f"config.model: {_message(e)}") from None
   mesh = build_mesh(cfg)
   global_batch = check_batch(cfg, mesh)
+  log.info("mesh %s over %d devices, %d process(es); global batch %d rows",
+           dict(mesh.shape), mesh.size, jax.process_count(), global_batch)
   tcfg = cfg.train
   try:
     ocfg = optim_config({**dict(cfg.optim),
@@ -238,6 +249,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   bad_in_a_row = 0
   last_eval: dict[str, float] = {}
   step = start
+  saved = start if restored is not None else None
   window_t, window_wait, window_steps = 0.0, 0.0, 0
   try:
     while step < tcfg.steps:
@@ -302,10 +314,16 @@ def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             tcfg.eval_batches)
         writer.write(step, {f"eval/{k}": v for k, v in last_eval.items()})
         log.info("step %d eval %s", step, last_eval)
-      if finite and (step % tcfg.checkpoint_every == 0 or step == tcfg.steps or stop.requested):
+      stopping = stop.agreed()
+      if finite and (step % tcfg.checkpoint_every == 0 or step == tcfg.steps or stopping):
         save(step)
-      if stop.requested:
-        log.warning("SIGTERM: saved step %d, exiting", step)
+        saved = step
+      if stopping:
+        if saved == step:
+          log.warning("SIGTERM: saved step %d, exiting", step)
+        else:
+          log.warning("SIGTERM: step %d was not finite and is not saved (last checkpoint: %s); "
+                      "exiting", step, saved)
         break
   finally:
     checkpointer.close()
@@ -332,7 +350,7 @@ def main(argv):
   init_distributed(_COORD.value, _NPROC.value, _PID.value)
   try:
     summary = run(_CONFIG.value, _WORKDIR.value)
-  except (TrainingError, ckpt_lib.WorkdirMismatch) as e:
+  except (TrainingError, ckpt_lib.WorkdirMismatch, ckpt_lib.RestoreError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   losses = summary["losses"]

@@ -260,15 +260,23 @@ def test_damaged_newest_checkpoint_and_other_mesh(env, reference):
   """The newest checkpoint (4) is damaged: the restart warns, moves it aside, resumes from 2 on
   data 2 × expert 4, and steps 3 and 4 give the uninterrupted run's losses.
 
-  Tolerance: step 3 starts from the bitwise-restored state on the same batch, only the order of
-  the float32 reductions differs (batch sum over 2 vs 4 shards, expert sums placed differently):
-  a few ulps, |Δloss| <= 1e-5 × loss. Step 4 adds one optimizer update computed from those
-  reordered gradients (Muon's Newton-Schulz iterations amplify the rounding), so 1e-4."""
+  Tolerance: step 3 starts from the bitwise-restored state on the same batch; the batch is split
+  8 ways on both meshes (data × expert), but the expert weights and the cross-device sums are
+  placed differently, so XLA may order float32 reductions differently: the mean over 256 target
+  tokens can move by ~log2(256) ulps, hence rel 2e-6 (≈ 16 ulps). Step 4 adds one optimizer
+  update from gradients carrying such rounding (Muon's Newton-Schulz iterations and the
+  normalised updates amplify it by at most a few ×10), hence rel 2e-5. (On jax 0.10.2 CPU both
+  meshes give identical loss bits.) The state after step 4 is not bitwise equal: each leaf's
+  distance to the reference stays within 5e-4 of how far that leaf moved in steps 3-4 (observed
+  <= 8e-5, on the mHC `fn` matrices, whose Muon orthogonalisation amplifies gradient rounding);
+  leaves that did not move must match exactly."""
   workdir = str(env["root"] / "other_mesh")
   shutil.copytree(reference["workdir"], workdir)
   corrupt(os.path.join(workdir, "checkpoints", "4"))
   n_before = len(metrics(workdir))
   out = train(env, workdir, *MESH_B)
+  mesh_line = re.search(r"mesh (\{.*?\}) over 8 devices", out)
+  assert mesh_line and "'data': 2" in mesh_line.group(1) and "'expert': 4" in mesh_line.group(1)
   assert "checkpoint at step 4 cannot be restored" in out
   assert "resumed from step 2" in out
   assert os.path.isdir(os.path.join(workdir, "checkpoints", "damaged-4"))
@@ -278,8 +286,14 @@ def test_damaged_newest_checkpoint_and_other_mesh(env, reference):
   ref = reference["losses"]
   print("mesh change relative loss differences:",
         {s: abs(new[s] - ref[s]) / ref[s] for s in new})
-  assert new[3] == pytest.approx(ref[3], rel=1e-5)
-  assert new[4] == pytest.approx(ref[4], rel=1e-4)
+  assert new[3] == pytest.approx(ref[3], rel=2e-6)
+  assert new[4] == pytest.approx(ref[4], rel=2e-5)
+  got, want = flat(load_state(workdir, STEPS)), flat(load_state(reference["workdir"], STEPS))
+  base = flat(load_state(reference["workdir"], 2))
+  for k in want:
+    moved = float(np.abs(want[k].astype(np.float64) - base[k]).max())
+    diff = float(np.abs(got[k].astype(np.float64) - want[k]).max())
+    assert diff <= 5e-4 * moved, (k, diff, moved)
 
 
 SPY = textwrap.dedent("""
@@ -364,7 +378,10 @@ def test_nonfinite_steps_are_not_applied(env, reference):
 
 
 def test_bad_input_stops_before_any_step(env, reference):
-  """Each mistake stops before the first step (no metrics written) with a message naming the fix."""
+  """Each mistake stops before the first step (no metrics written) with a message naming the fix:
+  an unknown config key, a mesh that does not match the 8 devices, a batch that does not split
+  over the data axes, a work directory of another model, a work directory whose checkpoints
+  are all damaged."""
   cases = {
       "unknown_key": (("--config.train.stepz=3",), ["'stepz'", 'Did you mean "steps"']),
       "mesh": (("--config.mesh.data=3",), ["config.mesh", "8 are available"]),
@@ -373,9 +390,16 @@ def test_bad_input_stops_before_any_step(env, reference):
       "model": (("--config.model.hidden_size=64",), ["another model", "hidden_size",
                                                      "stored 32 vs now 64"]),
   }
+  # Every checkpoint damaged: no silent restart from scratch, nothing moved.
+  cases["all_damaged"] = ((*MESH_A,), ["none of the checkpoints", "can be restored"])
+  all_damaged = str(env["root"] / "bad_all_damaged")
+  shutil.copytree(reference["workdir"], all_damaged)
+  for step in (2, 4):
+    corrupt(os.path.join(all_damaged, "checkpoints", str(step)))
   procs = {}
   for name, (overrides, _) in cases.items():
-    workdir = reference["workdir"] if name == "model" else str(env["root"] / f"bad_{name}")
+    workdir = {"model": reference["workdir"], "all_damaged": all_damaged}.get(
+        name, str(env["root"] / f"bad_{name}"))
     procs[name] = (start(env, workdir, *overrides), workdir)
   before = files_digest(reference["workdir"] + "/checkpoints")
   for name, (p, workdir) in procs.items():
@@ -384,8 +408,11 @@ def test_bad_input_stops_before_any_step(env, reference):
     for text in cases[name][1]:
       assert text in out, (name, text, out[-3000:])
     assert "Traceback" not in out, out[-3000:]
-    if name != "model":
+    assert "first step (compile and run)" not in out
+    if name not in ("model", "all_damaged"):
       assert not os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+  assert ckpt_steps(all_damaged) == [2, 4]
+  assert len(metrics(all_damaged)) == len(reference["records"])
   assert len(metrics(reference["workdir"])) == len(reference["records"])
   assert files_digest(reference["workdir"] + "/checkpoints") == before
 
