@@ -74,7 +74,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from configs.common import model_config  # noqa: E402
 from dsv41_jax import flops, inputs, model as model_lib, sharding  # noqa: E402
-from dsv41_jax.config import ModelConfig  # noqa: E402
+from dsv41_jax.config import ConfigError, ModelConfig  # noqa: E402
 from dsv41_jax.layer_plan import build_layer_plan  # noqa: E402
 from optim import table as table_lib  # noqa: E402
 from optim.chain import build_optimizer, opt_state_shardings  # noqa: E402
@@ -440,7 +440,7 @@ def format_plan(name: str, plan: dict[str, Any], compiled: dict[str, Any] | None
                f"global batch {plan['global_batch']} × seq {plan['seq_len']}, "
                f"{plan['rows_per_device']} row(s) per device (batch over {plan['batch_axes']})"
                f"{plan.get('batch_note', '')}")
-  lines.append(f"  parameters {plan['total_params'] / 1e9:.3f} B in total")
+  lines.append(f"  parameters {plan['total_params']:,} in total")
   lines.append("  mesh axes:")
   for a, fam in plan["axes_use"].items():
     batch = " + the batch" if a in plan["batch_axes"] else ""
@@ -492,14 +492,17 @@ def plan(cfg: ml_collections.ConfigDict, mesh_text: str, *, batch: int | None = 
   compiled = None
   reason = ""
   if not analytic and a_plan["total_params"] > max_compile_params:
-    reason = (f"  ({a_plan['total_params'] / 1e9:.1f} B parameters > --max_compile_params="
+    reason = (f"  ({a_plan['total_params']:,} parameters > --max_compile_params="
               f"{max_compile_params:.3g}: analytic plan only)")
     analytic = True
   if not analytic:
     c_cfg = ml_collections.ConfigDict(cfg.to_dict())
     c_cfg.data.batch_size = gb
     compiled = compiled_plan(c_cfg, sizes, gb, rules)
-  text = format_plan(name, a_plan, compiled) + ("\n" + reason if reason else "")
+  text = format_plan(name, a_plan, compiled)
+  if reason:
+    head, rest = text.split("\n", 1)
+    text = f"{head}\n{reason}\n{rest}"
   return a_plan, compiled, text
 
 
@@ -512,7 +515,7 @@ def main(argv):
                       analytic=F.analytic, rules_text=F.rules,
                       max_compile_params=F.max_compile_params,
                       name=_flag(sys.argv, "config") or "config")
-  except PlanError as e:
+  except (PlanError, ConfigError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   print(text)
