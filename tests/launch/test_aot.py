@@ -110,8 +110,6 @@ def _cli(*args):
 def test_cli_errors_and_analytic_fallback():
   r = _cli("--config=configs/tiny.py", "--mesh=data:8,experts:4")
   assert r.returncode == 2 and "unknown mesh axis 'experts'" in r.stderr, r.stderr[-2000:]
-  r = _cli("--config=configs/tiny.py", "--mesh=data:4,expert:4", "--devices=8")
-  assert r.returncode == 2 and "has 16 positions but there are 8 devices" in r.stderr
   r = _cli("--config=configs/tiny.py", "--mesh=data:8,expert:4", "--max_compile_params=1e5")
   assert r.returncode == 0, r.stderr[-2000:]
   assert "ANALYTIC" in r.stdout and "analytic plan only" in r.stdout
