@@ -20,6 +20,10 @@ shardings alone, per device,
                (`optim.table.STATE_BUFFERS`; groups from `optim.table.label_params`),
   activations  an estimate (`activation_bytes`), whose formula is in that function's docstring.
 The batch is split over the mesh axes of the logical axis "batch"; b = global batch / those ways.
+
+`--rules` overrides entries of `sharding.RULES` for the plan: the parameter, optimizer-state and
+batch shardings (analytic and compiled). The model's own activation constraints inside the step
+keep reading `sharding.RULES`, so a compiled what-if is only as faithful as those agree.
 """
 
 from __future__ import annotations
@@ -403,8 +407,8 @@ def xla_flops(compiled) -> float:
 
 def memory_stats(compiled) -> dict[str, float]:
   """XLA's per-device memory analysis; peak ≈ arguments + outputs − aliased + temporaries."""
-  m = compiled.memory_analysis()
-  out = {k: float(getattr(m, f"{k}_size_in_bytes", 0) or 0)
+  m = compiled.memory_analysis()  # None where a backend does not report it
+  out = {k: float(getattr(m, f"{k}_size_in_bytes", 0) or 0) if m is not None else float("nan")
          for k in ("argument", "output", "alias", "temp", "generated_code")}
   out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
   return out
