@@ -156,3 +156,15 @@ def test_config_validation_names_fields():
     VisionConfig(hidden_size=100, num_heads=16)
   with pytest.raises(ConfigError, match="multiple of 4"):
     VisionConfig(hidden_size=96, num_heads=16)
+
+
+def test_nested_vision_section_of_the_config_tree():
+  from configs import common, tiny
+  cfg = tiny.get_config()
+  cfg.model.vision.num_layers = 3            # a command-line override lands here
+  mc = common.model_config(cfg)
+  assert isinstance(mc.vision, VisionConfig) and mc.vision.num_layers == 3
+  assert mc.vision.hidden_size == 64 and mc.vision.patch_size == 14   # the rest: tiny / defaults
+  assert tuple(cfg.optim.frozen) == ("vision/**",) and cfg.optim.unfreeze_at == "decay_start"
+  with pytest.raises(KeyError, match=r"config.model.vision has unknown keys \['depth'\]"):
+    common.base_config(model={"vision": {"depth": 3}})
