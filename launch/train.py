@@ -150,7 +150,18 @@ class _Stop:
 
 
 def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Train per `cfg` in `workdir`; returns a summary (last losses, steps run, eval figures)."""
+  """Train per `cfg` in `workdir`; returns a summary (last losses, steps run, eval figures).
+
+  The SIGTERM handler is installed first, so a SIGTERM during start-up (data, compilation)
+  also ends in a saved checkpoint and a clean exit, after the first step."""
+  stop = _Stop()
+  try:
+    return _run(cfg, workdir, stop)
+  finally:
+    stop.restore()
+
+
+def _run(cfg: ml_collections.ConfigDict, workdir: str, stop: _Stop) -> dict[str, Any]:
   t_start = time.time()
   try:
     mcfg = model_config(cfg)
@@ -234,7 +245,6 @@ def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   peak = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind,
                                            tcfg.peak_flops_per_device)
   tokens_per_step = global_batch * cfg.data.seq_len
-  stop = _Stop()
   bar = None
   if primary and tcfg.progress_bar:
     from tqdm import tqdm
@@ -328,7 +338,6 @@ def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   finally:
     checkpointer.close()
     writer.close()
-    stop.restore()
     if bar is not None:
       bar.close()
   return {"start_step": start, "end_step": step, "losses": losses, "eval": last_eval,

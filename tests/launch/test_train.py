@@ -423,30 +423,50 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow  # ~75-105 s on the loaded 2-core box: a cold compile in each process
 def test_two_processes_train_one_model(env):
   """Two processes (one CPU device each) on 127.0.0.1 train one model over a data-2 mesh: each
   reads its own data shard (different first-batch hashes), both log the same global loss at
-  every step, and both finish."""
+  every step, and both finish; the checkpoint they save together is complete."""
   workdir = str(env["root"] / "two_proc")
-  port = free_port()
   one_device = {"XLA_FLAGS": f"--xla_force_host_platform_device_count=1 {FAST_XLA}"}
-  procs = [start(env, workdir, "--config.mesh.data=-1", "--config.data.batch_size=4",
-                 "--config.train.steps=2", f"--coordinator_address=127.0.0.1:{port}",
-                 "--num_processes=2", f"--process_id={i}", extra_env=one_device)
-           for i in range(2)]
-  outs = [finish(p) for p in procs]
-  for i, (rc, out) in enumerate(outs):
-    assert rc == 0, (i, out[-6000:])
+
+  def both(steps):
+    port = free_port()
+    procs = [start(env, workdir, "--config.mesh.data=-1", "--config.data.batch_size=4",
+                   f"--config.train.steps={steps}", f"--coordinator_address=127.0.0.1:{port}",
+                   "--num_processes=2", f"--process_id={i}", extra_env=one_device)
+             for i in range(2)]
+    outs = [finish(p) for p in procs]
+    for i, (rc, out) in enumerate(outs):
+      assert rc == 0, (i, out[-6000:])
+    return [out for _, out in outs]
+
+  def parse(outs, first_step):
+    digests, losses = [], []
+    for i, out in enumerate(outs):
+      m = re.search(rf"process {i}: first batch at step {first_step}: 4 rows, tokens sha256 "
+                    r"(\w+)", out)
+      assert m, out[-3000:]
+      digests.append(m.group(1))
+      losses.append({int(s): float(v) for s, v in
+                     re.findall(rf"process {i} step (\d+) loss (\S+) ", out)})
+    return digests, losses
+
+  outs = both(2)
+  for i, out in enumerate(outs):
+    assert f"mesh {{'data': 2," in out and "2 process(es)" in out
     assert f"done (process {i}): steps 0→2" in out
-  digests, losses = [], []
-  for i, (_, out) in enumerate(outs):
-    m = re.search(rf"process {i}: first batch at step 1: 4 rows, tokens sha256 (\w+)", out)
-    assert m, out[-3000:]
-    digests.append(m.group(1))
-    losses.append({int(s): float(v) for s, v in
-                   re.findall(rf"process {i} step (\d+) loss (\S+) ", out)})
+  digests, losses = parse(outs, 1)
   assert digests[0] != digests[1]
   assert sorted(losses[0]) == [1, 2]
   assert losses[0] == losses[1]
   assert step_losses(metrics(workdir)) == losses[0]
   assert ckpt_steps(workdir) == [2]
+  # Both resume from the checkpoint they saved together, each with its own data position.
+  outs = both(3)
+  digests3, losses3 = parse(outs, 3)
+  for i, out in enumerate(outs):
+    assert "resumed from step 2" in out and f"done (process {i}): steps 2→3" in out
+  assert digests3[0] != digests3[1] and not set(digests3) & set(digests)
+  assert sorted(losses3[0]) == [3] and losses3[0] == losses3[1]
