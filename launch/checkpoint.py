@@ -9,7 +9,8 @@ Layout of a work directory:
 Saves are asynchronous; `CheckpointManager` keeps the newest `keep` steps and only lists a step
 once it is complete, so a save that fails or is killed never replaces the last good checkpoint.
 A newest checkpoint that cannot be restored (damaged files) is skipped with a warning in favour
-of the one before. Restoring takes abstract leaves that carry the *current* mesh's shardings, so a
+of the one before, and moved aside to `damaged-<step>`; when checkpoints exist but none restores,
+`RestoreError` stops the run instead of silently starting over. Restoring takes abstract leaves that carry the *current* mesh's shardings, so a
 run can resume on a different mesh shape.
 """
 

@@ -9,8 +9,10 @@ JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID; on SLURM, jax dete
 process reads its own data shard; `data.batch_size` rows per process make one global batch.
 
 A work directory that holds a checkpoint is resumed from it (on any mesh shape). SIGTERM saves a
-checkpoint and exits 0. A step with a non-finite loss or gradient is not applied; after
+checkpoint and exits 0. A step with a non-finite loss, gradient or update is not applied; after
 `train.max_bad_steps` such steps in a row the run stops, the last good checkpoint intact.
+Configuration mistakes (unknown key, mesh vs devices, batch vs data axes, a work directory of
+another model) stop before the first step with `error: ...` and exit status 2.
 """
 
 from __future__ import annotations
