@@ -180,21 +180,23 @@ class Transformer(nnx.Module):
     return logits, _collect(auxes)
 
   def _prefill_outputs(self, enc: StreamState, ctx: Context) -> dict[str, Any]:
-    """H_{L/2} and the decoder KV sources that project from it (MODEL.md §6)."""
+    """H_{L/2} and the decoder KV sources that project from it (MODEL.md §6): the first decoder
+    layer when it is a Full layer (its attention input is H_{L/2}) and every Full layer whose
+    `kv_input` is "encoder_final"."""
+    n_enc = self.plan.num_encoder_layers
     out: dict[str, Any] = {"encoder_state": enc, "decoder_kv": {}}
     for s, seg in enumerate(self.plan.segments):
-      for j, spec in enumerate(seg.unit):
-        own_input = spec.index == self.plan.num_encoder_layers and j == 0 and s > 0
-        if spec.mode == "full" and not spec.is_encoder and (
-            spec.kv_input == "encoder_final" or own_input):
-          for r in range(seg.repeats):
-            unit = self.segments[s]
-            if seg.repeats > 1:
-              g, p = nnx.split(unit)
-              unit = nnx.merge(g, jax.tree.map(lambda a: a[r], p))
-            layer_id = seg.first_layer + r * seg.unit_len + j
-            if spec.kv_input == "encoder_final" or layer_id == self.plan.num_encoder_layers:
-              out["decoder_kv"][layer_id] = unit.layers[j].prefill_kv(enc, ctx)
+      for r in range(seg.repeats):
+        for j, spec in enumerate(seg.unit):
+          layer_id = seg.first_layer + r * seg.unit_len + j
+          if spec.mode != "full" or spec.is_encoder or not (
+              spec.kv_input == "encoder_final" or layer_id == n_enc):
+            continue
+          unit = self.segments[s]
+          if seg.repeats > 1:
+            g, p = nnx.split(unit)
+            unit = nnx.merge(g, jax.tree.map(lambda a: a[r], p))
+          out["decoder_kv"][layer_id] = unit.layers[j].prefill_kv(enc, ctx)
     return out
 
 

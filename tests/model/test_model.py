@@ -13,15 +13,17 @@ from dsv41_jax.loss import objective
 
 
 def micro_config(**changes) -> ModelConfig:
-  """12 layers: SWA, SWA+Engram, Full+Engram, Reuse×3 (m=2) | Full, Reuse, (Reindex, Reuse)×2 (m=1)."""
+  """8 layers: SWA+Engram, Full+Engram, Reuse×2 (m=2) | Full, Reindex×3 (m=1, scanned)."""
   base = dict(
-      vocab_size=128, hidden_size=32, num_hidden_layers=12, num_attention_heads=4, head_dim=32,
+      vocab_size=128, hidden_size=32, num_hidden_layers=8, num_attention_heads=4, head_dim=32,
       qk_rope_head_dim=16, q_lora_rank=16, o_groups=2, o_lora_rank=16, sliding_window=8,
-      compress_ratios=(0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1), kv_source_layer_ids=(2, 6),
-      index_source_layer_ids=(2, 6, 8, 10), index_n_heads=2, index_head_dim=16, index_topk=4,
+      compress_ratios=(0, 2, 2, 2, 1, 1, 1, 1), kv_source_layer_ids=(1, 4),
+      index_source_layer_ids=(1, 4, 5, 6, 7), index_n_heads=2, index_head_dim=16, index_topk=4,
       yarn_enabled=False, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-      engram_layer_ids=(1, 2), engram_n_heads=2, engram_head_dim=8, engram_vocab_size=211,
-      engram_compressed_vocab_size=128, seq_len=32, dtype="float32", hc_init_fn_std=0.02)
+      engram_layer_ids=(0, 1), engram_n_heads=2, engram_head_dim=8, engram_vocab_size=211,
+      engram_compressed_vocab_size=128, seq_len=32, dtype="float32", hc_init_fn_std=0.02,
+      # Compile time dominates these tests; rematerialisation is exercised by the training runs.
+      remat=False)
   base.update(changes)
   return ModelConfig(**base)
 
@@ -127,10 +129,15 @@ def _flat(tree):
 
 
 def test_loss_isolation_and_sharded_equals_single_device(cfg, split_model):
-  """One program, compiled unsharded and on an 8-device mesh (data 2 × expert 2 × tensor 2):
+  """The indexer loss trains only indexer parameters and the LM loss never does (MODEL.md §5.5);
+  on an 8-device mesh (data 2 × expert 2 × tensor 2) the losses, logits and both gradients equal
+  the single-device results.
 
-  - the indexer loss trains only indexer parameters and the LM loss never does (MODEL.md §5.5);
-  - forward values and both gradients on the mesh equal the single-device results.
+  Tolerance: sharding only reorders float32 arithmetic, so the sharded run must be as close to a
+  float64 run of the same program as the single-device float32 run is: within 4× of the
+  single-device error, plus 1e-5 of the leaf's scale (~100 float32 ulps: the float64 program
+  keeps the residual streams and the routing in float32 as the model does, so it shares part of
+  the single-device rounding). A wrong collective or a missing partial sum is off by O(|g|).
   """
   graphdef, state = split_model
   bias = M.zero_moe_bias(cfg)
@@ -139,19 +146,22 @@ def test_loss_isolation_and_sharded_equals_single_device(cfg, split_model):
                                   pad_from=(None, 27, None, 30))
   batch = to_batch(cfg, tokens, seg, pos)
 
-  def parts(params, batch):
-    logits, aux = nnx.merge(graphdef, params)(batch, bias)
-    return objective(cfg, logits, aux, batch)[1], logits
+  def program(graphdef, cfg):
+    def parts(params, batch):
+      logits, aux = nnx.merge(graphdef, params)(batch, bias)
+      return objective(cfg, logits, aux, batch)[1], logits
 
-  def fn(params, batch):
-    (p, logits) = parts(params, batch)
-    g_lm = jax.grad(lambda q: parts(q, batch)[0]["lm_loss"])(params)
-    g_idx = jax.grad(lambda q: parts(q, batch)[0]["indexer_loss"])(params)
-    return p["lm_loss"], p["indexer_loss"], logits, g_lm, g_idx
+    def fn(params, batch):
+      p, logits = parts(params, batch)
+      g_lm = jax.grad(lambda q: parts(q, batch)[0]["lm_loss"])(params)
+      g_idx = jax.grad(lambda q: parts(q, batch)[0]["indexer_loss"])(params)
+      return (p["lm_loss"], p["indexer_loss"], logits), (g_lm, g_idx)
+    return jax.jit(fn)
 
-  lm1, idx1, logits1, g_lm1, g_idx1 = jax.jit(fn)(state, batch)
+  f32 = program(graphdef, cfg)
+  vals1, (g_lm, g_idx) = f32(state, batch)
 
-  flat_lm, flat_idx = _flat(g_lm1), _flat(g_idx1)
+  flat_lm, flat_idx = _flat(g_lm), _flat(g_idx)
   indexer_keys = [k for k in flat_lm if "'indexer'" in k]
   assert indexer_keys
   for k in flat_lm:
@@ -163,18 +173,29 @@ def test_loss_isolation_and_sharded_equals_single_device(cfg, split_model):
   assert any(np.any(flat_lm[k]) for k in flat_lm if "'attn'" in k)
 
   mesh = sharding.make_mesh({"data": 2, "expert": 2, "tensor": 2})
-  shard = sharding.state_shardings(state, mesh)
   rows = sharding.logical_to_mesh(("batch",))[0]
   with jax.set_mesh(mesh):
-    params = jax.device_put(state, shard)
+    params = jax.device_put(state, sharding.state_shardings(state, mesh))
     sbatch = jax.tree.map(lambda x: jax.device_put(x, jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec(rows, *([None] * (x.ndim - 1))))), batch)
-    lm2, idx2, logits2, g_lm2, g_idx2 = jax.jit(fn)(params, sbatch)
-  np.testing.assert_allclose(float(lm2), float(lm1), rtol=1e-5)
-  np.testing.assert_allclose(float(idx2), float(idx1), rtol=1e-4)
-  np.testing.assert_allclose(np.asarray(logits2), np.asarray(logits1), rtol=1e-4, atol=1e-4)
-  for g1, g2 in ((g_lm1, g_lm2), (g_idx1, g_idx2)):
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree.leaves(g2)):
-      scale = max(float(np.abs(np.asarray(a)).max()), 1e-6)
-      np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-4 * scale,
-                                 err_msg=jax.tree_util.keystr(path))
+    vals2, grads2 = program(graphdef, cfg)(params, sbatch)
+
+  with jax.enable_x64(True):
+    cfg64 = cfg.replace(dtype="float64", param_dtype="float64")
+    g64, _ = nnx.split(nnx.eval_shape(lambda: M.Transformer(cfg64, nnx.Rngs(0))))
+    to64 = lambda t: jax.tree.map(
+        lambda x: np.asarray(x, np.float64) if np.asarray(x).dtype == np.float32 else x, t)
+    vals64, grads64 = program(g64, cfg64)(to64(state), to64(batch))
+    vals64, grads64 = jax.tree.map(np.asarray, (vals64, grads64))
+
+  def close(a32, b32, ref, what):
+    a32, b32, ref = (np.asarray(x, np.float64) for x in (a32, b32, ref))
+    err1, err2 = np.abs(a32 - ref).max(), np.abs(b32 - ref).max()
+    assert err2 <= 4.0 * err1 + 1e-5 * max(np.abs(ref).max(), 1e-30), (what, err2, err1)
+
+  for name, a, b, ref in zip(("lm_loss", "indexer_loss", "logits"), vals1, vals2, vals64):
+    close(a, b, ref, name)
+  for g1, g2, ref in zip((g_lm, g_idx), grads2, grads64):
+    for (path, a), b, r in zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree.leaves(g2),
+                               jax.tree.leaves(ref)):
+      close(a, b, r, jax.tree_util.keystr(path))
