@@ -9,7 +9,8 @@ One uninterrupted reference run (mesh data 4 × expert 2, 4 steps, checkpoints a
 * a poisoned parameter makes every step non-finite: nothing is applied, the run stops after
   `train.max_bad_steps`, the last good checkpoint stays as it was;
 * bad input stops before any step with a message naming what to change;
-* two processes on 127.0.0.1 train one model, each on its own data shard, with equal losses.
+* two processes on 127.0.0.1 train one model, each on its own data shard, with equal losses,
+  and resume together (marked slow: a cold compile per process).
 
 Every subprocess shares a JAX persistent compilation cache and a data cache (tokenizer) in a
 temporary folder, so only the first run of each mesh compiles.
