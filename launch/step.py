@@ -30,13 +30,15 @@ def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
 
 def make_train_step(cfg: ModelConfig, graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                     bias_gamma: float) -> Callable:
-  def loss_fn(params, moe_bias, batch):
-    logits, aux = nnx.merge(graphdef, params)(model_inputs(batch), moe_bias)
+  def loss_fn(params, moe_bias, batch, train_vit):
+    logits, aux = nnx.merge(graphdef, params)(model_inputs(batch), moe_bias, train_vit=train_vit)
     total, parts = objective(cfg, logits, aux, batch)
     return total, (parts, aux)
 
-  def train_step(params, opt_state, moe_bias, batch):
-    (loss, (parts, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, moe_bias, batch)
+  def train_step(params, opt_state, moe_bias, batch, train_vit: bool = True):
+    """`train_vit` (static) is False while the ViT is frozen: no gradient is computed for it."""
+    (loss, (parts, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        params, moe_bias, batch, train_vit)
     grad_norm = optax.global_norm(grads)
     updates, new_opt_state = tx.update(grads, opt_state, params)
     update_norm = optax.global_norm(updates)

@@ -36,13 +36,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import config_flags
 
 from configs.common import model_config
+from data import images
 from data.pipeline import make_eval_iterator, make_tokenizer, make_train_iterator
 from dsv41_jax import flops, inputs, model as model_lib, sharding
 from dsv41_jax.engram.compression import build_compression_map
+from dsv41_jax.vision.merge import check_image_batch
 from launch import checkpoint as ckpt_lib
 from launch import evaluation, metrics as metrics_lib
 from launch.step import make_eval_step, make_train_step
-from optim.chain import build_optimizer, init_opt_state, learning_rates
+from optim.chain import build_optimizer, frozen_trainable, init_opt_state, learning_rates
 from optim.config import optim_config
 
 log = logging.getLogger("dsv41.train")
@@ -151,6 +153,13 @@ class _Stop:
     signal.signal(signal.SIGTERM, self._old)
 
 
+def _under_mesh(mesh, fn):
+  def call(*args):
+    with jax.set_mesh(mesh):
+      return fn(*args)
+  return call
+
+
 def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Train per `cfg` in `workdir`; returns a summary (last losses, steps run, eval figures).
 
@@ -205,6 +214,8 @@ def _run(cfg: ml_collections.ConfigDict, workdir: str, stop: _Stop) -> dict[str,
 
   def prepare(batch):
     batch = dict(batch)
+    if mcfg.vision is not None:  # the model cannot raise inside jit: check the image layout here
+      check_image_batch(batch, cell_px=images.CELL_PX, max_image_size=cfg.data.max_image_size)
     if mcfg.engram_layer_ids:
       batch["engram_ids"] = inputs.engram_ids(mcfg, batch["tokens"], batch["segment_ids"],
                                               batch["image_mask"], cmap)
@@ -236,11 +247,14 @@ def _run(cfg: ml_collections.ConfigDict, workdir: str, stop: _Stop) -> dict[str,
   log.info("startup: config and data %.1f s, model and optimizer state %.1f s",
            t_data - t_start, t_state - t_data)
 
-  train_step = jax.jit(
+  # Both steps trace under the mesh, so the model's sharding constraints apply and the MoE and
+  # Engram lookups run their expert- and engram-parallel shard_map paths.
+  train_step = _under_mesh(mesh, jax.jit(
       make_train_step(mcfg, graphdef, tx, ocfg.moe_bias_gamma), donate_argnums=(0, 1, 2),
+      static_argnums=(4,),
       out_shardings=(param_shardings, jax.tree.map(lambda x: x.sharding, opt_state), replicated,
-                     replicated))
-  eval_step = jax.jit(make_eval_step(mcfg, graphdef), out_shardings=replicated)
+                     replicated)))
+  eval_step = _under_mesh(mesh, jax.jit(make_eval_step(mcfg, graphdef), out_shardings=replicated))
 
   writer = metrics_lib.MetricWriter(workdir, primary)
   flops_per_token = flops.train_flops_per_token(mcfg.replace(seq_len=cfg.data.seq_len))
@@ -273,7 +287,9 @@ def _run(cfg: ml_collections.ConfigDict, workdir: str, stop: _Stop) -> dict[str,
                  batch_digest(host_batch))
       batch = prepare(host_batch)
       t1 = time.perf_counter()
-      params, opt_state, moe_bias, m = train_step(params, opt_state, moe_bias, batch)
+      # The ViT trains only once unfrozen (optim.frozen / unfreeze_at): one compile per phase.
+      train_vit = not ocfg.frozen or frozen_trainable(ocfg, step)
+      params, opt_state, moe_bias, m = train_step(params, opt_state, moe_bias, batch, train_vit)
       finite = bool(m["finite"])
       t2 = time.perf_counter()
       if step == start:
