@@ -26,9 +26,12 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
-_ROWS = flags.DEFINE_integer("rows", 1000, "Packed rows to produce.")
-_JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of text.")
+
+def _define_flags():
+  """Command-line flags, defined only when run as a program (tests import this module)."""
+  config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+  flags.DEFINE_integer("rows", 1000, "Packed rows to produce.")
+  flags.DEFINE_bool("json", False, "Print one JSON object instead of text.")
 
 
 def segment_lengths(batch: dict) -> np.ndarray:
@@ -124,9 +127,10 @@ def format_text(r: dict) -> str:
 
 def main(argv):
   del argv
-  r = report(_CONFIG.value, _ROWS.value)
-  print(json.dumps(r, indent=1) if _JSON.value else format_text(r))
+  r = report(flags.FLAGS.config, flags.FLAGS.rows)
+  print(json.dumps(r, indent=1) if flags.FLAGS.json else format_text(r))
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

@@ -13,8 +13,11 @@ from ml_collections import config_flags
 from configs.common import model_config
 from dsv41_jax.ledger import ledger
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
-_JSON = flags.DEFINE_bool("json", False, "Print one JSON object.")
+
+def _define_flags():
+  """Command-line flags, defined only when run as a program."""
+  config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+  flags.DEFINE_bool("json", False, "Print one JSON object.")
 
 
 def _fmt(key: str, value) -> str:
@@ -27,9 +30,9 @@ def _fmt(key: str, value) -> str:
 
 def main(argv):
   del argv
-  cfg = model_config(_CONFIG.value)
+  cfg = model_config(flags.FLAGS.config)
   result = ledger(cfg)
-  if _JSON.value:
+  if flags.FLAGS.json:
     print(json.dumps(result))
     return
   for k, v in result.items():
@@ -37,5 +40,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   flags.mark_flag_as_required("config")
   app.run(main)

@@ -39,14 +39,6 @@ from data import images, pipeline, shapes
 from dsv41_jax.vision.config import VisionConfig
 from dsv41_jax.vision.siglip import SigLIP, l2_normalize
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=False)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
-_STEPS = flags.DEFINE_integer("steps", 400, "Training steps.")
-_BATCH = flags.DEFINE_integer("batch_size", 64, "Pairs per step (the sigmoid loss's N).")
-_LR = flags.DEFINE_float("lr", 2e-3, "Peak AdamW learning rate (warm-up 20 steps, cosine).")
-_EVAL = flags.DEFINE_integer("eval_pairs", 200, "Held-out pairs for retrieval.")
-_TEXT_LEN = flags.DEFINE_integer("max_text_len", 48, "Caption tokens kept.")
-_SEED = flags.DEFINE_integer("seed", 0, "Parameter seed.")
 
 # Fields of VisionConfig that change how the ViT runs, not what its parameters are.
 _RUNTIME_FIELDS = ("scan_layers", "remat")
@@ -127,9 +119,22 @@ def load_vit(model, path: str) -> None:
   nnx.update(model.vision, state)
 
 
+def _define_flags():
+  """Command-line flags, defined only when run as a program (tests import this module beside
+  other entry points that define --config too)."""
+  config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=False)
+  flags.DEFINE_string("workdir", None, "Output directory.")
+  flags.DEFINE_integer("steps", 400, "Training steps.")
+  flags.DEFINE_integer("batch_size", 64, "Pairs per step (the sigmoid loss's N).")
+  flags.DEFINE_float("lr", 2e-3, "Peak AdamW learning rate (warm-up 20 steps, cosine).")
+  flags.DEFINE_integer("eval_pairs", 200, "Held-out pairs for retrieval.")
+  flags.DEFINE_integer("max_text_len", 48, "Caption tokens kept.")
+  flags.DEFINE_integer("seed", 0, "Parameter seed.")
+
+
 def main(argv):
   del argv
-  cfg = _CONFIG.value
+  cfg = flags.FLAGS.config
   mc = model_config(cfg)
   if mc.vision is None:
     raise ValueError("the config has no vision tower (cfg.model.vision)")
@@ -138,16 +143,16 @@ def main(argv):
   if canvas > vcfg.max_image_size:
     raise ValueError(f"data.max_image_size gives {canvas}-px canvases, more than "
                      f"vision.max_image_size={vcfg.max_image_size}")
-  workdir = _WORKDIR.value
+  workdir = flags.FLAGS.workdir
   os.makedirs(workdir, exist_ok=True)
   tok = pipeline.make_tokenizer(cfg)
-  steps, bs, L = _STEPS.value, _BATCH.value, _TEXT_LEN.value
+  steps, bs, L = flags.FLAGS.steps, flags.FLAGS.batch_size, flags.FLAGS.max_text_len
 
-  model = SigLIP(vcfg, int(cfg.model.vocab_size), nnx.Rngs(_SEED.value))
+  model = SigLIP(vcfg, int(cfg.model.vocab_size), nnx.Rngs(flags.FLAGS.seed))
   graphdef, state = nnx.split(model)
   params = nnx.as_pure(state)
-  sched = optax.warmup_cosine_decay_schedule(0.0, _LR.value, min(20, steps // 2), steps,
-                                             _LR.value * 0.1)
+  sched = optax.warmup_cosine_decay_schedule(0.0, flags.FLAGS.lr, min(20, steps // 2), steps,
+                                             flags.FLAGS.lr * 0.1)
   tx = optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=1e-4)
   opt_state = tx.init(params)
 
@@ -157,7 +162,7 @@ def main(argv):
     u, o = tx.update(g, o, p)
     return optax.apply_updates(p, u), o, loss
 
-  held_out = make_pairs(cfg, tok, "eval", 0, _EVAL.value, L)
+  held_out = make_pairs(cfg, tok, "eval", 0, flags.FLAGS.eval_pairs, L)
   acc0, chance = retrieval(params, graphdef, held_out)
   print(f"before training: retrieval {acc0:.3f} (chance {chance:.3f})", flush=True)
   t0, losses = time.time(), []
@@ -170,11 +175,11 @@ def main(argv):
       print(f"step {s:4d} sigmoid loss {np.mean(losses[-25:]):.4f} ({time.time() - t0:.0f}s)",
             flush=True)
   acc, chance = retrieval(params, graphdef, held_out)
-  print(f"after {steps} steps: image→caption retrieval {acc:.3f} on {_EVAL.value} held-out pairs "
+  print(f"after {steps} steps: image→caption retrieval {acc:.3f} on {flags.FLAGS.eval_pairs} held-out pairs "
         f"(chance {chance:.3f})", flush=True)
   nnx.update(model, params)
   path = save_vit(model.vision, os.path.join(workdir, "vit"), vcfg)
-  result = {"steps": steps, "batch_size": bs, "lr": _LR.value, "eval_pairs": _EVAL.value,
+  result = {"steps": steps, "batch_size": bs, "lr": flags.FLAGS.lr, "eval_pairs": flags.FLAGS.eval_pairs,
             "retrieval_accuracy": acc, "retrieval_accuracy_before": acc0, "chance": chance,
             "final_loss": float(np.mean(losses[-25:])), "train_seconds": time.time() - t0,
             "checkpoint": path}
@@ -184,5 +189,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   flags.mark_flags_as_required(["config", "workdir"])
   app.run(main)

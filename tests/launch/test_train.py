@@ -326,9 +326,9 @@ SPY = textwrap.dedent("""
       jitted = jax.jit(fn, **kw)
       if kw.get("donate_argnums") != (0, 1, 2):
         return jitted
-      def call(params, opt_state, moe_bias, batch):
+      def call(params, opt_state, moe_bias, batch, *static):
         before = jax.device_get((params, opt_state, moe_bias))
-        out = jitted(params, opt_state, moe_bias, batch)
+        out = jitted(params, opt_state, moe_bias, batch, *static)
         after = jax.device_get(out[:3])
         nan_params = sum(int(np.isnan(x).sum()) for x in jax.tree.leaves(after[0]))
         records.append(dict(finite=bool(out[3]["finite"]), params=same(before[0], after[0]),
