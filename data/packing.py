@@ -130,19 +130,23 @@ class BestFitPacker:
       return
     self._draining = True
     try:
-      moved = True
-      while moved and self.waiting:
-        moved, rest = False, []
-        for ref, n_images in self.waiting:
-          slot = self._slot_for(ref_len(ref), n_images)
-          if slot is None:
-            rest.append([ref, n_images])
-          else:
-            self._put(slot, ref, n_images)
-            moved = True
-        self.waiting = rest
+      while self.waiting and self._place_waiting():
+        pass
     finally:
       self._draining = False
+
+  def _place_waiting(self) -> bool:
+    """Put every waiting item that fits an open bin; True if any moved."""
+    moved, rest = False, []
+    for ref, n_images in self.waiting:
+      slot = self._slot_for(ref_len(ref), n_images)
+      if slot is None:
+        rest.append([ref, n_images])
+      else:
+        self._put(slot, ref, n_images)
+        moved = True
+    self.waiting = rest
+    return moved
 
   def flush(self) -> None:
     """Place the waiting items and emit every open bin (end of a finite stream)."""
@@ -154,14 +158,7 @@ class BestFitPacker:
             self._close(slot)
         if not self.waiting:
           return
-        rest = []
-        for ref, n_images in self.waiting:
-          slot = self._slot_for(ref_len(ref), n_images)
-          if slot is None:
-            rest.append([ref, n_images])
-          else:
-            self._put(slot, ref, n_images)
-        self.waiting = rest
+        self._place_waiting()
     finally:
       self._draining = False
 

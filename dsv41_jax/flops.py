@@ -40,14 +40,17 @@ def _mean_min(T: int, cap: float, m: int = 1) -> float:
   return float(np.minimum((t + 1) // m, cap).mean())
 
 
-def active_matrix_params(cfg: ModelConfig) -> float:
-  """Activated matrix parameters per token (decode path: all layers and the head)."""
+def active_matrix_params(cfg: ModelConfig, state=None) -> float:
+  """Activated matrix parameters per token (decode path: all layers and the head).
+
+  `state` is the model's abstract parameter state when the caller already has it."""
   from dsv41_jax.ledger import per_layer_params
   from dsv41_jax.model import abstract_params
 
   k_over_e = cfg.num_experts_per_tok / cfg.n_routed_experts
   total = 0.0
-  for layer, rest, size in per_layer_params(cfg, abstract_params(cfg)):
+  state = abstract_params(cfg) if state is None else state
+  for layer, rest, size in per_layer_params(cfg, state):
     if layer is None:
       if rest.startswith("head"):
         total += size
@@ -88,9 +91,10 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> f
   return total
 
 
-def forward_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
-  return 2.0 * active_matrix_params(cfg) + attention_flops_per_token(cfg, seq_len)
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int | None = None, state=None) -> float:
+  return 2.0 * active_matrix_params(cfg, state) + attention_flops_per_token(cfg, seq_len)
 
 
-def train_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
-  return 3.0 * forward_flops_per_token(cfg, seq_len)
+def train_flops_per_token(cfg: ModelConfig, seq_len: int | None = None, state=None) -> float:
+  """`state`: the abstract parameter state, if the caller has it (saves a second eval_shape)."""
+  return 3.0 * forward_flops_per_token(cfg, seq_len, state)

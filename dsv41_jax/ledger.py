@@ -106,5 +106,5 @@ def ledger(cfg: ModelConfig) -> dict[str, float]:
       "active_params_decode": int(round(active_decode)),
       "global_kv_bytes_per_token": layout.bytes_per_token,
       "swa_kv_bytes_per_sequence": cache_layout.swa_kv_bytes_per_sequence(cfg),
-      "train_flops_per_token": flops.train_flops_per_token(cfg),
+      "train_flops_per_token": flops.train_flops_per_token(cfg, state=state),
   }
