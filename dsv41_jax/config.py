@@ -90,8 +90,9 @@ class ModelConfig:
   fp4_indexer: bool = False
   fp8_swa_kv: bool = False
   # Global-branch attention over the selected entries: "masked" scores all entries and masks to
-  # the top-k (fast up to ~16K tokens on the H200), "gather" gathers the k entries per query.
-  global_attn_impl: Literal["masked", "gather"] = "masked"
+  # the top-k (fast up to ~16K tokens on the H200), "gather" gathers the k entries per query,
+  # "pallas" runs the sparse kernel (pallas_kernels/sparse_attention.py; interpreted on CPU).
+  global_attn_impl: Literal["masked", "gather", "pallas"] = "masked"
   # Queries per chunk in attention and in the indexer (0 = the whole row): bounds the [T, N]
   # score intermediates of long rows (the chunks are recomputed in the backward pass).
   attn_query_chunk: int = 0
@@ -184,8 +185,8 @@ def _validate(c: ModelConfig) -> None:
        f"index_head_dim ({c.index_head_dim}) must be a multiple of 32 for fp4_indexer")
   need(c.kv_source_input in ("own", "encoder_final"),
        f"kv_source_input must be 'own' or 'encoder_final' (got {c.kv_source_input!r})")
-  need(c.global_attn_impl in ("masked", "gather"),
-       f"global_attn_impl must be 'masked' or 'gather' (got {c.global_attn_impl!r})")
+  need(c.global_attn_impl in ("masked", "gather", "pallas"),
+       f"global_attn_impl must be 'masked', 'gather' or 'pallas' (got {c.global_attn_impl!r})")
   need(c.moe_dispatch in ("dropless", "capacity"),
        f"moe_dispatch must be 'dropless' or 'capacity' (got {c.moe_dispatch!r})")
   need(c.attn_query_chunk >= 0 and c.index_query_chunk >= 0,
