@@ -195,6 +195,16 @@ def fake_quant_main_kv(x: jax.Array, kernels: str = "xla") -> jax.Array:
                                lambda v: fake_quant(v, fp4_main_kv))(x)
 
 
+def fake_quant_mxfp4(x: jax.Array, kernels: str = "xla") -> jax.Array:
+  """Straight-through MXFP4 fake quantization (indexer q, k); `kernels="pallas"`: fused kernel."""
+  return pallas_kernels.select("mxfp4_fake_quant", kernels, lambda v: fake_quant(v, mxfp4))(x)
+
+
+def fake_quant_fp8_swa(x: jax.Array, kernels: str = "xla") -> jax.Array:
+  """Straight-through FP8 SWA-KV fake quantization; `kernels="pallas"` uses the fused kernel."""
+  return pallas_kernels.select("fp8_swa_fake_quant", kernels, lambda v: fake_quant(v, fp8_swa))(x)
+
+
 # --- stored sizes (MODEL.md §10) -----------------------------------------------------------
 
 
