@@ -1,0 +1,483 @@
+"""Grouped GEMM for the routed experts, forward and backward (MODEL.md §8.2; TRAINING.md §5, §7).
+
+The function (the contract of `dsv41_jax.layers.moe_dispatch.grouped_matmul`): with group g owning
+rows [s_g, s_g + n_g) of x, s_g = Σ_{g'<g} n_g',
+
+  y[r]     = x[r] · w[g(r)]          [M, K] × [G, K, N] -> [M, N] float32; rows past Σ n_g are 0
+  dx[r]    = dy[r] · w[g(r)]ᵀ        input gradient  -> [M, K] in x's dtype
+  dw[g]    = x_gᵀ · dy_g             weight gradient -> [G, K, N] in w's dtype (0 for empty groups)
+
+joined by one `jax.custom_vjp`. The float32 cotangent is rounded to x's dtype once, before both
+backward products (the tensor cores take bf16 operands); each product accumulates in float32 and
+rounds once at the end, as `jax.grad` of `ragged_dot` rounds its gradients to the primal dtypes.
+No product ever builds a dense per-group [G, C, ·] buffer.
+
+Two implementations of the three products behind the same custom VJP (`Plan.backend`):
+- "xla": `jax.lax.ragged_dot` / `ragged_dot_general`. Exact, runs anywhere; the CPU tests check the
+  custom VJP with it against `jax.grad` of `ragged_dot` and a per-group float64 loop.
+- "mosaic_gpu": Pallas Mosaic GPU kernels for Hopper (wgmma from shared memory, TMA pipelines,
+  persistent over the SMs); the tests run them in Mosaic GPU interpret mode on CPU.
+
+Kernels:
+- `_gmm_kernel` (forward, and the input gradient with w read transposed): work items are
+  (row tile, column tile). A row tile is one block of `block_m` rows *of one group*: a block that
+  straddles a boundary is visited once per group and each visit stores only its own rows (TMA
+  stores of 2^i rows, a ladder as in jax's `ragged_dot_mgpu`). The tile map (group, block, first
+  and last row per tile) is computed by XLA from the group sizes, so the kernel has no per-group
+  unrolled code and no limit on the number of groups; the tail [Σ n_g, M) is one more "group" whose
+  tiles store zeros. At most ceil(M / block_m) + G row tiles exist.
+- `_tgmm_kernel` (weight gradient): work items are (group, output tile); the K loop walks the
+  group's rows in blocks of `block_k` from the block-aligned start, and the first and last block
+  have the rows of neighbouring groups selected to zero in both operands before the wgmma.
+
+Bad input never gives a silently wrong product: group sizes that are negative or sum past M make
+every output NaN (concrete sizes raise a ValueError before that); shapes and dtypes the kernels do
+not take (K, N not multiples of the blocks, non-16-bit dtypes) run the "xla" products with a log
+line (`supports`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+_LOG = logging.getLogger(__name__)
+BACKENDS = ("xla", "mosaic_gpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+  """Block sizes of one kernel. block_m × block_n is the wgmma accumulator (one warpgroup)."""
+  block_m: int = 128
+  block_n: int = 128
+  block_k: int = 64
+  max_concurrent_steps: int = 4   # TMA pipeline depth (shared memory: see `smem_bytes`)
+  grid_block_n: int = 1           # column tiles per snake band (L2 reuse of x's row blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Static choices of one grouped matmul: which products, with which blocks."""
+  backend: str = "mosaic_gpu"
+  forward: TileConfig = TileConfig(max_concurrent_steps=4, grid_block_n=2)       # float32 out
+  input_grad: TileConfig = TileConfig(max_concurrent_steps=5, grid_block_n=2)    # bf16 out
+  weight_grad: TileConfig = TileConfig(max_concurrent_steps=4, grid_block_n=1)   # bf16 out
+  num_sms: int | None = None      # persistent programs; None = the device's SM count
+  interpret: bool = False         # Mosaic GPU interpret mode (CPU tests)
+
+
+SMEM_LIMIT_BYTES = 227 * 1024     # Hopper: the most dynamic shared memory one block may take
+
+
+def smem_bytes(cfg: TileConfig, in_bytes: int, out_bytes: int) -> int:
+  """Shared memory of one program: `max_concurrent_steps` pairs of operand blocks (bm×bk and
+  bk×bn; bk×bm and bk×bn for the weight gradient) + the bm×bn output staging tile."""
+  per_step = cfg.block_k * (cfg.block_m + cfg.block_n) * in_bytes
+  return cfg.max_concurrent_steps * per_step + cfg.block_m * cfg.block_n * out_bytes
+
+
+def supports(x_MxK, w_GxKxN, plan: Plan = Plan()) -> str | None:
+  """None when the Mosaic GPU kernels take these operands, else the reason they do not."""
+  m, k = x_MxK.shape
+  g, k2, n = w_GxKxN.shape
+  if k != k2:
+    return f"contracting sizes differ: x {x_MxK.shape}, w {w_GxKxN.shape}"
+  if x_MxK.dtype != w_GxKxN.dtype or x_MxK.dtype not in (jnp.bfloat16, jnp.float16):
+    return f"dtypes {x_MxK.dtype}/{w_GxKxN.dtype}: the wgmma kernels take bf16 or f16 operands"
+  for name, cfg, (rows, cols, red) in (("forward", plan.forward, (m, n, k)),
+                                       ("input_grad", plan.input_grad, (m, k, n)),
+                                       ("weight_grad", plan.weight_grad, (k, n, m))):
+    if cols % cfg.block_n or (name == "weight_grad" and rows % cfg.block_m):
+      return f"{name}: output dims ({rows}, {cols}) not multiples of blocks {cfg}"
+    if name != "weight_grad" and red % cfg.block_k:
+      return f"{name}: contracting dim {red} is not a multiple of block_k {cfg.block_k}"
+    if cfg.block_m % 64 or cfg.block_n % 64 or cfg.block_k % 64:
+      return f"{name}: blocks must be multiples of 64 ({cfg})"
+  out_bytes = {"forward": 4, "input_grad": 2, "weight_grad": 2}
+  for name in out_bytes:
+    cfg = getattr(plan, name)
+    need = smem_bytes(cfg, 2, out_bytes[name])
+    if need > SMEM_LIMIT_BYTES:
+      return f"{name}: {need} bytes of shared memory > {SMEM_LIMIT_BYTES} ({cfg})"
+  if m >= 2**31 // max(k, n) or g * m >= 2**31:
+    return f"sizes ({m}, {k}, {n}, {g}) overflow int32 indexing"
+  return None
+
+
+# --- group bookkeeping (XLA, tiny) --------------------------------------------------------------
+
+def _bad_sizes(group_sizes_G, m: int):
+  """True when a size is negative or they sum past the row count (checked without overflow)."""
+  gs = group_sizes_G.astype(jnp.int32)
+  return jnp.any(gs < 0) | jnp.any(gs > m) | (jnp.sum(jnp.clip(gs, 0, m)) > m)
+
+
+def _fill(bad):
+  """What every output element gets added: 0, or NaN when the group sizes are bad."""
+  return jnp.where(bad, jnp.nan, 0.0).astype(jnp.float32).reshape(1)
+
+
+def _bounds(group_sizes_G, bad):
+  sizes = jnp.where(bad, 0, group_sizes_G.astype(jnp.int32))
+  ends = jnp.cumsum(sizes)
+  return ends - sizes, ends
+
+
+def _row_tiles(group_sizes_G, m: int, block_m: int, bad):
+  """Tile map of the forward kernel: (group, block, first row, end row) per row tile, int32 [T].
+
+  Groups are the G real ones plus the tail [Σ n_g, M) as group G (all of [0, M) when `bad`).
+  Unused tiles get first = end = 0 and store nothing.
+  """
+  g = group_sizes_G.shape[0]
+  starts, ends = _bounds(group_sizes_G, bad)
+  total = jnp.where(bad, 0, ends[-1])
+  starts = jnp.concatenate([starts, total[None]])
+  ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+  first = starts // block_m
+  count = jnp.where(ends > starts, (ends - 1) // block_m - first + 1, 0)
+  tile_end = jnp.cumsum(count)
+  n_tiles = -(-m // block_m) + g
+  t = jnp.arange(n_tiles, dtype=jnp.int32)
+  grp = jnp.sum(tile_end[None, :] <= t[:, None], axis=1).astype(jnp.int32)
+  live = grp <= g
+  grp = jnp.minimum(grp, g)
+  blk = first[grp] + t - (tile_end - count)[grp]
+  lo = jnp.clip(starts[grp] - blk * block_m, 0, block_m)
+  hi = jnp.clip(ends[grp] - blk * block_m, 0, block_m)
+  zero = jnp.zeros_like(t)
+  return grp, jnp.where(live, blk, zero), jnp.where(live, lo, zero), jnp.where(live, hi, zero)
+
+
+# --- the "xla" products --------------------------------------------------------------------------
+
+_F32 = jnp.float32
+
+
+def _rows_live(y_MxN, group_sizes_G, bad):
+  total = jnp.sum(group_sizes_G.astype(jnp.int32))
+  live = jnp.arange(y_MxN.shape[0])[:, None] < total
+  return jnp.where(bad, jnp.nan, jnp.where(live, y_MxN, 0))
+
+
+def _xla_forward(x_MxK, w_GxKxN, group_sizes_G):
+  bad = _bad_sizes(group_sizes_G, x_MxK.shape[0])
+  y = lax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G, preferred_element_type=_F32)
+  return _rows_live(y, group_sizes_G, bad)
+
+
+def _xla_input_grad(dy_MxN, w_GxKxN, group_sizes_G):
+  bad = _bad_sizes(group_sizes_G, dy_MxN.shape[0])
+  dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (2,)), ((), ())),
+                                       lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+  dx = lax.ragged_dot_general(dy_MxN, w_GxKxN, group_sizes_G, dims, preferred_element_type=_F32)
+  return _rows_live(dx, group_sizes_G, bad).astype(dy_MxN.dtype)
+
+
+def _xla_weight_grad(x_MxK, dy_MxN, group_sizes_G):
+  bad = _bad_sizes(group_sizes_G, x_MxK.shape[0])
+  dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
+                                       lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+  dw = lax.ragged_dot_general(x_MxK, dy_MxN, group_sizes_G, dims, preferred_element_type=_F32)
+  return jnp.where(bad, jnp.nan, dw).astype(x_MxK.dtype)
+
+
+# --- the Mosaic GPU kernels ----------------------------------------------------------------------
+
+def _plgpu():
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # GPU-only module: imported on use
+  return plgpu
+
+
+def _kernel_kwargs(plan: Plan):
+  plgpu = _plgpu()
+  if plan.interpret:
+    params = getattr(plgpu, "InterpretGPUParams", None)
+    if params is None:  # jax 0.10 keeps it private
+      from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+    interpret, num_sms = params(), plan.num_sms or 4
+  else:
+    interpret, num_sms = None, plan.num_sms or jax.devices()[0].core_count
+  return dict(grid=(num_sms,), grid_names=("sm",), interpret=interpret,
+              compiler_params=plgpu.CompilerParams(
+                  lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+
+
+def _wgmma(acc_ref, a_smem, b_smem, *, transpose_a: bool, transpose_b: bool, interpret: bool):
+  """acc += op(a) · op(b) from shared memory, op = transpose where asked.
+
+  On the GPU the transposes are views of the refs (wgmma reads either major order). jax 0.10's
+  interpret mode cannot read a transposed ref in wgmma, so there the block is staged transposed
+  through a scratch buffer first; the product is the same.
+  """
+  plgpu = _plgpu()
+  if not interpret:
+    plgpu.wgmma(acc_ref, a_smem.transpose((1, 0)) if transpose_a else a_smem,
+                b_smem.transpose((1, 0)) if transpose_b else b_smem)
+    return
+  from jax.experimental import pallas as pl
+  src = a_smem if transpose_a else b_smem
+  assert transpose_a != transpose_b
+
+  def staged(t_smem):
+    t_smem[...] = src[...].T
+    plgpu.wgmma(acc_ref, t_smem if transpose_a else a_smem, b_smem if transpose_a else t_smem)
+
+  pl.run_scoped(staged, plgpu.SMEM(src.shape[::-1], src.dtype))
+
+
+def _store_rows(o_smem, o_gmem, lo, hi, row0, col0, block_m: int, block_n: int, m: int):
+  """TMA-store rows [lo, hi) of the staged tile to o_gmem[row0 + lo :, col0 :], 2^i rows a copy."""
+  plgpu = _plgpu()
+  from jax.experimental import pallas as pl
+  size = hi - lo
+  start = lo
+  rows = min(block_m, m)
+  while rows > 0:
+    step = 1 << int(math.log2(rows))
+    rows //= 2
+
+    @pl.when(size & step != 0)
+    def _():
+      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, step)],
+                              o_gmem.at[pl.ds(row0 + start, step), pl.ds(col0, block_n)])
+
+    start = start + (size & step)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _gmm_kernel(x_MxK, w, tiles, fill, *, transpose_w: bool, out_dtype, cfg: TileConfig,
+                plan: Plan):
+  """y[r] = x[r] · w[g(r)] (w [G, K, N]) or x[r] · w[g(r)]ᵀ (transpose_w, w [G, N, K])."""
+  plgpu = _plgpu()
+  from jax.experimental import pallas as pl
+  m, k = x_MxK.shape
+  g = w.shape[0]
+  n = w.shape[1] if transpose_w else w.shape[2]
+  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+  grid_n = n // bn
+  n_tiles = tiles[0].shape[0]
+  band = cfg.grid_block_n if grid_n % cfg.grid_block_n == 0 else 1
+
+  def body(grp_ref, blk_ref, lo_ref, hi_ref, fill_ref, x_gmem, w_gmem, o_gmem):
+    @plgpu.nd_loop((n_tiles * grid_n,), collective_axes="sm")
+    def _(info):
+      mi, ni = plgpu.planar_snake(info.index[0], (n_tiles, grid_n), 1, band)
+      grp, blk, lo, hi = grp_ref[mi], blk_ref[mi], lo_ref[mi], hi_ref[mi]
+
+      def acc_scope(acc_ref):
+        def step(_, x_smem, w_smem):
+          if transpose_w:
+            _wgmma(acc_ref, x_smem, w_smem, transpose_a=False, transpose_b=True,
+                   interpret=plan.interpret)
+          else:
+            plgpu.wgmma(acc_ref, x_smem, w_smem)
+
+        @pl.when((grp < g) & (hi > lo))
+        def _():
+          w_spec = (plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk), delay_release=1)
+                    if transpose_w else
+                    plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), delay_release=1))
+          plgpu.emit_pipeline(
+              step, grid=(k // bk,),
+              in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (blk, kk), delay_release=1), w_spec],
+              max_concurrent_steps=cfg.max_concurrent_steps,
+          )(x_gmem, w_gmem.at[jnp.minimum(grp, g - 1)])
+        return acc_ref[...]
+
+      acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn))) + fill_ref[0]
+
+      @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), dtype=out_dtype))
+      def _(o_smem):
+        o_smem[...] = acc.astype(out_dtype)
+        plgpu.commit_smem()
+        _store_rows(o_smem, o_gmem, lo, hi, blk * bm, ni * bn, bm, bn, m)
+
+  call = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), **_kernel_kwargs(plan))
+  return call(*tiles, fill, x_MxK, w)
+
+
+def _tgmm_kernel(x_MxK, dy_MxN, group_sizes_G, fill, *, out_dtype, cfg: TileConfig, plan: Plan,
+                 bad):
+  """dw[g] = x_gᵀ · dy_g over each group's rows, [G, K, N]."""
+  plgpu = _plgpu()
+  from jax.experimental import pallas as pl
+  m, k = x_MxK.shape
+  n = dy_MxN.shape[1]
+  g = group_sizes_G.shape[0]
+  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+  grid_m, grid_n = k // bm, n // bn
+  band = cfg.grid_block_n if grid_n % cfg.grid_block_n == 0 else 1
+  starts, ends = _bounds(group_sizes_G, bad)
+  first = starts // bk * bk
+  n_blocks = jnp.where(ends > starts, -(-ends // bk) - starts // bk, 0).astype(jnp.int32)
+  itemsize = jnp.dtype(x_MxK.dtype).itemsize
+  swizzle = plgpu.find_swizzle(64 * itemsize * 8)
+  transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+  def row_ids(shape):
+    ids = lax.broadcasted_iota(jnp.int32, shape, 0)
+    return ids if plan.interpret else plgpu.layout_cast(ids, plgpu.Layout.WGMMA)
+
+  def keep_rows(smem, keep):
+    """Zero the rows of a staged block for which keep(row) is False (select, so NaN can't leak)."""
+    vals = smem[...]
+    smem[...] = jnp.where(keep(row_ids(vals.shape)), vals, jnp.zeros_like(vals))
+    plgpu.commit_smem()
+
+  def body(start_ref, end_ref, first_ref, nblk_ref, fill_ref, x_gmem, dy_gmem, o_gmem):
+    @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
+    def _(info):
+      gi = info.index[0]
+      mi, ni = plgpu.planar_snake(info.index[1], (grid_m, grid_n), 1, band)
+      nblk = nblk_ref[gi]
+      lo = lax.rem(start_ref[gi], bk)
+      last = lax.rem(end_ref[gi] - 1, bk)
+      rows = pl.ds(pl.multiple_of(first_ref[gi], bk), m)  # may run past M; never read there
+
+      def acc_scope(acc_ref):
+        def step(idx, x_smem, dy_smem):
+          i = idx[0]
+
+          @pl.when(i == 0)
+          def _():
+            keep_rows(x_smem, lambda r: r >= lo)
+            keep_rows(dy_smem, lambda r: r >= lo)
+
+          @pl.when(i == nblk - 1)
+          def _():
+            keep_rows(x_smem, lambda r: r <= last)
+            keep_rows(dy_smem, lambda r: r <= last)
+
+          _wgmma(acc_ref, x_smem, dy_smem, transpose_a=True, transpose_b=False,
+                 interpret=plan.interpret)
+          if cfg.max_concurrent_steps == 1:
+            plgpu.wgmma_wait(0)  # no delayed release: the slot is refilled right after
+
+        @pl.when(nblk > 0)
+        def _():
+          delay = 1 if cfg.max_concurrent_steps > 1 else 0
+          plgpu.emit_pipeline(
+              step, grid=(nblk,),
+              in_specs=[plgpu.BlockSpec((bk, bm), lambda i: (i, mi), delay_release=delay,
+                                        transforms=transforms),
+                        plgpu.BlockSpec((bk, bn), lambda i: (i, ni), delay_release=delay,
+                                        transforms=transforms)],
+              max_concurrent_steps=cfg.max_concurrent_steps,
+          )(x_gmem.at[rows, :], dy_gmem.at[rows, :])
+        return acc_ref[...]
+
+      acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn))) + fill_ref[0]
+
+      @functools.partial(pl.run_scoped,
+                         o_smem=plgpu.SMEM((bm, bn), dtype=out_dtype, transforms=transforms))
+      def _(o_smem):
+        o_smem[...] = acc.astype(out_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[gi, pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  call = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+                      **_kernel_kwargs(plan))
+  return call(starts, ends, first.astype(jnp.int32), n_blocks, fill, x_MxK, dy_MxN)
+
+
+def _mgpu_forward(x_MxK, w_GxKxN, group_sizes_G, plan: Plan):
+  bad = _bad_sizes(group_sizes_G, x_MxK.shape[0])
+  tiles = _row_tiles(group_sizes_G, x_MxK.shape[0], plan.forward.block_m, bad)
+  return _gmm_kernel(x_MxK, w_GxKxN, tiles, _fill(bad), transpose_w=False, out_dtype=_F32,
+                     cfg=plan.forward, plan=plan)
+
+
+def _mgpu_input_grad(dy_MxN, w_GxKxN, group_sizes_G, plan: Plan):
+  bad = _bad_sizes(group_sizes_G, dy_MxN.shape[0])
+  tiles = _row_tiles(group_sizes_G, dy_MxN.shape[0], plan.input_grad.block_m, bad)
+  return _gmm_kernel(dy_MxN, w_GxKxN, tiles, _fill(bad), transpose_w=True, out_dtype=dy_MxN.dtype,
+                     cfg=plan.input_grad, plan=plan)
+
+
+def _mgpu_weight_grad(x_MxK, dy_MxN, group_sizes_G, plan: Plan):
+  bad = _bad_sizes(group_sizes_G, x_MxK.shape[0])
+  return _tgmm_kernel(x_MxK, dy_MxN, group_sizes_G, _fill(bad), out_dtype=x_MxK.dtype,
+                      cfg=plan.weight_grad, plan=plan, bad=bad)
+
+
+def products(plan: Plan):
+  """(forward, input_grad, weight_grad) of `plan.backend`, each (a, b, group_sizes) -> array."""
+  if plan.backend == "xla":
+    return _xla_forward, _xla_input_grad, _xla_weight_grad
+  if plan.backend == "mosaic_gpu":
+    return (functools.partial(_mgpu_forward, plan=plan),
+            functools.partial(_mgpu_input_grad, plan=plan),
+            functools.partial(_mgpu_weight_grad, plan=plan))
+  raise ValueError(f"grouped matmul backend {plan.backend!r} is not one of {BACKENDS}")
+
+
+# --- the custom VJP -----------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _grouped_matmul(plan: Plan, x_MxK, w_GxKxN, group_sizes_G):
+  return products(plan)[0](x_MxK, w_GxKxN, group_sizes_G)
+
+
+def _grouped_matmul_fwd(plan, x_MxK, w_GxKxN, group_sizes_G):
+  return _grouped_matmul(plan, x_MxK, w_GxKxN, group_sizes_G), (x_MxK, w_GxKxN, group_sizes_G)
+
+
+def _grouped_matmul_bwd(plan, res, ct_MxN):
+  x_MxK, w_GxKxN, group_sizes_G = res
+  _, input_grad, weight_grad = products(plan)
+  dy = ct_MxN.astype(x_MxK.dtype)
+  dx = input_grad(dy, w_GxKxN, group_sizes_G).astype(x_MxK.dtype)
+  dw = weight_grad(x_MxK, dy, group_sizes_G).astype(w_GxKxN.dtype)
+  return dx, dw, None
+
+
+_grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+
+
+def _check_concrete_sizes(group_sizes_G, m: int):
+  try:
+    sizes = np.asarray(group_sizes_G)
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+    return  # traced: a bad size makes the output NaN instead
+  if (sizes < 0).any() or sizes.astype(np.int64).sum() > m:
+    raise ValueError(f"group sizes must be >= 0 and sum to at most the {m} rows; got sizes with "
+                     f"min {sizes.min()} and sum {sizes.astype(np.int64).sum()}")
+
+
+@functools.lru_cache(maxsize=None)
+def _log_fallback(reason: str):
+  _LOG.warning("grouped_matmul: Mosaic GPU kernels not used (%s); running the XLA products",
+               reason)
+
+
+def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, plan: Plan = Plan()):
+  """Rows of group g of x times w[g] (module docstring); float32 [M, N], differentiable.
+
+  Args:
+    x_MxK: rows sorted by group.
+    w_GxKxN: one [K, N] matrix per group, in x's dtype.
+    group_sizes_G: int rows per group, ≥ 0, Σ ≤ M (else ValueError if concrete, NaN if traced).
+    plan: backend and block sizes; a "mosaic_gpu" plan the kernels cannot take runs "xla".
+  """
+  m, k = x_MxK.shape
+  if w_GxKxN.ndim != 3 or w_GxKxN.shape[1] != k or group_sizes_G.shape != w_GxKxN.shape[:1]:
+    raise ValueError(f"grouped_matmul shapes: x {x_MxK.shape}, w {w_GxKxN.shape}, group_sizes "
+                     f"{group_sizes_G.shape} (want [M, K], [G, K, N], [G])")
+  if not jnp.issubdtype(group_sizes_G.dtype, jnp.integer):
+    raise ValueError(f"group_sizes must be integers, got {group_sizes_G.dtype}")
+  _check_concrete_sizes(group_sizes_G, m)
+  if plan.backend == "mosaic_gpu":
+    reason = supports(x_MxK, w_GxKxN, plan)
+    if reason is not None:
+      _log_fallback(reason)
+      plan = dataclasses.replace(plan, backend="xla")
+  return _grouped_matmul(plan, x_MxK, w_GxKxN, group_sizes_G.astype(jnp.int32))
