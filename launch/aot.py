@@ -366,14 +366,15 @@ class Lowered:
 def lower_args(cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, global_batch: int,
                rules=sharding.RULES) -> Lowered:
   """The train step and its abstract, sharded arguments, built as `launch.train.run` builds them."""
-  from launch.step import make_train_step
+  from launch.step import engram_sub_tables, make_train_step
 
   mcfg = model_config(cfg)
-  gdef, abs_state = nnx.split(model_lib.abstract_model(mcfg))
+  abs_model = model_lib.abstract_model(mcfg)
+  gdef, abs_state = nnx.split(abs_model)
   shard = nnx.as_pure(sharding.state_shardings(abs_state, mesh, rules))
   params = nnx.as_pure(abs_state)
   ocfg = optim_config({**dict(cfg.optim), "tokens_per_step": global_batch * cfg.data.seq_len})
-  tx = build_optimizer(ocfg, params)
+  tx = build_optimizer(ocfg, params, sub_tables=engram_sub_tables(abs_model))
   oshard = opt_state_shardings(tx, params, shard)
   with_s = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
   a_params = jax.tree.map(with_s, params, shard)

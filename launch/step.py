@@ -5,6 +5,8 @@
 A step whose loss, gradient norm or update norm is not finite applies nothing: parameters,
 optimizer state and MoE biases come back unchanged and `metrics["finite"]` is false (the loop counts such steps).
 The MoE routing bias is updated outside the optimizer from the step's per-modality expert loads.
+`engram_sub_tables(model)` is the Engram table layout the optimizer needs (`build_optimizer`'s
+`sub_tables`: one Sinkhorn balancing per head table, TRAINING.md §2).
 """
 
 from __future__ import annotations
@@ -17,11 +19,19 @@ import optax
 from flax import nnx
 
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.layers.engram import Engram
 from dsv41_jax.loss import cross_entropy, objective
 from optim.moe_bias import update_moe_bias
 
 MODEL_KEYS = ("tokens", "positions", "segment_ids", "image_mask", "engram_ids", "images",
               "image_count", "image_cells", "image_starts")
+
+
+def engram_sub_tables(model: nnx.Module) -> dict[str, tuple[tuple[int, int], ...]]:
+  """Parameter path of each Engram table → ((offset, rows), ...) of its (order, head) sub-tables
+  (MODEL.md §7.2); the padding rows after the last one belong to none."""
+  return {"/".join(map(str, path)) + "/table": tuple(zip(m.sub_table_offsets, m.sub_table_sizes))
+          for path, m in nnx.iter_modules(model) if isinstance(m, Engram)}
 
 
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:

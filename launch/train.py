@@ -43,7 +43,7 @@ from dsv41_jax.engram.compression import build_compression_map
 from dsv41_jax.vision.merge import check_image_batch
 from launch import checkpoint as ckpt_lib
 from launch import evaluation, metrics as metrics_lib
-from launch.step import make_eval_step, make_train_step
+from launch.step import engram_sub_tables, make_eval_step, make_train_step
 from optim.chain import build_optimizer, frozen_trainable, init_opt_state, learning_rates
 from optim.config import optim_config
 
@@ -226,8 +226,8 @@ def _run(cfg: ml_collections.ConfigDict, workdir: str, stop: _Stop) -> dict[str,
     model = model_lib.init_model(mcfg, tcfg.seed, mesh)
   graphdef, params = nnx.split(model)
   params = nnx.as_pure(params)
+  tx = build_optimizer(ocfg, params, sub_tables=engram_sub_tables(model))
   del model
-  tx = build_optimizer(ocfg, params)
   param_shardings = jax.tree.map(lambda x: x.sharding, params)
   opt_state = init_opt_state(tx, params, param_shardings)
   replicated = NamedSharding(mesh, P())

@@ -130,15 +130,21 @@ def frozen_trainable(cfg: OptimConfig, step: int) -> bool:
   return step >= boundaries(cfg).decay_start
 
 
-def build_optimizer(cfg: OptimConfig, params, table: Sequence[Row] = TABLE
+def build_optimizer(cfg: OptimConfig, params, table: Sequence[Row] = TABLE,
+                    sub_tables: Mapping[str, Sequence[tuple[int, int]]] | None = None
                     ) -> optax.GradientTransformation:
   """The full chain for this parameter tree (arrays, ShapeDtypeStructs or nnx.Params at leaves).
 
-  Raises `TableError` naming every parameter claimed by no row or by several, and every frozen
-  pattern that matches nothing.
+  `sub_tables` maps the path of a sinkhorn-group parameter that stacks several tables along its
+  rows (an Engram table, MODEL.md §7.2) to their ((offset, rows), ...): each is balanced on its own
+  (TRAINING.md §2) and the rows in none of them stay untouched.
+
+  Raises `TableError` naming every parameter claimed by no row or by several, every frozen
+  pattern that matches nothing, and every bad `sub_tables` entry.
   """
   rows = table_lib.label_params(params, table)
   template = {p: tuple(v.shape) for p, v in table_lib.flatten_params(params)}
+  sub_tables = table_lib.check_sub_tables(sub_tables or {}, rows, template)
   if cfg.frozen:
     table_lib.check_patterns_used(cfg.frozen, params, "frozen")
   frozen = frozenset(p for p in rows if table_lib.matches_any(p, cfg.frozen))
@@ -158,7 +164,7 @@ def build_optimizer(cfg: OptimConfig, params, table: Sequence[Row] = TABLE
           optax.add_decayed_weights(cfg.weight_decay)),
       "sinkhorn": optax.chain(
           scale_by_sinkhorn(cfg.sinkhorn_momentum, cfg.sinkhorn_iters, cfg.sinkhorn_tau,
-                            cfg.sinkhorn_eps, cfg.update_rms),
+                            cfg.sinkhorn_eps, cfg.update_rms, sub_tables),
           optax.add_decayed_weights(cfg.sinkhorn_weight_decay)),
   }
   parts = [_check_structure(template)]

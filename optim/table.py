@@ -99,7 +99,8 @@ def _component(part: str, pattern: str) -> str:
 
 # The table. Rows are disjoint by construction; `label_params` proves it on every tree it sees.
 TABLE: tuple[Row, ...] = (
-    # --- sinkhorn: token embedding, output head, Engram tables (one 2-D table per layer) ---
+    # --- sinkhorn: token embedding, output head, Engram tables (one 2-D parameter per layer,
+    #     balanced per (order, head) sub-table given `build_optimizer`'s `sub_tables`) ---
     Row("embed", "sinkhorn"),
     Row("head", "sinkhorn"),
     Row("**/engram/table", "sinkhorn", lr_mult=5.0, tag="engram_table"),
@@ -203,6 +204,32 @@ def label_params(params, table: Sequence[Row] = TABLE) -> dict[str, Row]:
     msgs.append(f"parameters whose rank their row cannot handle: {bad_rank}")
   if msgs:
     raise TableError("; ".join(msgs))
+  return out
+
+
+def check_sub_tables(sub_tables: Mapping[str, Sequence[tuple[int, int]]], rows: Mapping[str, Row],
+                     shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[tuple[int, int], ...]]:
+  """The sub-table layouts as tuples of (offset, rows) along axis −2, after checking that each
+  names a sinkhorn-group parameter and that its blocks are ascending, disjoint and inside the
+  parameter's rows; `TableError` names every bad entry."""
+  out, bad = {}, []
+  for path, blocks in sub_tables.items():
+    blocks = tuple((int(o), int(n)) for o, n in blocks)
+    if path not in rows:
+      bad.append(f"{path} (no such parameter)")
+      continue
+    if rows[path].group != "sinkhorn":
+      bad.append(f"{path} (group {rows[path].group!r}, only sinkhorn balances sub-tables)")
+      continue
+    ends = [0] + [o + n for o, n in blocks]
+    if not blocks or any(n <= 0 or o < e for (o, n), e in zip(blocks, ends)) or (
+        ends[-1] > shapes[path][-2]):
+      bad.append(f"{path} (blocks {blocks} not ascending, disjoint and within "
+                 f"{shapes[path][-2]} rows)")
+      continue
+    out[path] = blocks
+  if bad:
+    raise TableError(f"bad sub-table layouts: {bad}")
   return out
 
 

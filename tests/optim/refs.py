@@ -54,6 +54,17 @@ def rescale(x: np.ndarray, rms: float) -> np.ndarray:
   return x * rms / cur
 
 
+def sinkhorn_sub_tables(d: np.ndarray, blocks, iters: int, tau: float, eps: float,
+                        rms: float) -> np.ndarray:
+  """Each (offset, rows) block of rows balanced and rescaled as a matrix of its own, by slicing;
+  rows in no block are zero."""
+  d = np.asarray(d, np.float64)
+  out = np.zeros_like(d)
+  for o, n in blocks:
+    out[..., o:o + n, :] = rescale(sinkhorn(d[..., o:o + n, :], iters, tau, eps), rms)
+  return out
+
+
 def adam(g_steps, b1, b2, eps):
   """Bias-corrected Adam directions for a sequence of gradients."""
   m = np.zeros_like(g_steps[0], np.float64)

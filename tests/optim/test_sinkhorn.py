@@ -8,7 +8,7 @@ import pytest
 from optim import sinkhorn
 from optim.chain import build_optimizer
 from optim.config import OptimConfig
-from optim.table import Row
+from optim.table import Row, TableError
 from tests.optim import refs
 
 K, TAU, EPS = 11, 1e-3, 1e-20
@@ -94,3 +94,78 @@ def test_chain_update_matches_reference_zero_rows_stay_zero_and_rms():
               if "sinkhorn" in jax.tree_util.keystr(p) and jax.tree_util.keystr(p).endswith("['tab']")]
   assert len(momentum) == 1
   assert np.all(np.asarray(momentum[0])[::3] == 0)
+
+
+# (offset, rows) of three prime-sized sub-tables, then padding rows that belong to none.
+BLOCKS = ((0, 17), (17, 29), (46, 11))
+ROWS = 64
+
+
+def test_sub_tables_are_balanced_separately_and_padding_is_excluded():
+  rng = np.random.default_rng(3)
+  d = _skewed(rng, (ROWS, 12))
+  d[5:17] *= 30.0          # one sub-table far larger than the others
+  d[20] *= 1e-6            # a starved row of the second sub-table
+  d[60:] = rng.standard_normal((4, 12))   # padding rows: must not enter any statistic
+  out = np.asarray(sinkhorn.sinkhorn_direction(jnp.asarray(d, jnp.float32), K, TAU, EPS, 0.18,
+                                               BLOCKS), np.float64)
+  ref = refs.sinkhorn_sub_tables(d.astype(np.float32), BLOCKS, K, TAU, EPS, 0.18)
+  np.testing.assert_allclose(out, ref, rtol=2e-5, atol=1e-9)
+  assert np.all(out[57:] == 0)
+  for o, n in BLOCKS:
+    assert refs.rms(out[o:o + n]) == pytest.approx(0.18, rel=1e-5)
+
+
+def test_chain_balances_sub_tables_given_by_path():
+  rng = np.random.default_rng(4)
+  cfg = _cfg(lr=0.02)
+  params = {"emb": jnp.asarray(rng.standard_normal((48, 16)), jnp.float32),
+            "tab": jnp.asarray(rng.standard_normal((ROWS, 8)), jnp.float32),
+            "s": jnp.asarray(rng.standard_normal((4,)), jnp.float32)}
+  tx = build_optimizer(cfg, params, TABLE, sub_tables={"tab": BLOCKS})
+  g = {k: jnp.asarray(_skewed(rng, v.shape) if v.ndim > 1 else rng.standard_normal(v.shape),
+                      jnp.float32) for k, v in params.items()}
+  u, _ = tx.update(g, tx.init(params), params)
+  d = np.asarray(g["tab"], np.float64) * (1 + cfg.sinkhorn_momentum)   # first step: g + β·g
+  ref = -cfg.lr * 5.0 * refs.sinkhorn_sub_tables(d, BLOCKS, K, TAU, EPS, 0.18)
+  np.testing.assert_allclose(np.asarray(u["tab"]), ref, rtol=2e-5, atol=1e-10)
+  # a parameter without a layout is still one matrix
+  ref_emb = -cfg.lr * refs.rescale(refs.sinkhorn(
+      np.asarray(g["emb"], np.float64) * (1 + cfg.sinkhorn_momentum), K, TAU, EPS), 0.18)
+  np.testing.assert_allclose(np.asarray(u["emb"]), ref_emb, rtol=2e-5, atol=1e-10)
+
+
+@pytest.mark.parametrize("sub_tables, what", [
+    ({"nope": BLOCKS}, "no such parameter"),
+    ({"s": BLOCKS}, "only sinkhorn"),
+    ({"tab": ((0, 17), (10, 29))}, "not ascending"),
+    ({"tab": ((0, 17), (17, 50))}, "within 64 rows"),
+])
+def test_bad_sub_tables_are_named(sub_tables, what):
+  params = {"emb": jnp.zeros((4, 4)), "tab": jnp.zeros((ROWS, 8)), "s": jnp.zeros((4,))}
+  with pytest.raises(TableError, match=what):
+    build_optimizer(_cfg(), params, TABLE, sub_tables=sub_tables)
+
+
+def test_engram_sub_tables_of_the_model_are_its_hash_tables():
+  """The layout launch code passes (`launch.step.engram_sub_tables`) is that of MODEL.md §7.2."""
+  from flax import nnx
+
+  from configs.common import model_config
+  from dsv41_jax import model as model_lib
+  from dsv41_jax.engram import hashing
+  from launch.step import engram_sub_tables
+  from optim import table as table_lib
+  from tests.launch import micro_config
+
+  mcfg = model_config(micro_config.get_config())
+  abstract = model_lib.abstract_model(mcfg)
+  layout = engram_sub_tables(abstract)
+  shapes = {p: v.shape for p, v in table_lib.flatten_params(nnx.state(abstract, nnx.Param))}
+  want = set()
+  for layer in mcfg.engram_layer_ids:
+    hp = hashing.engram_hash_params(mcfg, layer)
+    want.add(tuple(zip(hp.offsets.reshape(-1).tolist(), hp.primes.reshape(-1).tolist())))
+  assert set(layout.values()) == want and len(layout) == len(mcfg.engram_layer_ids)
+  for path, blocks in layout.items():
+    assert path.endswith("engram/table") and shapes[path][-2] >= sum(n for _, n in blocks)
