@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import pallas_kernels
 from dsv41_jax import quant, sharding
 from dsv41_jax.layers import norm, rope
 from dsv41_jax.layers.types import CompressedKV, entry_visible
@@ -126,6 +127,8 @@ class Indexer(nnx.Module):
   checkpointed `lax.map`), so the [chunk, H_I, N] logits, not [T, H_I, N], are live at once. On
   the H200 the chunk size barely changes the time (benchmarks/RESULTS.md, "CSA2 indexer"), so
   the default is small: 512 rows keep the backward's temporaries at ~2 GiB for N = 16K entries.
+  With `cfg.kernels == "pallas"` the scores and top-k run in `pallas_kernels.indexer` (see
+  `score_and_select`).
   """
 
   def __init__(self, cfg, spec, rngs: nnx.Rngs, *, query_chunk: int = 512):
@@ -140,6 +143,9 @@ class Indexer(nnx.Module):
     self.topk_blocks = cfg.candidate_topk_blocks
     self.fp4 = bool(cfg.fp4_indexer)
     self.query_chunk = int(query_chunk)
+    self.kernels = cfg.kernels
+    if self.kernels == "pallas" and (reason := pallas_kernels.backend_reason()) is not None:
+      raise ValueError(f"kernels='pallas': {reason}")
     self.inv_freq = tuple(float(f) for f in rope.layer_inv_freq(cfg, spec))
     pdt = jnp.dtype(cfg.param_dtype)
     init = sharding.fan_in_normal((0,))
@@ -188,17 +194,29 @@ class Indexer(nnx.Module):
     return score_and_select(q, w, kv, segment_ids, k=self.topk, candidate=cand_in,
                             make_pool=self.candidate_role == "source",
                             block_size=self.block_size, topk_blocks=self.topk_blocks,
-                            query_chunk=self.query_chunk)
+                            query_chunk=self.query_chunk, kernels=self.kernels)
 
 
 def score_and_select(q_BxTxHxI, w_BxTxH, kv: CompressedKV, segment_ids_BxT, *, k: int,
                      candidate=None, make_pool: bool = False, block_size: int = 8,
-                     topk_blocks: int = 1, query_chunk: int | None = None):
+                     topk_blocks: int = 1, query_chunk: int | None = None, kernels: str = "xla"):
   """Scores, visibility, optional pool, top-k for all queries, `query_chunk` rows at a time.
 
   Returns (topk_BxTxK, scores_at_topk_BxTxK, pool_block_ids or None). Chunking changes memory,
-  never results.
+  never results. kernels="pallas": the scores and top-k come from the kernel
+  (`pallas_kernels.indexer`, never the [rows, H_I, N] logits) and scores_at_topk from the k
+  selected entries; the candidate pool and shapes the kernel cannot take run here, after a
+  one-time log line.
   """
+  if kernels == "pallas":
+    reason = ("the candidate pool (MODEL.md §5.6) has no kernel" if make_pool or candidate is not None
+              else pallas_kernels.unsupported("indexer_score_and_select", q_BxTxHxI, kv.index_k_BxNxI))
+    if reason is None:
+      topk, picked = pallas_kernels.kernel("indexer_score_and_select")(
+          q_BxTxHxI, w_BxTxH, kv.index_k_BxNxI, kv.entry_segment_BxN, kv.entry_last_BxN,
+          segment_ids_BxT, k=k, query_chunk=query_chunk)
+      return topk, picked, None
+    pallas_kernels.note_fallback("indexer_score_and_select", reason)
   b, t = segment_ids_BxT.shape
   n = kv.index_k_BxNxI.shape[1]
 

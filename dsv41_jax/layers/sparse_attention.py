@@ -15,7 +15,10 @@ the selected set (fast at moderate T), "gather" gathers the k selected entries p
 ([B, T, K, D]; memory-bound, but linear in N). Both require the valid slots of a row of `topk` to be
 distinct (as `lax.top_k` produces them): "masked" counts a repeated entry once, "gather" twice.
 Either form holds a [B, T, H, N] or [B, T, K, D] intermediate; `query_chunk` bounds that at long T by
-scanning over chunks of query rows (rematerialised in the backward pass).
+scanning over chunks of query rows (rematerialised in the backward pass). A third form, "pallas",
+is the kernel `pallas_kernels.sparse_attention.sparse_attend`: one online softmax per query over the
+window and the selected entries read by index, neither intermediate in memory (it counts a repeated
+slot twice, like "gather"); shapes it cannot take run "masked" after a one-time log line.
 
 `attend_reference` is the same function written densely over all T + N keys, for tests.
 """
@@ -27,6 +30,8 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+
+import pallas_kernels
 
 _F32 = jnp.float32
 # Score of a masked key. Finite (exp(−1e30 − M) is exactly 0 for any finite M ≥ sink), so no −inf
@@ -78,11 +83,24 @@ def attend(q_BxTxHxD: jax.Array, swa_kv_BxTxD: jax.Array, segment_ids_BxT: jax.A
   chunks of that many rows, one after another, each rematerialised in the backward pass, so the
   largest intermediate is [B, chunk, H, N] ("masked") or [B, chunk, K, D] ("gather") instead of
   the whole row. None = one chunk. The result does not depend on it.
+
+  impl="pallas" runs the kernel (`query_chunk` unused: it holds no [.., N] or [.., K, D]
+  intermediate); its global_probs carries no gradient (the model detaches it anyway).
   """
-  if impl not in ("masked", "gather"):
-    raise ValueError(f"impl must be 'masked' or 'gather' (got {impl!r})")
+  if impl not in ("masked", "gather", "pallas"):
+    raise ValueError(f"impl must be 'masked', 'gather' or 'pallas' (got {impl!r})")
   if (global_kv_BxNxD is None) != (topk_BxTxK is None):
     raise ValueError("global_kv_BxNxD and topk_BxTxK must be given together")
+  if impl == "pallas":
+    if (reason := pallas_kernels.backend_reason()) is not None:
+      raise ValueError(f"global_attn_impl='pallas': {reason}")
+    reason = pallas_kernels.unsupported("sparse_attend", q_BxTxHxD, swa_kv_BxTxD, window)
+    if reason is None:
+      return pallas_kernels.kernel("sparse_attend")(
+          q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, window=window, scale=scale,
+          global_kv_BxNxD=global_kv_BxNxD, topk_BxTxK=topk_BxTxK)
+    pallas_kernels.note_fallback("sparse_attend", reason)
+    impl = "masked"
   B, T, H, D = q_BxTxHxD.shape
   S = min(window, T)
   nb = -(-T // S)

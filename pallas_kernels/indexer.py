@@ -1,0 +1,196 @@
+"""CSA2 lightning-indexer scores and top-k without the [T, H_I, N] logits (MODEL.md §5.4, §14).
+
+Restates `dsv41_jax.layers.indexer.score_and_select` without a candidate pool (tests compare the
+two):
+
+  I[t, n] = Σ_h w[t, h] · ReLU(q[t, h] · k[n]) · D_I^{-1/2}      visible(t, n), else −∞
+  visible = entry_last[n] ≤ t  ∧  entry_segment[n] == segment[t] > 0
+  topk[t] = argtop_K I[t, ·] (−1 where fewer are visible);  scores_at_topk = I at those slots
+
+`masked_scores` is the kernel: one program per (batch row, `block_t` queries) loops over the
+entries in blocks of `block_n`; for each block it runs one [block_t, D_I] · [D_I, block_n] dot
+per index head and folds ReLU and the head weight into a float32 [block_t, block_n] accumulator
+in registers, then applies the visibility mask and writes the block of I. Entry blocks past the
+last one complete by the query block's last row (entries are in order, `entry_last`
+non-decreasing, as the compressor emits them) are written −∞ without a dot. So memory sees I
+[T, N] float32 once, never the logits [T, H_I, N].
+
+Selection is `lax.top_k` over I, in chunks of rows that keep I under `max_score_bytes`.
+`scores_at_topk` is recomputed in XLA from the k selected entries (a [rows, K, D_I] gather, in
+chunks of `query_chunk` rows, rematerialised in the backward pass): that is the indexer KL loss's
+gradient path to q, w and the index keys; the kernel itself is forward only.
+
+Backend: Triton via `pl.pallas_call` with explicit `plt.CompilerParams`; `interpret=True` on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+_F32 = jnp.float32
+
+
+def _triton_params(num_warps: int, num_stages: int):
+  from jax.experimental.pallas import triton as plt
+  return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def unsupported_reason(q_BxTxHxI, index_k_BxNxI) -> str | None:
+  """Why the kernel cannot take these shapes (None if it can)."""
+  d = q_BxTxHxI.shape[-1]
+  if d < 16 or d & (d - 1):
+    return f"index_head_dim {d} is not a power of two ≥ 16 (Triton blocks)"
+  if q_BxTxHxI.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+    return f"dtype {q_BxTxHxI.dtype} is not bfloat16, float16 or float32"
+  if index_k_BxNxI.dtype != q_BxTxHxI.dtype:
+    return f"q ({q_BxTxHxI.dtype}) and index_k ({index_k_BxNxI.dtype}) dtypes differ"
+  return None
+
+
+def _scores_kernel(nb_ref, q_ref, w_ref, k_ref, last_ref, eseg_ref, seg_ref, rows_ref, o_ref, *,
+                   n_heads, block_n, n_blocks, scale):
+  seg = seg_ref[...]                                    # [bt]
+  rows = rows_ref[...]                                  # [bt] row index of each query
+  bt = seg.shape[0]
+  prec = jax.lax.Precision.HIGHEST if q_ref.dtype == _F32 else None
+  n_live = jnp.max(nb_ref[...])                         # entry blocks with an entry complete by now
+
+  def block(j, _):
+    cols = pl.ds(j * block_n, block_n)
+    k = k_ref[cols, :]                                  # [bn, I]
+
+    def head(h, acc):
+      s = jax.lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())), precision=prec,
+                              preferred_element_type=_F32)              # [bt, bn]
+      return acc + w_ref[h][:, None] * jnp.maximum(s, 0.0)
+
+    acc = jax.lax.fori_loop(0, n_heads, head, jnp.zeros((bt, block_n), _F32))
+    ok = ((last_ref[cols][None, :] <= rows[:, None]) & (eseg_ref[cols][None, :] == seg[:, None])
+          & (seg[:, None] > 0))
+    o_ref[:, cols] = jnp.where(ok, acc * scale, -jnp.inf)
+    return 0
+
+  def dead(j, _):
+    o_ref[:, pl.ds(j * block_n, block_n)] = jnp.full((bt, block_n), -jnp.inf, _F32)
+    return 0
+
+  jax.lax.fori_loop(0, n_live, block, 0)
+  jax.lax.fori_loop(n_live, n_blocks, dead, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("block_t", "block_n", "interpret", "num_warps",
+                                             "num_stages"))
+def masked_scores(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry_last_BxN,
+                  segment_ids_BxT, rows_T, *, block_t: int = 64, block_n: int = 64,
+                  interpret: bool = False, num_warps: int = 4, num_stages: int = 2):
+  """I [B, T, N] float32, −∞ where invisible, for queries at row indices `rows_T` (ascending)."""
+  B, T, H, I = q_BxTxHxI.shape
+  N = index_k_BxNxI.shape[1]
+  tp = -(-T // block_t) * block_t
+  nb = -(-N // block_n)
+  np_ = nb * block_n
+  nq = tp // block_t
+  big = jnp.iinfo(jnp.int32).max
+  q = jnp.pad(jnp.swapaxes(q_BxTxHxI, 1, 2), ((0, 0), (0, 0), (0, tp - T), (0, 0)))   # [B,H,Tp,I]
+  w = jnp.pad(jnp.swapaxes(w_BxTxH.astype(_F32), 1, 2), ((0, 0), (0, 0), (0, tp - T)))
+  k = jnp.pad(index_k_BxNxI, ((0, 0), (0, np_ - N), (0, 0)))
+  last = jnp.pad(entry_last_BxN.astype(jnp.int32), ((0, 0), (0, np_ - N)), constant_values=big)
+  eseg = jnp.pad(entry_segment_BxN.astype(jnp.int32), ((0, 0), (0, np_ - N)), constant_values=-1)
+  seg = jnp.pad(segment_ids_BxT.astype(jnp.int32), ((0, 0), (0, tp - T)))
+  rows = jnp.pad(rows_T.astype(jnp.int32), (0, tp - T), mode="edge")
+  # Entry blocks that hold an entry complete by each query block's last row (a vector of 16
+  # copies: the kernel reads it as a block and takes its max).
+  t_last = rows.reshape(nq, block_t)[:, -1]
+  live = jnp.sum(last[:, None, :] <= t_last[None, :, None], axis=-1, dtype=jnp.int32)  # [B, nq]
+  n_live = jnp.broadcast_to((-(-live // block_n))[..., None], (B, nq, 16))
+  kernel = functools.partial(_scores_kernel, n_heads=H, block_n=block_n, n_blocks=nb,
+                             scale=I ** -0.5)
+  out = pl.pallas_call(
+      kernel,
+      grid=(B, nq),
+      in_specs=[pl.BlockSpec((None, None, 16), lambda b, i: (b, i, 0)),
+                pl.BlockSpec((None, H, block_t, I), lambda b, i: (b, 0, i, 0)),
+                pl.BlockSpec((None, H, block_t), lambda b, i: (b, 0, i)),
+                pl.BlockSpec((None, np_, I), lambda b, i: (b, 0, 0)),
+                pl.BlockSpec((None, np_), lambda b, i: (b, 0)),
+                pl.BlockSpec((None, np_), lambda b, i: (b, 0)),
+                pl.BlockSpec((None, block_t), lambda b, i: (b, i)),
+                pl.BlockSpec((block_t,), lambda b, i: (i,))],
+      out_specs=pl.BlockSpec((None, block_t, np_), lambda b, i: (b, i, 0)),
+      out_shape=jax.ShapeDtypeStruct((B, tp, np_), _F32),
+      compiler_params=None if interpret else _triton_params(num_warps, num_stages),
+      interpret=interpret,
+      name="indexer_scores",
+  )(n_live, q, w, k, last, eseg, seg, rows)
+  return out[:, :T, :N]
+
+
+def scores_at(q_BxTxHxI, w_BxTxH, index_k_BxNxI, topk_BxTxK):
+  """I at the selected entries [B, T, K] float32 (0 at empty slots), differentiable in q, w, k."""
+  d = q_BxTxHxI.shape[-1]
+  valid = topk_BxTxK >= 0
+  k_sel = jax.vmap(lambda k_b, i_b: k_b[i_b])(index_k_BxNxI, jnp.maximum(topk_BxTxK, 0))
+  logits = jnp.einsum("bthi,btki->bthk", q_BxTxHxI, k_sel, preferred_element_type=_F32)
+  s = jnp.einsum("bthk,bth->btk", jax.nn.relu(logits), w_BxTxH.astype(_F32)) * (d ** -0.5)
+  return jnp.where(valid, s, 0.0)
+
+
+def _row_chunks(fn, t: int, chunk: int, xs):
+  """fn over rows in chunks of `chunk` (lax.map, rematerialised); xs: arrays [B, T, ...] or [T]."""
+  if chunk >= t:
+    return fn(*xs)
+  nc = -(-t // chunk)
+  pad = nc * chunk - t
+
+  def split(a):
+    lead = 0 if a.ndim == 1 else 1
+    a = jnp.pad(a, [(0, 0)] * lead + [(0, pad)] + [(0, 0)] * (a.ndim - lead - 1),
+                mode="edge" if a.ndim == 1 else "constant")
+    a = a.reshape(*a.shape[:lead], nc, chunk, *a.shape[lead + 1:])
+    return jnp.moveaxis(a, lead, 0)
+
+  out = jax.lax.map(jax.checkpoint(lambda a: fn(*a)), tuple(split(a) for a in xs))
+
+  def join(a):
+    a = jnp.moveaxis(a, 0, 1)
+    return a.reshape(a.shape[0], nc * chunk, *a.shape[3:])[:, :t]
+
+  return jax.tree.map(join, out)
+
+
+def score_and_select(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry_last_BxN,
+                     segment_ids_BxT, *, k: int, query_chunk: int | None = 512,
+                     max_score_bytes: int = 1 << 31, interpret: bool | None = None,
+                     block_t: int = 64, block_n: int = 64, num_warps: int = 4,
+                     num_stages: int = 2):
+  """(topk_BxTxK int32, scores_at_topk_BxTxK float32): the kernel's form of the model function.
+
+  The selection runs on I from the kernel (no gradient); `scores_at_topk` is recomputed from the
+  selected entries in XLA and carries the gradient to q, w and index_k.
+  """
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  B, T, H, I = q_BxTxHxI.shape
+  N = index_k_BxNxI.shape[1]
+  k_eff = min(k, N)
+  sg = jax.lax.stop_gradient
+  qs, ws, ks = sg(q_BxTxHxI), sg(w_BxTxH), sg(index_k_BxNxI)
+
+  def select(q, w, seg, rows):
+    s = masked_scores(q, w, ks, entry_segment_BxN, entry_last_BxN, seg, rows, block_t=block_t,
+                      block_n=block_n, interpret=interpret, num_warps=num_warps,
+                      num_stages=num_stages)
+    vals, idx = jax.lax.top_k(s, k_eff)
+    return jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
+
+  rows_per_chunk = max(block_t, (max_score_bytes // (4 * B * N)) // block_t * block_t)
+  topk = _row_chunks(select, T, rows_per_chunk,
+                     (qs, ws, segment_ids_BxT, jnp.arange(T, dtype=jnp.int32)))
+  c = T if not query_chunk else int(query_chunk)
+  picked = _row_chunks(lambda q, w, i: scores_at(q, w, index_k_BxNxI, i), T, c,
+                       (q_BxTxHxI, w_BxTxH, topk))
+  return topk, picked

@@ -1,0 +1,101 @@
+"""pallas_kernels/indexer.py (interpret mode) against dsv41_jax.layers.indexer."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax.layers import indexer as ix
+from dsv41_jax.layers.types import CompressedKV, entry_visible
+from pallas_kernels import indexer as kx
+
+B, T, H, I, K = 2, 45, 3, 32, 8   # T = 45: no block divides it; K = 8 > entries visible early on
+BLOCKS = dict(block_t=16, block_n=16)
+
+
+def _inputs(seed, m):
+  """Random q, w, index keys; ragged documents (row 1 ends in padding) and their entry metadata."""
+  rng = np.random.default_rng(seed)
+  seg = np.ones((B, T), np.int32)
+  seg[0, 17:] = 2
+  seg[1, 30:] = 3
+  seg[1, 40:] = 0
+  N = -(-T // m)
+  last = (np.arange(N) + 1) * m - 1
+  eseg = np.full((B, N), -1, np.int32)
+  for b in range(B):
+    for g in range(N):
+      toks = seg[b, g * m:(g + 1) * m]
+      if last[g] < T and len(set(toks)) == 1 and toks[0] > 0:
+        eseg[b, g] = toks[0]
+  kv = CompressedKV(None, jnp.asarray(rng.standard_normal((B, N, I)), jnp.float32),
+                    jnp.asarray(eseg), jnp.asarray(np.broadcast_to(last, (B, N))), None)
+  q = jnp.asarray(rng.standard_normal((B, T, H, I)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((B, T, H)), jnp.float32)
+  return q, w, kv, jnp.asarray(seg)
+
+
+def _kernel_select(q, w, kv, seg, **kw):
+  return kx.score_and_select(q, w, kv.index_k_BxNxI, kv.entry_segment_BxN, kv.entry_last_BxN, seg,
+                             k=K, interpret=True, **BLOCKS, **kw)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_masked_scores_match_reference(m):
+  q, w, kv, seg = _inputs(m, m)
+  got = kx.masked_scores(q, w, kv.index_k_BxNxI, kv.entry_segment_BxN, kv.entry_last_BxN, seg,
+                         jnp.arange(T), interpret=True, **BLOCKS)
+  vis = np.asarray(entry_visible(kv, seg))
+  want = np.asarray(ix.indexer_scores(q, kv.index_k_BxNxI, w))
+  np.testing.assert_array_equal(np.isfinite(np.asarray(got)), vis)
+  assert np.all(np.asarray(got)[~vis] == -np.inf)
+  # float32, HIGHEST dots: per-head accumulation vs one einsum differs only in summation order.
+  np.testing.assert_allclose(np.asarray(got)[vis], want[vis], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m, row_bytes", [(1, None), (2, 2 * 16 * 23 * 4)])
+def test_selection_and_gradient_match_reference(m, row_bytes):
+  # row_bytes: I for 16 rows at a time (N = 23), so top-k runs in 3 row chunks, the last ragged.
+  q, w, kv, seg = _inputs(10 + m, m)
+  kw = {} if row_bytes is None else dict(max_score_bytes=row_bytes)
+  topk, picked = _kernel_select(q, w, kv, seg, query_chunk=16, **kw)
+  rtopk, rpicked, _ = ix.score_and_select(q, w, kv, seg, k=K)
+  assert int(jnp.sum(rtopk < 0)) > 0
+  np.testing.assert_array_equal(np.asarray(topk) < 0, np.asarray(rtopk) < 0)
+  # Same selected sets (continuous random scores: no ties within the 1e-6 rounding differences).
+  np.testing.assert_array_equal(np.sort(np.asarray(topk), -1), np.sort(np.asarray(rtopk), -1))
+  order = lambda t, s: np.take_along_axis(np.asarray(s), np.argsort(np.asarray(t), -1), -1)
+  np.testing.assert_allclose(order(topk, picked), order(rtopk, rpicked), rtol=1e-5, atol=1e-5)
+
+  r = jnp.asarray(np.random.default_rng(m).standard_normal(topk.shape), jnp.float32)
+
+  def grads(fn):
+    def f(q, w, k):
+      t, s = fn(q, w, kv._replace(index_k_BxNxI=k))
+      return jnp.sum(jnp.take_along_axis(s, jnp.argsort(t, -1), -1) * r)
+    return jax.grad(f, argnums=(0, 1, 2))(q, w, kv.index_k_BxNxI)
+
+  got = grads(lambda q, w, kv: _kernel_select(q, w, kv, seg, query_chunk=16, **kw))
+  want = grads(lambda q, w, kv: ix.score_and_select(q, w, kv, seg, k=K)[:2])
+  for g, h in zip(got, want):
+    assert float(jnp.max(jnp.abs(h))) > 0.1
+    np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-5, atol=1e-5)
+
+
+def test_model_switch_and_fallback(caplog):
+  q, w, kv, seg = _inputs(20, 2)
+  got = ix.score_and_select(q, w, kv, seg, k=K, kernels="pallas")
+  want = ix.score_and_select(q, w, kv, seg, k=K)
+  assert got[2] is None
+  np.testing.assert_array_equal(np.sort(np.asarray(got[0]), -1), np.sort(np.asarray(want[0]), -1))
+  # The candidate pool has no kernel: the XLA path runs (equal results) and logs once.
+  with caplog.at_level(logging.WARNING):
+    for _ in range(2):
+      pooled = ix.score_and_select(q, w, kv, seg, k=K, make_pool=True, block_size=4,
+                                   topk_blocks=2, kernels="pallas")
+  assert sum("falls back to XLA" in r.message for r in caplog.records) == 1
+  ref = ix.score_and_select(q, w, kv, seg, k=K, make_pool=True, block_size=4, topk_blocks=2)
+  for a, b in zip(pooled, ref):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
