@@ -9,9 +9,10 @@ has the same signature, so `select(name, kernels, reference)` can hand back eith
 | `mxfp4_fake_quant`        | `pallas_kernels.fake_quant.mxfp4_fake_quant` | `fake_quant(x, quant.mxfp4)`   |
 | `fp8_swa_fake_quant`      | `pallas_kernels.fake_quant.fp8_swa_fake_quant` | `fake_quant(x, quant.fp8_swa)` |
 | `hc_coefficients`         | `pallas_kernels.mhc.hc_coefficients`     | `layers.mhc.hc_coefficients`      |
-| `hc_site`                 | `pallas_kernels.mhc.hc_site`             | `layers.mhc.hc_site`              |
+| `hc_site`                 | `pallas_kernels.mhc_site.hc_site`        | `layers.mhc.hc_site`              |
 | `sparse_attend`           | `pallas_kernels.sparse_attention.sparse_attend` | `layers.sparse_attention.attend` |
 | `indexer_score_and_select` | `pallas_kernels.indexer.score_and_select` | `layers.indexer.score_and_select` (no pool) |
+| `grouped_matmul`          | `pallas_kernels.grouped_matmul.grouped_matmul` (Mosaic GPU) | `jax.lax.ragged_dot` (`layers.moe_dispatch.grouped_matmul`) |
 
 `kernels` is the config switch `ModelConfig.kernels`: "xla" returns the reference, "pallas" the
 kernel. Both compute the same function and are differentiable (the kernels carry a custom VJP).
@@ -31,9 +32,10 @@ _KERNELS: dict[str, tuple[str, str]] = {
     "mxfp4_fake_quant": ("pallas_kernels.fake_quant", "mxfp4_fake_quant"),
     "fp8_swa_fake_quant": ("pallas_kernels.fake_quant", "fp8_swa_fake_quant"),
     "hc_coefficients": ("pallas_kernels.mhc", "hc_coefficients"),
-    "hc_site": ("pallas_kernels.mhc", "hc_site"),
+    "hc_site": ("pallas_kernels.mhc_site", "hc_site"),
     "sparse_attend": ("pallas_kernels.sparse_attention", "sparse_attend"),
     "indexer_score_and_select": ("pallas_kernels.indexer", "score_and_select"),
+    "grouped_matmul": ("pallas_kernels.grouped_matmul", "grouped_matmul"),
 }
 
 

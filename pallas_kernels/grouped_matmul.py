@@ -31,16 +31,16 @@ Kernels:
   have the rows of neighbouring groups selected to zero in both operands before the wgmma.
 
 Bad input never gives a silently wrong product: group sizes that are negative or sum past M make
-every output NaN (concrete sizes raise a ValueError before that); shapes and dtypes the kernels do
-not take (K, N not multiples of the blocks, non-16-bit dtypes) run the "xla" products with a log
-line (`supports`).
+every output NaN (concrete sizes raise a ValueError before that). What the kernels cannot take
+(no Hopper GPU, non-16-bit dtypes, K or N not multiples of the blocks) is named by
+`unsupported_reason`; the model's call site then runs `ragged_dot` and logs it once
+(`pallas_kernels.note_fallback`). The number of groups has no limit: nothing is unrolled per group.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import math
 
 import jax
@@ -48,7 +48,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-_LOG = logging.getLogger(__name__)
 BACKENDS = ("xla", "mosaic_gpu")
 
 
@@ -83,8 +82,17 @@ def smem_bytes(cfg: TileConfig, in_bytes: int, out_bytes: int) -> int:
   return cfg.max_concurrent_steps * per_step + cfg.block_m * cfg.block_n * out_bytes
 
 
-def supports(x_MxK, w_GxKxN, plan: Plan = Plan()) -> str | None:
-  """None when the Mosaic GPU kernels take these operands, else the reason they do not."""
+def unsupported_reason(x_MxK, w_GxKxN, plan: Plan = Plan()) -> str | None:
+  """Why the Mosaic GPU kernels cannot take these operands here (None: they can).
+
+  Needs a Hopper GPU (compute capability 9.x) unless `plan.interpret`; bf16/f16 operands of one
+  dtype; N and K multiples of the column blocks and contracting blocks (the row count M is free).
+  """
+  if not plan.interpret:
+    dev = jax.devices()[0]
+    cc = str(getattr(dev, "compute_capability", ""))
+    if dev.platform != "gpu" or not cc.startswith("9."):
+      return f"needs a Hopper GPU (wgmma), not {dev.platform} {getattr(dev, 'device_kind', '')}"
   m, k = x_MxK.shape
   g, k2, n = w_GxKxN.shape
   if k != k2:
@@ -453,12 +461,6 @@ def _check_concrete_sizes(group_sizes_G, m: int):
                      f"min {sizes.min()} and sum {sizes.astype(np.int64).sum()}")
 
 
-@functools.lru_cache(maxsize=None)
-def _log_fallback(reason: str):
-  _LOG.warning("grouped_matmul: Mosaic GPU kernels not used (%s); running the XLA products",
-               reason)
-
-
 def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, plan: Plan = Plan()):
   """Rows of group g of x times w[g] (module docstring); float32 [M, N], differentiable.
 
@@ -466,7 +468,7 @@ def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, plan: Plan = Plan()):
     x_MxK: rows sorted by group.
     w_GxKxN: one [K, N] matrix per group, in x's dtype.
     group_sizes_G: int rows per group, ≥ 0, Σ ≤ M (else ValueError if concrete, NaN if traced).
-    plan: backend and block sizes; a "mosaic_gpu" plan the kernels cannot take runs "xla".
+    plan: backend and block sizes; a "mosaic_gpu" plan needs `unsupported_reason(...) is None`.
   """
   m, k = x_MxK.shape
   if w_GxKxN.ndim != 3 or w_GxKxN.shape[1] != k or group_sizes_G.shape != w_GxKxN.shape[:1]:
@@ -476,8 +478,7 @@ def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, plan: Plan = Plan()):
     raise ValueError(f"group_sizes must be integers, got {group_sizes_G.dtype}")
   _check_concrete_sizes(group_sizes_G, m)
   if plan.backend == "mosaic_gpu":
-    reason = supports(x_MxK, w_GxKxN, plan)
+    reason = unsupported_reason(x_MxK, w_GxKxN, plan)
     if reason is not None:
-      _log_fallback(reason)
-      plan = dataclasses.replace(plan, backend="xla")
+      raise ValueError(f"grouped_matmul Mosaic GPU kernels: {reason}")
   return _grouped_matmul(plan, x_MxK, w_GxKxN, group_sizes_G.astype(jnp.int32))
