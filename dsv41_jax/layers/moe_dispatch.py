@@ -2,16 +2,17 @@
 
 Implements the expert computation of MODEL.md §8.1–8.2 (y_t = Σ_{i∈sel_t} g_t,i · E_i(x_t)) for the
 routed experts only, computing just the routed (token, expert) pairs, and its distribution over the
-mesh (TRAINING.md §1 "MoE across devices", §7 for why there are two modes).
+mesh (TRAINING.md §1 "MoE across devices", §7 for why there are two modes). The routing weight
+scales the activation before the down-projection, `W2 (g · SiLU(a) ⊙ u)` in float32 and then cast
+to the compute dtype, as the official V4 `Expert` does: equal to g · W2(...) in exact arithmetic,
+and in bf16 the rounding of the released model. The pairs of a token are then summed in float32.
 
 Pairs are ordered slot-major, `p = k·N + n` (every token's first choice before any second choice),
 and stably sorted by expert; that order is also the capacity priority.
 
 Modes (`cfg.moe_dispatch`):
-- `dropless`: exact. Sorted pairs go through one grouped GEMM per weight (`grouped_matmul`):
-  `jax.lax.ragged_dot` (the exact reference; the default off the GPU) or, on a Hopper GPU, the
-  Mosaic GPU grouped GEMM with its own backward (`pallas_kernels.grouped_matmul`, TRAINING.md §7);
-  `impl="auto"` picks by backend.
+- `dropless`: exact. Sorted pairs go through one grouped GEMM per weight (`grouped_matmul`,
+  `jax.lax.ragged_dot` on CPU, the reference; a GPU kernel swaps in behind the same function).
 - `capacity`: each expert takes at most `C = min(n, ceil(capacity_factor · n·K / E))` pairs of the
   n tokens of one batch shard (one device; the whole batch without a mesh), in the slot-major
   order above; the rest are dropped and contribute nothing for that expert (the other selected
@@ -29,10 +30,6 @@ Expert parallelism: when the mesh has an `expert` axis of size G > 1 the dispatc
   the local rule above, counted exactly.
 Without a mesh the same code runs locally; with a mesh but G = 1 it runs per device in shard_map
 (no exchange), so sorting never crosses devices.
-
-Bad input is never a silently wrong product: an expert id outside [0, E) on a valid token makes
-that token's output NaN (a concrete one raises ValueError); group sizes that are negative or sum
-past the row count make the whole grouped product NaN (concrete: ValueError).
 """
 
 from __future__ import annotations
@@ -42,14 +39,12 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
-import pallas_kernels
 from dsv41_jax import sharding
 
 MODES = ("dropless", "capacity")
-GROUPED_MATMUL_IMPLS = ("auto", "ragged_dot", "mosaic_gpu")
+GROUPED_MATMUL_IMPLS = ("ragged_dot",)
 
 
 def clamped_swiglu(a, u, limit: float):
@@ -65,65 +60,33 @@ def expert_capacity(n_tokens: int, k: int, n_experts: int, capacity_factor: floa
   return int(max(1, min(n_tokens, c)))
 
 
-def _concrete(x):
-  """x as a numpy array, or None while it is traced."""
-  try:
-    return np.asarray(x)
-  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
-    return None
-
-
-def resolve_grouped_matmul_impl(impl: str) -> str:
-  """"auto" -> "mosaic_gpu" on a GPU backend, else "ragged_dot"; other values pass through."""
-  if impl not in GROUPED_MATMUL_IMPLS:
-    raise ValueError(f"grouped_matmul impl {impl!r} is not one of {GROUPED_MATMUL_IMPLS}")
-  if impl == "auto":
-    return "mosaic_gpu" if jax.default_backend() == "gpu" else "ragged_dot"
-  return impl
-
-
-def grouped_matmul(x_sorted_PxD, w_ExDxF, group_sizes_E, impl: str = "auto"):
+def grouped_matmul(x_sorted_PxD, w_ExDxF, group_sizes_E, impl: str = "ragged_dot"):
   """Rows [Σ_{e'<e} g_e', Σ_{e'≤e} g_e') of x times w[e]; rows past Σ g are zero. Float32 out.
 
-  The one place the GPU grouped GEMM swaps in (TRAINING.md §7). `ragged_dot` is the exact XLA
-  form (jax's own VJP); `mosaic_gpu` is `pallas_kernels.grouped_matmul` (forward, input and
-  weight gradients as Hopper kernels under a custom VJP; the backward rounds the cotangent to x's
-  dtype before its two products). Where the kernels cannot run (`unsupported_reason`), `ragged_dot`
-  runs and the reason is logged once. Group sizes that are negative or sum past P raise
-  ValueError when concrete and make the product NaN when traced.
+  The one place a GPU grouped GEMM swaps in (TRAINING.md §7): `ragged_dot` is the exact XLA form.
   """
-  impl = resolve_grouped_matmul_impl(impl)
-  w = w_ExDxF.astype(x_sorted_PxD.dtype)
-  sizes = group_sizes_E.astype(jnp.int32)
-  n_rows = x_sorted_PxD.shape[0]
-  if impl == "mosaic_gpu":
-    reason = pallas_kernels.unsupported("grouped_matmul", x_sorted_PxD, w)
-    if reason is None:
-      return pallas_kernels.kernel("grouped_matmul")(x_sorted_PxD, w, sizes)
-    pallas_kernels.note_fallback("grouped_matmul", reason)
-  known = _concrete(sizes)
-  if known is not None and ((known < 0).any() or known.astype(np.int64).sum() > n_rows):
-    raise ValueError(f"group sizes must be >= 0 and sum to at most the {n_rows} rows (min "
-                     f"{known.min()}, sum {known.astype(np.int64).sum()})")
-  bad = jnp.any(sizes < 0) | jnp.any(sizes > n_rows) | (jnp.sum(jnp.clip(sizes, 0, n_rows)) > n_rows)
-  y = jax.lax.ragged_dot(x_sorted_PxD, w, sizes, preferred_element_type=jnp.float32)
-  return jnp.where(bad, jnp.nan, y)
+  if impl not in GROUPED_MATMUL_IMPLS:
+    raise ValueError(f"grouped_matmul impl {impl!r} is not one of {GROUPED_MATMUL_IMPLS}")
+  return jax.lax.ragged_dot(x_sorted_PxD, w_ExDxF.astype(x_sorted_PxD.dtype),
+                            group_sizes_E.astype(jnp.int32), preferred_element_type=jnp.float32)
 
 
-def grouped_ffn(x_sorted_PxD, w1, w3, w2, group_sizes_E, limit: float, impl: str = "auto"):
-  """Clamped SwiGLU experts over expert-sorted rows (grouped GEMMs); float32 [P, D]."""
+def grouped_ffn(x_sorted_PxD, weight_P, w1, w3, w2, group_sizes_E, limit: float, impl: str = "ragged_dot"):
+  """Clamped SwiGLU experts over expert-sorted rows (grouped GEMMs), each row's activation times
+  its routing weight before W2; float32 [P, D]."""
   a = grouped_matmul(x_sorted_PxD, w1, group_sizes_E, impl)
   u = grouped_matmul(x_sorted_PxD, w3, group_sizes_E, impl)
-  h = clamped_swiglu(a, u, limit).astype(x_sorted_PxD.dtype)
+  h = (clamped_swiglu(a, u, limit) * weight_P[:, None]).astype(x_sorted_PxD.dtype)
   return grouped_matmul(h, w2, group_sizes_E, impl)
 
 
-def batched_ffn(x_ExCxD, w1, w3, w2, limit: float):
-  """Clamped SwiGLU experts over a capacity buffer (batched matmuls); float32 [E, C, D]."""
+def batched_ffn(x_ExCxD, weight_ExC, w1, w3, w2, limit: float):
+  """Clamped SwiGLU experts over a capacity buffer (batched matmuls), each slot's activation times
+  its routing weight before W2; float32 [E, C, D]."""
   dt = x_ExCxD.dtype
   a = jnp.einsum("ecd,edf->ecf", x_ExCxD, w1.astype(dt), preferred_element_type=jnp.float32)
   u = jnp.einsum("ecd,edf->ecf", x_ExCxD, w3.astype(dt), preferred_element_type=jnp.float32)
-  h = clamped_swiglu(a, u, limit).astype(dt)
+  h = (clamped_swiglu(a, u, limit) * weight_ExC[..., None]).astype(dt)
   return jnp.einsum("ecf,efd->ecd", h, w2.astype(dt), preferred_element_type=jnp.float32)
 
 
@@ -144,11 +107,14 @@ def _sort_pairs(experts_NxK, valid_N, n_experts: int):
   return order, inv, e_sorted, order % n, group_sizes
 
 
-def _combine(y_pairs_PxD, weights_NxK):
-  """y_n = Σ_k g_{n,k} · y_{(k, n)} with pairs in slot-major order; float32 [N, D]."""
-  n, k = weights_NxK.shape
-  y_KxNxD = y_pairs_PxD.reshape(k, n, -1).astype(jnp.float32)
-  return jnp.einsum("knd,nk->nd", y_KxNxD, weights_NxK.astype(jnp.float32))
+def _combine(y_pairs_PxD, k: int):
+  """y_n = Σ_k y_{(k, n)} (already weighted) with pairs in slot-major order; float32 [N, D]."""
+  return y_pairs_PxD.reshape(k, -1, y_pairs_PxD.shape[-1]).astype(jnp.float32).sum(axis=0)
+
+
+def _pair_weights(weights_NxK):
+  """Routing weights of the pairs in slot-major order, float32 [N·K]."""
+  return weights_NxK.T.reshape(-1).astype(jnp.float32)
 
 
 def _pad_row(x_NxD):
@@ -157,17 +123,18 @@ def _pad_row(x_NxD):
 
 def _dropless_local(x_NxD, weights_NxK, experts_NxK, valid_N, n_experts: int,
                     sorted_ffn: Callable):
-  """Exact dispatch; `sorted_ffn(x_sorted_PxD, e_sorted_P, group_sizes_E) -> y_sorted_PxD`."""
+  """Exact dispatch; `sorted_ffn(x_sorted_PxD, weight_sorted_P, e_sorted_P, group_sizes_E) ->
+  y_sorted_PxD`."""
   order, inv, e_sorted, tok_sorted, group_sizes = _sort_pairs(experts_NxK, valid_N, n_experts)
-  del order
-  y_sorted = sorted_ffn(x_NxD[tok_sorted], e_sorted, group_sizes)
+  y_sorted = sorted_ffn(x_NxD[tok_sorted], _pair_weights(weights_NxK)[order], e_sorted, group_sizes)
   y_pairs = jnp.where((e_sorted < n_experts)[:, None], y_sorted, 0.0)[inv]
-  return _combine(y_pairs, weights_NxK), jnp.zeros(experts_NxK.shape, jnp.bool_)
+  return _combine(y_pairs, experts_NxK.shape[1]), jnp.zeros(experts_NxK.shape, jnp.bool_)
 
 
 def _capacity_local(x_NxD, weights_NxK, experts_NxK, valid_N, n_experts: int, capacity: int,
                     buffer_ffn: Callable):
-  """Capacity dispatch; `buffer_ffn(x_ExCxD) -> y_ExCxD`. Returns (y [N, D], dropped [N, K])."""
+  """Capacity dispatch; `buffer_ffn(x_ExCxD, weight_ExC) -> y_ExCxD`. Returns (y [N, D],
+  dropped [N, K])."""
   n, k = experts_NxK.shape
   _, inv, e_sorted, _, group_sizes = _sort_pairs(experts_NxK, valid_N, n_experts)
   start = jnp.cumsum(group_sizes) - group_sizes
@@ -181,10 +148,13 @@ def _capacity_local(x_NxD, weights_NxK, experts_NxK, valid_N, n_experts: int, ca
   token_of_slot = jnp.full((n_experts * capacity,), n, jnp.int32).at[slot_P].set(
       token_P.astype(jnp.int32), mode="drop")
   buf = _pad_row(x_NxD)[token_of_slot].reshape(n_experts, capacity, -1)
-  y_buf = buffer_ffn(buf).reshape(n_experts * capacity, -1)
-  y_pairs = jnp.where(kept_P[:, None], _pad_row(y_buf)[slot_P], 0.0)
+  weight_of_slot = jnp.zeros((n_experts * capacity,), jnp.float32).at[slot_P].set(
+      _pair_weights(weights_NxK), mode="drop")
+  y_buf = buffer_ffn(buf, weight_of_slot.reshape(n_experts, capacity))
+  y_pairs = jnp.where(kept_P[:, None], _pad_row(y_buf.reshape(n_experts * capacity, -1))[slot_P],
+                      0.0)
   dropped_NxK = (valid_P & ~kept_P).reshape(k, n).T
-  return _combine(y_pairs, weights_NxK), dropped_NxK
+  return _combine(y_pairs, k), dropped_NxK
 
 
 # --- expert-parallel exchanges (run inside shard_map) -------------------------------------------
@@ -195,7 +165,7 @@ def _ep_sorted_ffn(w1, w3, w2, *, n_experts: int, n_tokens: int, k: int, limit: 
   e_loc = n_experts // n_shards
   s = n_tokens * min(k, e_loc)  # worst case rows from one device to one owner
 
-  def sorted_ffn(x_sorted_PxD, e_sorted_P, group_sizes_E):
+  def sorted_ffn(x_sorted_PxD, weight_sorted_P, e_sorted_P, group_sizes_E):
     n_pairs, d = x_sorted_PxD.shape
     cnt_G = group_sizes_E.reshape(n_shards, e_loc).sum(axis=1)
     start_G = jnp.cumsum(cnt_G) - cnt_G
@@ -204,14 +174,16 @@ def _ep_sorted_ffn(w1, w3, w2, *, n_experts: int, n_tokens: int, k: int, limit: 
     live_GxS = slot[None, :] < cnt_G[:, None]
     pos_GxS = jnp.where(live_GxS, pos_GxS, n_pairs)
     send_x = _pad_row(x_sorted_PxD)[pos_GxS]
+    send_w = jnp.concatenate([weight_sorted_P, jnp.zeros((1,), jnp.float32)])[pos_GxS]
     e_pad = jnp.concatenate([e_sorted_P, jnp.full((1,), n_experts, e_sorted_P.dtype)])
     send_e = jnp.where(live_GxS, e_pad[pos_GxS] - jnp.arange(n_shards)[:, None] * e_loc, e_loc)
     recv_x = jax.lax.all_to_all(send_x, expert_axis, 0, 0, tiled=True).reshape(n_shards * s, d)
     recv_e = jax.lax.all_to_all(send_e, expert_axis, 0, 0, tiled=True).reshape(-1)
+    recv_w = jax.lax.all_to_all(send_w, expert_axis, 0, 0, tiled=True).reshape(-1)
     order = jnp.argsort(recv_e, stable=True)
     inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     sizes = jnp.zeros((e_loc + 1,), jnp.int32).at[recv_e].add(1)[:e_loc]
-    y = grouped_ffn(recv_x[order], w1, w3, w2, sizes, limit, impl)
+    y = grouped_ffn(recv_x[order], recv_w[order], w1, w3, w2, sizes, limit, impl)
     if tensor_axis is not None:
       y = jax.lax.psum(y, tensor_axis)
     y = y[inv].astype(x_sorted_PxD.dtype).reshape(n_shards, s, d)
@@ -228,12 +200,15 @@ def _ep_buffer_ffn(w1, w3, w2, *, n_experts: int, limit: float, expert_axis: str
   """`buffer_ffn` that ships each owner its [E/G, C, D] slice of the capacity buffer and back."""
   e_loc = n_experts // n_shards
 
-  def buffer_ffn(buf_ExCxD):
+  def buffer_ffn(buf_ExCxD, weight_ExC):
     _, c, d = buf_ExCxD.shape
     recv = jax.lax.all_to_all(buf_ExCxD.reshape(n_shards, e_loc * c, d), expert_axis, 0, 0,
                               tiled=True)
     x_loc = recv.reshape(n_shards, e_loc, c, d).transpose(1, 0, 2, 3).reshape(e_loc, -1, d)
-    y = batched_ffn(x_loc, w1, w3, w2, limit)
+    recv_w = jax.lax.all_to_all(weight_ExC.reshape(n_shards, e_loc * c), expert_axis, 0, 0,
+                                tiled=True)
+    w_loc = recv_w.reshape(n_shards, e_loc, c).transpose(1, 0, 2).reshape(e_loc, -1)
+    y = batched_ffn(x_loc, w_loc, w1, w3, w2, limit)
     if tensor_axis is not None:
       y = jax.lax.psum(y, tensor_axis)
     y = y.astype(buf_ExCxD.dtype).reshape(e_loc, n_shards, c, d).transpose(1, 0, 2, 3)
@@ -256,10 +231,6 @@ def _dispatch_shard(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1, w3, w2
   g = weights_BxTxK.reshape(n, k)
   e = experts_BxTxK.reshape(n, k).astype(jnp.int32)
   valid = valid_BxT.reshape(n)
-  # An id outside [0, E) is dispatched like a padding pair (bucket E: sorted last, no expert) and
-  # its token's output poisoned below, so it can neither land in a neighbour's group nor vanish.
-  bad_id = (e < 0) | (e >= n_experts)
-  e = jnp.where(bad_id, n_experts, e)
   exchange = n_shards > 1
   if mode == "dropless":
     if exchange:
@@ -267,8 +238,8 @@ def _dispatch_shard(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1, w3, w2
                            impl=impl, expert_axis=expert_axis, n_shards=n_shards,
                            tensor_axis=tensor_axis)
     else:
-      def ffn(xs, es, gs):
-        y = grouped_ffn(xs, w1, w3, w2, gs, limit, impl)
+      def ffn(xs, ws, es, gs):
+        y = grouped_ffn(xs, ws, w1, w3, w2, gs, limit, impl)
         return jax.lax.psum(y, tensor_axis) if tensor_axis is not None else y
     y, dropped = _dropless_local(x, g, e, valid, n_experts, ffn)
   else:
@@ -277,11 +248,10 @@ def _dispatch_shard(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1, w3, w2
       ffn = _ep_buffer_ffn(w1, w3, w2, n_experts=n_experts, limit=limit, expert_axis=expert_axis,
                            n_shards=n_shards, tensor_axis=tensor_axis)
     else:
-      def ffn(buf):
-        y = batched_ffn(buf, w1, w3, w2, limit)
+      def ffn(buf, wbuf):
+        y = batched_ffn(buf, wbuf, w1, w3, w2, limit)
         return jax.lax.psum(y, tensor_axis) if tensor_axis is not None else y
     y, dropped = _capacity_local(x, g, e, valid, n_experts, capacity, ffn)
-  y = jnp.where((valid & bad_id.any(axis=1))[:, None], jnp.nan, y)
   return y.reshape(b, t, d), dropped.reshape(b, t, k)
 
 
@@ -305,7 +275,7 @@ def _mesh_axis(mesh, logical: str) -> str | None:
 
 def routed_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1_ExDxF, w3_ExDxF,
                    w2_ExFxD, *, mode: str = "dropless", capacity_factor: float = 1.25,
-                   swiglu_limit: float = 10.0, impl: str = "auto", mesh=None):
+                   swiglu_limit: float = 10.0, impl: str = "ragged_dot", mesh=None):
   """Σ_{k} g_{t,k} · E_{e_{t,k}}(x_t) over the routed pairs of the valid tokens.
 
   Args:
@@ -314,20 +284,12 @@ def routed_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1_ExDxF, w
     valid_BxT: False for padding tokens, which are not dispatched (their routed output is 0).
     w1_ExDxF, w3_ExDxF, w2_ExFxD: routed expert weights (cast to x's dtype).
     mode: "dropless" or "capacity" (module docstring).
-    impl: the grouped GEMM of `dropless` (`grouped_matmul`); "auto" picks by backend.
     mesh: a Mesh / AbstractMesh; None takes the context mesh (`jax.set_mesh`), none = local.
   Returns:
     (y_BxTxD float32, dropped_BxTxK bool): dropped marks valid pairs that capacity removed.
   """
   if mode not in MODES:
     raise ValueError(f"moe dispatch mode {mode!r} is not one of {MODES}")
-  ids, live = _concrete(experts_BxTxK), _concrete(valid_BxT)
-  if ids is not None and live is not None:
-    ids = ids[live.astype(bool)]
-    if ((ids < 0) | (ids >= w1_ExDxF.shape[0])).any():
-      raise ValueError(f"expert ids of valid tokens must lie in [0, {w1_ExDxF.shape[0]}); got "
-                       f"min {ids.min()}, max {ids.max()}")
-  impl = resolve_grouped_matmul_impl(impl)
   kw = dict(mode=mode, capacity_factor=capacity_factor, limit=swiglu_limit, impl=impl)
   args = (x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1_ExDxF, w3_ExDxF, w2_ExFxD)
   if mesh is None:

@@ -291,3 +291,38 @@ def test_expert_parallel_equals_single_device(mode, mesh_shape):
   for a, b in zip(flat_ep, flat_1):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     assert np.abs(np.asarray(b)).max() > 0
+
+
+@pytest.mark.parametrize("mode", ["dropless", "capacity"])
+def test_routing_weight_scales_the_activation_before_w2_in_bf16(mode):
+  """The official V4 order, W2 (g · SiLU(a) ⊙ u) with the weighted activation rounded to bf16,
+  restated in float64; weighting W2's output instead differs by ~1e-2 here."""
+  bf16 = jnp.bfloat16.dtype
+  rb = lambda a: np.asarray(a, np.float64).astype(bf16).astype(np.float64)   # round to bf16
+  rng = np.random.default_rng(11)
+  b, t = 4, 8
+  x = rb(rng.normal(size=(b, t, D)) * 1.5)
+  w1, w3 = (rb(rng.normal(size=(E, D, F)) / 4) for _ in range(2))
+  w2 = rb(rng.normal(size=(E, F, D)) / np.sqrt(F))
+  sel = np.stack([rng.permutation(E)[:K] for _ in range(b * t)]).reshape(b, t, K)
+  g = rng.uniform(0.2, 1.3, size=(b, t, K)).astype(np.float32)
+  valid = np.ones((b, t), bool)
+  valid[1, 5:] = False
+
+  def ref(weight_first):
+    y = np.zeros((b, t, D))
+    for i, j, k in np.ndindex(b, t, K):
+      if valid[i, j]:
+        e = sel[i, j, k]
+        a = np.minimum(x[i, j] @ w1[e], LIMIT)
+        h = a / (1 + np.exp(-a)) * np.clip(x[i, j] @ w3[e], -LIMIT, LIMIT)
+        y[i, j] += rb(g[i, j, k] * h) @ w2[e] if weight_first else g[i, j, k] * (rb(h) @ w2[e])
+    return y
+
+  y, _ = moe_dispatch.routed_experts(
+      jnp.asarray(x, jnp.bfloat16), jnp.asarray(g), jnp.asarray(sel, jnp.int32),
+      jnp.asarray(valid), *(jnp.asarray(w, jnp.float32) for w in (w1, w3, w2)), mode=mode,
+      capacity_factor=E / K, swiglu_limit=LIMIT)
+  want = ref(weight_first=True)
+  np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=0, atol=1e-6)
+  assert np.abs(ref(weight_first=False) - want).max() > 1e-3   # the orders are distinguishable
