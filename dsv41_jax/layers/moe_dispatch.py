@@ -11,8 +11,10 @@ Pairs are ordered slot-major, `p = k·N + n` (every token's first choice before 
 and stably sorted by expert; that order is also the capacity priority.
 
 Modes (`cfg.moe_dispatch`):
-- `dropless`: exact. Sorted pairs go through one grouped GEMM per weight (`grouped_matmul`,
-  `jax.lax.ragged_dot` on CPU, the reference; a GPU kernel swaps in behind the same function).
+- `dropless`: exact. Sorted pairs go through one grouped GEMM per weight (`grouped_matmul`):
+  `jax.lax.ragged_dot` (the exact reference; the default off the GPU) or, on a Hopper GPU, the
+  Mosaic GPU grouped GEMM with its own backward (`pallas_kernels.grouped_matmul`, TRAINING.md §7);
+  `impl="auto"` picks by backend.
 - `capacity`: each expert takes at most `C = min(n, ceil(capacity_factor · n·K / E))` pairs of the
   n tokens of one batch shard (one device; the whole batch without a mesh), in the slot-major
   order above; the rest are dropped and contribute nothing for that expert (the other selected
@@ -30,6 +32,10 @@ Expert parallelism: when the mesh has an `expert` axis of size G > 1 the dispatc
   the local rule above, counted exactly.
 Without a mesh the same code runs locally; with a mesh but G = 1 it runs per device in shard_map
 (no exchange), so sorting never crosses devices.
+
+Bad input is never a silently wrong product: an expert id outside [0, E) on a valid token makes
+that token's output NaN (a concrete one raises ValueError); group sizes that are negative or sum
+past the row count make the whole grouped product NaN (concrete: ValueError).
 """
 
 from __future__ import annotations
@@ -39,12 +45,14 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
+import pallas_kernels
 from dsv41_jax import sharding
 
 MODES = ("dropless", "capacity")
-GROUPED_MATMUL_IMPLS = ("ragged_dot",)
+GROUPED_MATMUL_IMPLS = ("auto", "ragged_dot", "mosaic_gpu")
 
 
 def clamped_swiglu(a, u, limit: float):
@@ -60,18 +68,52 @@ def expert_capacity(n_tokens: int, k: int, n_experts: int, capacity_factor: floa
   return int(max(1, min(n_tokens, c)))
 
 
-def grouped_matmul(x_sorted_PxD, w_ExDxF, group_sizes_E, impl: str = "ragged_dot"):
-  """Rows [Σ_{e'<e} g_e', Σ_{e'≤e} g_e') of x times w[e]; rows past Σ g are zero. Float32 out.
+def _concrete(x):
+  """x as a numpy array, or None while it is traced."""
+  try:
+    return np.asarray(x)
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+    return None
 
-  The one place a GPU grouped GEMM swaps in (TRAINING.md §7): `ragged_dot` is the exact XLA form.
-  """
+
+def resolve_grouped_matmul_impl(impl: str) -> str:
+  """"auto" -> "mosaic_gpu" on a GPU backend, else "ragged_dot"; other values pass through."""
   if impl not in GROUPED_MATMUL_IMPLS:
     raise ValueError(f"grouped_matmul impl {impl!r} is not one of {GROUPED_MATMUL_IMPLS}")
-  return jax.lax.ragged_dot(x_sorted_PxD, w_ExDxF.astype(x_sorted_PxD.dtype),
-                            group_sizes_E.astype(jnp.int32), preferred_element_type=jnp.float32)
+  if impl == "auto":
+    return "mosaic_gpu" if jax.default_backend() == "gpu" else "ragged_dot"
+  return impl
 
 
-def grouped_ffn(x_sorted_PxD, weight_P, w1, w3, w2, group_sizes_E, limit: float, impl: str = "ragged_dot"):
+def grouped_matmul(x_sorted_PxD, w_ExDxF, group_sizes_E, impl: str = "auto"):
+  """Rows [Σ_{e'<e} g_e', Σ_{e'≤e} g_e') of x times w[e]; rows past Σ g are zero. Float32 out.
+
+  The one place the GPU grouped GEMM swaps in (TRAINING.md §7). `ragged_dot` is the exact XLA
+  form (jax's own VJP); `mosaic_gpu` is `pallas_kernels.grouped_matmul` (forward, input and
+  weight gradients as Hopper kernels under a custom VJP; the backward rounds the cotangent to x's
+  dtype before its two products). Where the kernels cannot run (`unsupported_reason`), `ragged_dot`
+  runs and the reason is logged once. Group sizes that are negative or sum past P raise
+  ValueError when concrete and make the product NaN when traced.
+  """
+  impl = resolve_grouped_matmul_impl(impl)
+  w = w_ExDxF.astype(x_sorted_PxD.dtype)
+  sizes = group_sizes_E.astype(jnp.int32)
+  n_rows = x_sorted_PxD.shape[0]
+  if impl == "mosaic_gpu":
+    reason = pallas_kernels.unsupported("grouped_matmul", x_sorted_PxD, w)
+    if reason is None:
+      return pallas_kernels.kernel("grouped_matmul")(x_sorted_PxD, w, sizes)
+    pallas_kernels.note_fallback("grouped_matmul", reason)
+  known = _concrete(sizes)
+  if known is not None and ((known < 0).any() or known.astype(np.int64).sum() > n_rows):
+    raise ValueError(f"group sizes must be >= 0 and sum to at most the {n_rows} rows (min "
+                     f"{known.min()}, sum {known.astype(np.int64).sum()})")
+  bad = jnp.any(sizes < 0) | jnp.any(sizes > n_rows) | (jnp.sum(jnp.clip(sizes, 0, n_rows)) > n_rows)
+  y = jax.lax.ragged_dot(x_sorted_PxD, w, sizes, preferred_element_type=jnp.float32)
+  return jnp.where(bad, jnp.nan, y)
+
+
+def grouped_ffn(x_sorted_PxD, weight_P, w1, w3, w2, group_sizes_E, limit: float, impl: str = "auto"):
   """Clamped SwiGLU experts over expert-sorted rows (grouped GEMMs), each row's activation times
   its routing weight before W2; float32 [P, D]."""
   a = grouped_matmul(x_sorted_PxD, w1, group_sizes_E, impl)
@@ -231,6 +273,10 @@ def _dispatch_shard(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1, w3, w2
   g = weights_BxTxK.reshape(n, k)
   e = experts_BxTxK.reshape(n, k).astype(jnp.int32)
   valid = valid_BxT.reshape(n)
+  # An id outside [0, E) is dispatched like a padding pair (bucket E: sorted last, no expert) and
+  # its token's output poisoned below, so it can neither land in a neighbour's group nor vanish.
+  bad_id = (e < 0) | (e >= n_experts)
+  e = jnp.where(bad_id, n_experts, e)
   exchange = n_shards > 1
   if mode == "dropless":
     if exchange:
@@ -252,6 +298,7 @@ def _dispatch_shard(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1, w3, w2
         y = batched_ffn(buf, wbuf, w1, w3, w2, limit)
         return jax.lax.psum(y, tensor_axis) if tensor_axis is not None else y
     y, dropped = _capacity_local(x, g, e, valid, n_experts, capacity, ffn)
+  y = jnp.where((valid & bad_id.any(axis=1))[:, None], jnp.nan, y)
   return y.reshape(b, t, d), dropped.reshape(b, t, k)
 
 
@@ -275,7 +322,7 @@ def _mesh_axis(mesh, logical: str) -> str | None:
 
 def routed_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1_ExDxF, w3_ExDxF,
                    w2_ExFxD, *, mode: str = "dropless", capacity_factor: float = 1.25,
-                   swiglu_limit: float = 10.0, impl: str = "ragged_dot", mesh=None):
+                   swiglu_limit: float = 10.0, impl: str = "auto", mesh=None):
   """Σ_{k} g_{t,k} · E_{e_{t,k}}(x_t) over the routed pairs of the valid tokens.
 
   Args:
@@ -284,12 +331,20 @@ def routed_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1_ExDxF, w
     valid_BxT: False for padding tokens, which are not dispatched (their routed output is 0).
     w1_ExDxF, w3_ExDxF, w2_ExFxD: routed expert weights (cast to x's dtype).
     mode: "dropless" or "capacity" (module docstring).
+    impl: the grouped GEMM of `dropless` (`grouped_matmul`); "auto" picks by backend.
     mesh: a Mesh / AbstractMesh; None takes the context mesh (`jax.set_mesh`), none = local.
   Returns:
     (y_BxTxD float32, dropped_BxTxK bool): dropped marks valid pairs that capacity removed.
   """
   if mode not in MODES:
     raise ValueError(f"moe dispatch mode {mode!r} is not one of {MODES}")
+  ids, live = _concrete(experts_BxTxK), _concrete(valid_BxT)
+  if ids is not None and live is not None:
+    ids = ids[live.astype(bool)]
+    if ((ids < 0) | (ids >= w1_ExDxF.shape[0])).any():
+      raise ValueError(f"expert ids of valid tokens must lie in [0, {w1_ExDxF.shape[0]}); got "
+                       f"min {ids.min()}, max {ids.max()}")
+  impl = resolve_grouped_matmul_impl(impl)
   kw = dict(mode=mode, capacity_factor=capacity_factor, limit=swiglu_limit, impl=impl)
   args = (x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1_ExDxF, w3_ExDxF, w2_ExFxD)
   if mesh is None:
