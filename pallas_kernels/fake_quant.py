@@ -23,7 +23,8 @@ fiddling) and ran at 23–35 % of the copy rate. Here the per-element work is ~1
 
 No float8/float4 casts in the kernels (a float4 cast fails on Hopper; TRAINING.md §5). Backend:
 Triton via `pl.pallas_call` with explicit `CompilerParams` (power-of-two blocks); `interpret=True`
-runs the same kernels on CPU. Row counts the block cannot tile are padded (logged once).
+runs the same kernels on CPU. Row counts the block cannot tile are padded (logged once). Under
+a mesh the straight-through wrappers run the kernel per batch shard (`sharded.over_batch`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+
+from pallas_kernels.sharded import over_batch
 
 _F32_SIGN = np.int32(-2 ** 31)
 _F32_EXP = np.int32(0x7F800000)
@@ -202,11 +205,13 @@ def fake_quant_pallas(x: jax.Array, *, fmt: str, block_rows: int = 1024, interpr
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _fake_quant(x, fmt, interpret):
-  return fake_quant_pallas(x, fmt=fmt, interpret=interpret)
+  # Per batch shard under a mesh (the leading axis): GSPMD does not partition a pallas_call.
+  return over_batch(functools.partial(fake_quant_pallas, fmt=fmt, interpret=interpret),
+                    [True])(x)
 
 
 def _fake_quant_fwd(x, fmt, interpret):
-  return fake_quant_pallas(x, fmt=fmt, interpret=interpret), None
+  return _fake_quant(x, fmt, interpret), None
 
 
 def _fake_quant_bwd(fmt, interpret, _, g):

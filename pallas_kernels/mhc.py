@@ -44,6 +44,36 @@ def _next_pow2(v: int) -> int:
   return 1 << (v - 1).bit_length()
 
 
+def _coefficient_rows(acc, ss, scale_row, base_row, *, n: int, groups: int, k_total: int,
+                      iters: int, hc_eps: float, norm_eps: float):
+  """[bt, P] rows (pre | post | comb rows | padding) from the raw mix acc = x̂·fnᵀ and Σx̂²."""
+  bt = acc.shape[0]
+  rho = jax.lax.rsqrt(ss / k_total + norm_eps)
+  z = (acc * rho) * scale_row + base_row                     # [bt, P]
+  z3 = z.reshape(bt, groups, n)
+  group = jax.lax.broadcasted_iota(jnp.int32, (bt, groups, n), 1)
+  is_comb = (group >= 2) & (group < 2 + n)
+
+  sig = 1.0 / (1.0 + jnp.exp(-z3))
+  e = jnp.exp(z3 - jnp.max(z3, axis=2, keepdims=True))
+  comb = e / jnp.sum(e, axis=2, keepdims=True) + hc_eps      # row softmax (every group; masked below)
+  comb = jnp.where(is_comb, comb, 0.0)
+  comb = _col_norm(comb, hc_eps)
+  # Padding groups stay 0 (0 / (0 + eps)). A loop, not unrolled: the body is tiny and compiles once.
+  comb = jax.lax.fori_loop(0, iters - 1,
+                           lambda _, c: _col_norm(_row_norm(c, hc_eps), hc_eps), comb)
+  out = jnp.where(group == 0, sig + hc_eps, jnp.where(group == 1, 2.0 * sig, comb))
+  return out.reshape(bt, groups * n)
+
+
+def _col_norm(c, eps):  # c [bt, groups, n]: divide each column k by (Σ_j c[j, k] + eps)
+  return c / (jnp.sum(c, axis=1, keepdims=True) + eps)
+
+
+def _row_norm(c, eps):
+  return c / (jnp.sum(c, axis=2, keepdims=True) + eps)
+
+
 def _mhc_kernel(x_ref, *refs, n: int, groups: int, k_total: int, block_k: int, iters: int,
                 hc_eps: float, norm_eps: float):
   *f_refs, scale_ref, base_ref, o_ref = refs
@@ -63,28 +93,8 @@ def _mhc_kernel(x_ref, *refs, n: int, groups: int, k_total: int, block_k: int, i
 
   acc, ss = jax.lax.fori_loop(0, k_total // block_k, chunk,
                               (jnp.zeros((bt, p), jnp.float32), jnp.zeros((bt, 1), jnp.float32)))
-  rho = jax.lax.rsqrt(ss / k_total + norm_eps)
-  z = (acc * rho) * scale_ref[...] + base_ref[...]          # [bt, P]
-  z3 = z.reshape(bt, groups, n)
-  group = jax.lax.broadcasted_iota(jnp.int32, (bt, groups, n), 1)
-  is_comb = (group >= 2) & (group < 2 + n)
-
-  sig = 1.0 / (1.0 + jnp.exp(-z3))
-  e = jnp.exp(z3 - jnp.max(z3, axis=2, keepdims=True))
-  comb = e / jnp.sum(e, axis=2, keepdims=True) + hc_eps      # row softmax (every group; masked below)
-  comb = jnp.where(is_comb, comb, 0.0)
-
-  def col_norm(c):
-    return c / (jnp.sum(c, axis=1, keepdims=True) + hc_eps)
-
-  def row_norm(c):
-    return c / (jnp.sum(c, axis=2, keepdims=True) + hc_eps)
-
-  comb = col_norm(comb)
-  # Padding groups stay 0 (0 / (0 + eps)). A loop, not unrolled: the body is tiny and compiles once.
-  comb = jax.lax.fori_loop(0, iters - 1, lambda _, c: col_norm(row_norm(c)), comb)
-  out = jnp.where(group == 0, sig + hc_eps, jnp.where(group == 1, 2.0 * sig, comb))
-  o_ref[...] = out.reshape(bt, p)
+  o_ref[...] = _coefficient_rows(acc, ss, scale_ref[...], base_ref[...], n=n, groups=groups,
+                                 k_total=k_total, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
 
 
 def split_bf16x3(f: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -105,6 +115,19 @@ def split_bf16x3(f: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   return hi.astype(jnp.bfloat16), mid.astype(jnp.bfloat16), lo.astype(jnp.bfloat16)
 
 
+def param_rows(fn, base, scale, n: int, stream_dtype):
+  """fn as [n·d, P] (float32, or its three bfloat16 pieces for bfloat16 streams), and the
+  [1, P] rows of per-column scale and base, P = next_pow2(2+n)·n (zero padding columns)."""
+  p = _next_pow2(2 + n) * n
+  f_kxp = jnp.pad(fn.astype(jnp.float32).T, ((0, 0), (0, p - fn.shape[0])))
+  f_parts = split_bf16x3(f_kxp) if stream_dtype == jnp.bfloat16 else (f_kxp,)
+  scale = scale.astype(jnp.float32)
+  scale_row = jnp.concatenate([jnp.full((n,), scale[0]), jnp.full((n,), scale[1]),
+                               jnp.full((p - 2 * n,), scale[2])])[None, :]
+  base_row = jnp.pad(base.astype(jnp.float32), (0, p - base.shape[0]))[None, :]
+  return f_parts, scale_row, base_row
+
+
 @functools.partial(jax.jit, static_argnames=("iters", "hc_eps", "norm_eps", "block_tokens",
                                              "block_k", "interpret", "num_warps", "num_stages"))
 def hc_coefficients_pallas(X_BxTxNxD, fn, base, scale, *, iters: int, hc_eps: float,
@@ -123,16 +146,9 @@ def hc_coefficients_pallas(X_BxTxNxD, fn, base, scale, *, iters: int, hc_eps: fl
   padded = pl.cdiv(tokens, block_tokens) * block_tokens
   if padded != tokens:
     x = jnp.pad(x, ((0, padded - tokens), (0, 0)))
-  f_kxp = jnp.pad(fn.astype(jnp.float32).T, ((0, 0), (0, p - fn.shape[0])))
-  if X_BxTxNxD.dtype == jnp.bfloat16:
-    f_parts = split_bf16x3(f_kxp)
-  else:
+  if X_BxTxNxD.dtype != jnp.bfloat16:
     x = x.astype(jnp.float32)
-    f_parts = (f_kxp,)
-  scale = scale.astype(jnp.float32)
-  scale_row = jnp.concatenate([jnp.full((n,), scale[0]), jnp.full((n,), scale[1]),
-                               jnp.full((p - 2 * n,), scale[2])])[None, :]
-  base_row = jnp.pad(base.astype(jnp.float32), (0, p - base.shape[0]))[None, :]
+  f_parts, scale_row, base_row = param_rows(fn, base, scale, n, X_BxTxNxD.dtype)
   kernel = functools.partial(_mhc_kernel, n=n, groups=groups, k_total=k_total, block_k=block_k,
                              iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
   out = pl.pallas_call(

@@ -15,7 +15,9 @@ token-dependent coefficient sets, in the exact DeepSeek form (§3.2):
 The sublayer then reads `collapse(X, pre) = Σ_i pre_i X_i` [B, T, d] and writes
 `expand(X, post, comb, F) = X'` with X'_k = post_k · F + Σ_j comb[j, k] · X_j (combᵀ X).
 V4.1's single-pass schedule (§3.3) collapses with the previous site's `pre`, starting from
-`initial_pre(n)` = e_0; that wiring lives in the block, not here.
+`initial_pre(n)` = e_0; that wiring lives in the block, not here. `hc_site` composes one
+single-pass site (previous expand, this site's coefficients, collapse + sublayer norm) as one
+function: the fused Pallas kernel `pallas_kernels.mhc_site.hc_site` computes exactly that.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from flax import nnx
 import pallas_kernels
 from dsv41_jax import sharding
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.layers.norm import rms_norm
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -76,6 +79,29 @@ def expand(X_BxTxNxD: jax.Array, post_BxTxN: jax.Array, comb_BxTxNxN: jax.Array,
                      X_BxTxNxD.astype(jnp.float32), precision=_HIGHEST)
   out = post_BxTxN.astype(jnp.float32)[..., None] * f_out_BxTxD.astype(jnp.float32)[..., None, :]
   return (out + mixed).astype(X_BxTxNxD.dtype)
+
+
+def hc_site(X_BxTxNxD: jax.Array, F_BxTxD: jax.Array, post_BxTxN: jax.Array,
+            comb_BxTxNxN: jax.Array, pre_BxTxN: jax.Array, fn: jax.Array, base: jax.Array,
+            scale: jax.Array, norm_weight: jax.Array, *, iters: int, hc_eps: float,
+            norm_eps: float) -> tuple[jax.Array, ...]:
+  """One single-pass site (§3.3) in one function, the math of the fused site kernel.
+
+  X [B,T,n,d] are the streams entering the PREVIOUS site, F [B,T,d] that site's sublayer output
+  and (post, comb, pre) its coefficients; fn/base/scale are THIS site's parameters and
+  norm_weight its sublayer norm (attn_norm / ffn_norm):
+
+    X'   = expand(X, post, comb, F)                          [B,T,n,d], X's dtype
+    x    = rms_norm(collapse(X', pre), norm_weight)          [B,T,d], X's dtype (sublayer input)
+    pre', post', comb' = hc_coefficients(X', fn, base, scale)   this site's coefficients
+
+  Returns (X', x, pre', post', comb'). A model's first site has no previous expand: F = 0,
+  post = 0, comb = I reproduce X exactly, with pre = `initial_pre(n)`.
+  """
+  X_new = expand(X_BxTxNxD, post_BxTxN, comb_BxTxNxN, F_BxTxD)
+  x = rms_norm(collapse(X_new, pre_BxTxN), norm_weight, norm_eps)
+  return (X_new, x, *hc_coefficients(X_new, fn, base, scale, iters=iters, hc_eps=hc_eps,
+                                     norm_eps=norm_eps))
 
 
 def initial_pre(n: int) -> jax.Array:

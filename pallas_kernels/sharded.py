@@ -1,0 +1,55 @@
+"""Run a kernel per batch shard under the ambient mesh (TRAINING.md §1, §5).
+
+GSPMD does not partition a `pallas_call`: under a mesh it would gather its inputs onto every
+device. The kernels here are independent per token, so `over_batch(fn, batched)` runs `fn` inside
+`jax.shard_map` with the leading (batch) axis of the `batched` arguments and of every output split
+over the batch mesh axes, and the other arguments (parameters) replicated. Without a mesh in
+context (`jax.set_mesh`) it is `fn` itself. Only forward computations go through it: the kernels'
+custom VJPs call it for their own Pallas pieces, so no parameter gradient is formed per shard.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable, Sequence
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+# The mesh axes the model's logical "batch" axis maps to (dsv41_jax.sharding.RULES), restated
+# because pallas_kernels does not import the model.
+BATCH_AXES = ("data", "fsdp", "expert", "engram")
+
+_log = logging.getLogger(__name__)
+_logged: set = set()
+
+
+def batch_axes(mesh, lead: int) -> tuple[str, ...]:
+  """The batch mesh axes (size > 1) whose product divides `lead`, dropping from the end."""
+  axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+  while axes and lead % math.prod(mesh.shape[a] for a in axes):
+    axes = axes[:-1]
+  return axes
+
+
+def over_batch(fn: Callable, batched: Sequence[bool]) -> Callable:
+  """`fn(*args)` per batch shard of the ambient mesh (see module doc)."""
+  def wrapped(*args):
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+      return fn(*args)
+    lead = next(a.shape[0] for a, b in zip(args, batched) if b)
+    axes = batch_axes(mesh, lead)
+    full = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+    if axes != full and (lead, full) not in _logged:
+      _logged.add((lead, full))
+      _log.warning("Pallas kernel %s: batch %d is not split over mesh axes %s; splitting over "
+                   "%s only (the rest see the whole batch)", getattr(fn, "__name__", fn), lead,
+                   full, axes)
+    if not axes:
+      return fn(*args)
+    spec = P(axes)
+    return jax.shard_map(fn, in_specs=tuple(spec if b else P() for b in batched),
+                         out_specs=spec, check_vma=False)(*args)
+  return wrapped
