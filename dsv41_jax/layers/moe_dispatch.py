@@ -113,7 +113,8 @@ def grouped_matmul(x_sorted_PxD, w_ExDxF, group_sizes_E, impl: str = "auto"):
   return jnp.where(bad, jnp.nan, y)
 
 
-def grouped_ffn(x_sorted_PxD, weight_P, w1, w3, w2, group_sizes_E, limit: float, impl: str = "auto"):
+def grouped_ffn(x_sorted_PxD, weight_P, w1, w3, w2, group_sizes_E, limit: float,
+                impl: str = "auto"):
   """Clamped SwiGLU experts over expert-sorted rows (grouped GEMMs), each row's activation times
   its routing weight before W2; float32 [P, D]."""
   a = grouped_matmul(x_sorted_PxD, w1, group_sizes_E, impl)
