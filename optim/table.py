@@ -208,7 +208,8 @@ def label_params(params, table: Sequence[Row] = TABLE) -> dict[str, Row]:
 
 
 def check_sub_tables(sub_tables: Mapping[str, Sequence[tuple[int, int]]], rows: Mapping[str, Row],
-                     shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[tuple[int, int], ...]]:
+                     shapes: Mapping[str, tuple[int, ...]]
+                     ) -> dict[str, tuple[tuple[int, int], ...]]:
   """The sub-table layouts as tuples of (offset, rows) along axis −2, after checking that each
   names a sinkhorn-group parameter and that its blocks are ascending, disjoint and inside the
   parameter's rows; `TableError` names every bad entry."""
