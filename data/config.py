@@ -33,6 +33,11 @@ def data_defaults() -> dict:
       # Open bins of the best-fit packer. Few bins suffice (cuts fill the last gaps); more bins
       # delay documents longer, which skews the stream shares of the first rows.
       pool_bins=8,
+      # Cut text pieces to fill rows exactly (data/packing.py). On: rows stay full and a cut
+      # piece continues in a later row, each cut costing one target; the rate is logged as
+      # `packer/cut_rate` (cuts per piece). Off: no piece is ever split, and the rows closed
+      # with room left are padded (`padding_tokens`; more pool_bins lower it).
+      packer_cuts=True,
       worker_count=0,  # grain worker processes per stream (0 = tokenize in the main process)
       worker_buffer_size=16,  # documents each worker keeps ready
       seed=0,

@@ -19,7 +19,11 @@ Placement of an item of `n = stop - start` tokens (*cuttable* = a text piece, no
    while data keeps coming.
 
 A cut costs one target (the fragment's last token) and never falls inside an image span; it is
-how rows are filled exactly when the documents' lengths do not add up.
+how rows are filled exactly when the documents' lengths do not add up. Cutting is a switch
+(`cut=True`, `data.packer_cuts`): the default, because it keeps rows full, at the price of
+splitting pieces across rows; the pipeline logs its rate (`packer/cut_rate`, cuts per piece). With
+`cut=False` every piece is treated as not cuttable: no piece is ever split, and the rows that
+step 5 closes early carry the padding instead.
 
 `flush()` (end of a finite stream) places the waiting items and emits every open bin. Unlike
 grain's `BestFitPackIterDataset`, nothing is flushed wholesale during training, so rows are full.
@@ -47,10 +51,11 @@ def ref_len(ref) -> int:
 class BestFitPacker:
   """Pool of open bins; see the module docstring."""
 
-  def __init__(self, seq_len: int, max_images: int, max_bins: int):
+  def __init__(self, seq_len: int, max_images: int, max_bins: int, cut: bool = True):
     if max_bins < 1:
       raise ValueError(f"pool_bins={max_bins} must be >= 1")
     self.seq_len, self.max_images, self.max_bins = seq_len, max_images, max_bins
+    self.cut = bool(cut)  # False: no piece is ever cut (all are placed as not cuttable)
     self.room = np.full(max_bins, -1, np.int64)  # free tokens per slot; -1 = slot unused
     self.image_room = np.zeros(max_bins, np.int64)
     self.items: list[list | None] = [None] * max_bins
@@ -68,6 +73,7 @@ class BestFitPacker:
     n = ref_len(ref)
     if not 0 < n <= self.seq_len or n_images > self.max_images:
       raise ValueError(f"piece of {n} tokens / {n_images} images does not fit a row")
+    cuttable = cuttable and self.cut
     any_open = bool((self.room >= 0).any())
     if cuttable and self.waiting and any_open:  # step 4': text makes room for waiting items
       self._fill_fullest(ref)

@@ -14,8 +14,8 @@ In the main process, `TokenMixer` picks the stream of each piece by token share,
 `BestFitPacker` packs the pieces, and `assemble_row` lays out rows. Packer bins hold references
 `[stream, index, piece, start, stop]`; a restore re-reads those records from the `MapDataset`s by
 index, so the state stays small (no token ids, no pixels) while resume stays exact. A state is
-restored by an iterator built from the same config (same sources, seed, seq_len, pool_bins and
-worker_count: grain's worker state is per worker).
+restored by an iterator built from the same config (same sources, seed, seq_len, pool_bins,
+packer_cuts and worker_count: grain's worker state is per worker).
 
 Batch keys (numpy, leading dim `batch_size`): `tokens`, `targets`, `loss_mask`, `segment_ids`,
 `positions`, `image_mask` [B, seq_len]; `images` uint8 [B, M, P, P, 3], `image_count` [B],
@@ -145,7 +145,7 @@ class PackedIterator(grain.DatasetIterator):
     super().__init__(iters)
     self.streams = iters
     self.mixer = TokenMixer(weights)
-    self.packer = packing.BestFitPacker(d.seq_len, self.max_images, d.pool_bins)
+    self.packer = packing.BestFitPacker(d.seq_len, self.max_images, d.pool_bins, d.packer_cuts)
     self._pieces: dict[tuple, list] = {}  # (stream, index) -> pieces of a document in the packer
     self._cursor: list[list | None] = [None] * len(iters)
     self._counters = collections.Counter()
@@ -239,10 +239,12 @@ class PackedIterator(grain.DatasetIterator):
   def counters(self) -> dict:
     """Counts for the logs: `skipped/<reason>`, `documents/<stream>`, `pieces`, `rows`,
     `padding_tokens`, `row_tokens/<stream>` (non-padding tokens emitted per stream),
-    `packer/cuts`, `packer/early_closes`, `packer/waiting` (see `packing.py`)."""
+    `packer/cuts`, `packer/early_closes`, `packer/waiting` (see `packing.py`), and
+    `packer/cut_rate` = packer/cuts / pieces: cuts per piece placed (0 with data.packer_cuts off)."""
     out = dict(self._counters)
     out.update({"packer/cuts": self.packer.cuts, "packer/early_closes": self.packer.early_closes,
-                "packer/waiting": len(self.packer.waiting)})
+                "packer/waiting": len(self.packer.waiting),
+                "packer/cut_rate": self.packer.cuts / max(1, self._counters["pieces"])})
     return dict(sorted(out.items()))
 
   def get_state(self) -> dict:

@@ -13,7 +13,9 @@ Figures (JSON keys), all over the first `ceil(rows / batch_size)` batches of pro
   second batch on (setup -- tokenizer, manifest -- and the first batch -- worker start-up, pool
   fill -- are reported apart as `setup_seconds`, `first_batch_seconds`);
 - `skipped_records`: records skipped, in all (`skipped_by_reason` splits it);
-- `segment_length`: the distribution of segment (document piece) lengths in the rows.
+- `segment_length`: the distribution of segment (document piece) lengths in the rows;
+- `packer`: the packer's counters, among them `cut_rate` = cuts / pieces (pieces split across rows
+  to fill them; 0 with `data.packer_cuts` off) and `early_closes` (rows closed with room left).
 """
 
 from __future__ import annotations

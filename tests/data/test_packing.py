@@ -179,3 +179,48 @@ def test_piece_slice_keeps_images_inside():
   assert len(a.images) == 1 and len(b.images) == 2
   np.testing.assert_array_equal(np.concatenate([a.tokens, b.tokens]), p.tokens)
   np.testing.assert_array_equal(b.image_starts, p.image_starts[1:] - s0)
+
+
+def test_cuts_off_never_splits_a_piece_and_pads_only_early_closes():
+  """`cut=False`: every piece lands whole in one row; all tokens once; padding only in the rows
+  closed early while data kept coming (and the final flush)."""
+  rng = np.random.default_rng(7)
+  seq_len = 64
+  p = packing.BestFitPacker(seq_len, 3, 8, cut=False)
+  lengths = {}
+  for d in range(2000):
+    n, k = int(rng.integers(1, seq_len + 1)), int(rng.random() < 0.2)
+    lengths[d] = n
+    p.add([d, 0, n], k, cuttable=k == 0)
+  before_flush = len(p.ready)
+  short = sum(sum(b - a for _, a, b in row) < seq_len for row in list(p.ready))
+  p.flush()
+  placed = [ref for row in p.ready for ref in row]
+  assert sorted((d, a, b) for d, a, b in placed) == [(d, 0, n) for d, n in sorted(lengths.items())]
+  assert p.cuts == 0 and short == p.early_closes > 0
+  assert before_flush > 0.9 * sum(lengths.values()) / seq_len
+
+
+def test_cut_rate_counter_is_cuts_per_piece(corpus_dir, small_tok):
+  """`packer/cut_rate` restated from the fragments the packer made: every reference in the rows
+  taken so far or still held, (fragments − pieces) / pieces; zero with `packer_cuts` off."""
+  from data import pipeline
+  from tests.data.conftest import make_cfg
+
+  class Tap(collections.deque):   # records the rows the iterator takes from the packer
+    def popleft(self):
+      taken.append(super().popleft())
+      return taken[-1]
+
+  for cuts in (True, False):
+    it = pipeline.make_train_iterator(make_cfg(corpus_dir, packer_cuts=cuts), tokenizer=small_tok)
+    taken = []
+    it.packer.ready = Tap(it.packer.ready)
+    for _ in range(6):
+      next(it)
+    refs = [r for row in taken for r in row] + list(it.packer.refs())
+    pieces = {tuple(r[:3]) for r in refs}
+    c = it.counters()
+    assert c["pieces"] == len(pieces)
+    assert c["packer/cut_rate"] == (len(refs) - len(pieces)) / len(pieces)
+    assert (c["packer/cut_rate"] > 0) == cuts
