@@ -108,6 +108,8 @@ def unsupported_reason(x_MxK, w_GxKxN, plan: Plan = Plan()) -> str | None:
       return f"{name}: contracting dim {red} is not a multiple of block_k {cfg.block_k}"
     if cfg.block_m % 64 or cfg.block_n % 64 or cfg.block_k % 64:
       return f"{name}: blocks must be multiples of 64 ({cfg})"
+    if name != "weight_grad" and cfg.max_concurrent_steps < 2:
+      return f"{name}: max_concurrent_steps must be >= 2 (the wgmma releases its slot a step late)"
   out_bytes = {"forward": 4, "input_grad": 2, "weight_grad": 2}
   for name in out_bytes:
     cfg = getattr(plan, name)
@@ -241,6 +243,17 @@ def _wgmma(acc_ref, a_smem, b_smem, *, transpose_a: bool, transpose_b: bool, int
   pl.run_scoped(staged, plgpu.SMEM(src.shape[::-1], src.dtype))
 
 
+def _snake(lin, rows: int, cols: int, band: int):
+  """Work item -> (row, col): bands of `band` columns (band | cols), rows walked down one band and
+  up the next, columns fastest inside a band, so consecutive items share row blocks in L2."""
+  per_band = band * rows
+  b = lax.div(lin, jnp.int32(per_band))
+  within = lax.rem(lin, jnp.int32(per_band))
+  row = lax.div(within, jnp.int32(band))
+  row = jnp.where(lax.rem(b, jnp.int32(2)) == 0, row, rows - 1 - row)
+  return row, b * band + lax.rem(within, jnp.int32(band))
+
+
 def _store_rows(o_smem, o_gmem, lo, hi, row0, col0, block_m: int, block_n: int, m: int):
   """TMA-store rows [lo, hi) of the staged tile to o_gmem[row0 + lo :, col0 :], 2^i rows a copy."""
   plgpu = _plgpu()
@@ -277,7 +290,7 @@ def _gmm_kernel(x_MxK, w, tiles, fill, *, transpose_w: bool, out_dtype, cfg: Til
   def body(grp_ref, blk_ref, lo_ref, hi_ref, fill_ref, x_gmem, w_gmem, o_gmem):
     @plgpu.nd_loop((n_tiles * grid_n,), collective_axes="sm")
     def _(info):
-      mi, ni = plgpu.planar_snake(info.index[0], (n_tiles, grid_n), 1, band)
+      mi, ni = _snake(info.index[0], n_tiles, grid_n, band)
       grp, blk, lo, hi = grp_ref[mi], blk_ref[mi], lo_ref[mi], hi_ref[mi]
 
       def acc_scope(acc_ref):
@@ -344,7 +357,7 @@ def _tgmm_kernel(x_MxK, dy_MxN, group_sizes_G, fill, *, out_dtype, cfg: TileConf
     @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
     def _(info):
       gi = info.index[0]
-      mi, ni = plgpu.planar_snake(info.index[1], (grid_m, grid_n), 1, band)
+      mi, ni = _snake(info.index[1], grid_m, grid_n, band)
       nblk = nblk_ref[gi]
       lo = lax.rem(start_ref[gi], bk)
       last = lax.rem(end_ref[gi] - 1, bk)
