@@ -59,7 +59,9 @@ def _scores_kernel(nb_ref, q_ref, w_ref, k_ref, last_ref, eseg_ref, seg_ref, row
   prec = jax.lax.Precision.HIGHEST if q_ref.dtype == _F32 else None
   n_live = jnp.max(nb_ref[...])                         # entry blocks with an entry complete by now
 
-  def block(j, _):
+  # Loops carry their (unused) input through: a constant carry fails the Triton lowering of a
+  # loop with a run-time bound ("scf.yield ... is not a Value", seen on jax 0.11.2).
+  def block(j, carry):
     cols = pl.ds(j * block_n, block_n)
     k = k_ref[cols, :]                                  # [bn, I]
 
@@ -72,14 +74,14 @@ def _scores_kernel(nb_ref, q_ref, w_ref, k_ref, last_ref, eseg_ref, seg_ref, row
     ok = ((last_ref[cols][None, :] <= rows[:, None]) & (eseg_ref[cols][None, :] == seg[:, None])
           & (seg[:, None] > 0))
     o_ref[:, cols] = jnp.where(ok, acc * scale, -jnp.inf)
-    return 0
+    return carry
 
-  def dead(j, _):
+  def dead(j, carry):
     o_ref[:, pl.ds(j * block_n, block_n)] = jnp.full((bt, block_n), -jnp.inf, _F32)
-    return 0
+    return carry
 
-  jax.lax.fori_loop(0, n_live, block, 0)
-  jax.lax.fori_loop(n_live, n_blocks, dead, 0)
+  jax.lax.fori_loop(0, n_live, block, n_live)
+  jax.lax.fori_loop(n_live, n_blocks, dead, n_live)
 
 
 @functools.partial(jax.jit, static_argnames=("block_t", "block_n", "interpret", "num_warps",

@@ -127,15 +127,15 @@ def _probs_kernel(q_ref, gkv_ref, topk_ref, lse_ref, p_ref, *, scale, bk, n_chun
   lse = lse_ref[...]
   real = (g * hb + jax.lax.broadcasted_iota(jnp.int32, (hb,), 0)) < n_heads
 
-  def chunk(c, _):
+  def chunk(c, carry):
     idx = topk_ref[pl.ds(c * bk, bk)]
     ok = idx >= 0
     s = _dot(q, gkv_ref[jnp.maximum(idx, 0), :], _NT) * scale
     p = jnp.where(real[:, None] & ok[None, :], jnp.exp(s - lse[:, None]), 0.0)
     p_ref[pl.ds(c * bk, bk)] = jnp.sum(p, axis=0)
-    return 0
+    return carry
 
-  jax.lax.fori_loop(0, n_chunks, chunk, 0)
+  jax.lax.fori_loop(0, n_chunks, chunk, lse)
 
 
 def _bwd_kernel(q_ref, do_ref, lse_ref, delta_ref, kv_ref, seg_ref, *rest, scale, window, wb, bkw,
@@ -328,19 +328,21 @@ _STATIC = ("window", "scale", "block_h", "block_k", "interpret", "num_warps", "n
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _attn(q, kv, seg, sink, gkv, topk, static):
-  o, lse, _ = _forward(q, kv, seg, sink, gkv, topk, **dict(static))
-  return o, lse
+  return _attn_fwd(q, kv, seg, sink, gkv, topk, static)[0]
 
 
 def _attn_fwd(q, kv, seg, sink, gkv, topk, static):
-  o, lse, _ = _forward(q, kv, seg, sink, gkv, topk, **dict(static))
+  kw = {k: v for k, v in static if k != "block_k_bwd"}
+  o, lse, _ = _forward(q, kv, seg, sink, gkv, topk, **kw)
   return (o, lse), (q, kv, seg, sink, gkv, topk, o, lse)
 
 
 def _attn_bwd(static, res, cts):
   q, kv, seg, sink, gkv, topk, o, lse = res
   do, _ = cts   # lse is used only under stop_gradient (global_probs): its cotangent is zero
-  dq, dkv, dsink, dg = _backward(q, kv, seg, sink, gkv, topk, o, lse, do, **dict(static))
+  static = dict(static)
+  static["block_k"] = static.pop("block_k_bwd")
+  dq, dkv, dsink, dg = _backward(q, kv, seg, sink, gkv, topk, o, lse, do, **static)
   return dq, dkv, None, dsink, dg, None
 
 
@@ -349,19 +351,23 @@ _attn.defvjp(_attn_fwd, _attn_bwd)
 
 def sparse_attend(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, *, window: int, scale: float,
                   global_kv_BxNxD=None, topk_BxTxK=None, interpret: bool | None = None,
-                  block_h: int | None = None, block_k: int | None = None, num_warps: int = 4,
-                  num_stages: int = 2):
+                  block_h: int | None = None, block_k: int | None = None,
+                  block_k_bwd: int | None = 32, num_warps: int = 4, num_stages: int = 2):
   """Drop-in for `attend` (same arguments and results, one implementation): (o, global_probs).
 
   `global_probs_BxTxK` carries no gradient (the model stops it; `attend`'s would flow to q and
   the entries). `interpret=None` interprets on CPU and compiles (Triton) on GPU.
+  Key chunks: `block_k` rows in the forward (None: 64 for D ≤ 256, else 32), `block_k_bwd` in the
+  backward. On the H200 at 1 × 32K, H 16, D 256 (benchmarks/RESULTS.md), 64 gave the faster
+  forward (3.9 vs 4.8 ms) and 32 the faster forward + backward (34 vs 55 ms).
   """
   if (global_kv_BxNxD is None) != (topk_BxTxK is None):
     raise ValueError("global_kv_BxNxD and topk_BxTxK must be given together")
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   static = (("window", int(window)), ("scale", float(scale)), ("block_h", block_h),
-            ("block_k", block_k), ("interpret", bool(interpret)), ("num_warps", num_warps),
+            ("block_k", block_k), ("block_k_bwd", block_k_bwd), ("interpret", bool(interpret)),
+            ("num_warps", num_warps),
             ("num_stages", num_stages))
   o, lse = _attn(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, global_kv_BxNxD, topk_BxTxK,
                  static)

@@ -99,3 +99,18 @@ def test_model_switch_and_fallback(caplog):
   ref = ix.score_and_select(q, w, kv, seg, k=K, make_pool=True, block_size=4, topk_blocks=2)
   for a, b in zip(pooled, ref):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_lowers_for_cuda():
+  # Triton lowering on the CPU host (jax.export for the CUDA platform): catches what interpret mode
+  # cannot, e.g. a loop carry the lowering rejects (seen on the H200 before the fix).
+  from jax import export
+  q, w, kv, seg = _inputs(30, 2)
+  q, k = q.astype(jnp.bfloat16), kv.index_k_BxNxI.astype(jnp.bfloat16)
+  r = jnp.ones((B, T, K), jnp.float32)
+  sel = lambda q, w, k: kx.score_and_select(q, w, k, kv.entry_segment_BxN, kv.entry_last_BxN, seg,
+                                            k=K, interpret=False)[1]
+  grad = jax.jit(jax.grad(lambda q, w, k: jnp.sum(sel(q, w, k) * r), argnums=(0, 1, 2)))
+  export.export(grad, platforms=["cuda"],
+                disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+                    q, w, k)

@@ -46,7 +46,7 @@ def _run(fn, x, D=32, **kw):
 
 
 def _kernel(*a, **kw):
-  return ks.sparse_attend(*a, **kw, interpret=True, block_k=4)
+  return ks.sparse_attend(*a, **kw, interpret=True, block_k=4, block_k_bwd=8)
 
 
 @pytest.mark.parametrize("m", [1, 2])
@@ -108,3 +108,21 @@ def test_model_switch_and_fallback(caplog):
       o, _ = _run(sa.attend, y, D=24, impl="pallas")
   assert sum("falls back to XLA" in r.message for r in caplog.records) == 1
   np.testing.assert_array_equal(np.asarray(o), np.asarray(_run(sa.attend, y, D=24)[0]))
+
+
+def test_lowers_for_cuda():
+  # Triton lowering (forward, probs, backward) on the CPU host via jax.export for CUDA, with the
+  # GPU layout: 16 heads, D a power of two.
+  from jax import export
+  x = _inputs(6, 2, D=64, dtype=jnp.bfloat16)
+  x["q"] = jnp.tile(x["q"], (1, 1, 6, 1))[:, :, :16]
+  x["sink"] = jnp.zeros((16,), jnp.float32)
+
+  def loss(q, kv, g, sink):
+    o, p = ks.sparse_attend(q, kv, x["seg"], sink, window=W, scale=0.125, global_kv_BxNxD=g,
+                            topk_BxTxK=x["topk"], interpret=False)
+    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(p)
+
+  export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), platforms=["cuda"],
+                disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+                    x["q"], x["kv"], x["g"], x["sink"])
