@@ -128,14 +128,16 @@ def attn_check(interp):
        rel_dglobal=rel(gk[2], gr[2]), rel_dsink=rel(gk[3], gr[3]))
 
 
-def attn_bench(B, T, xla_impl, interp, reps, H=16, D=256, W=128, m=2, K=512, variants=((64, 4),)):
+def attn_bench(B, T, xla_impl, interp, reps, H=16, D=256, W=128, m=2, K=512,
+               variants=((64, 32, 4),)):
   x = attn_inputs(B, T, H, D, m, K, jnp.bfloat16)
   fl = 4.0 * B * T * H * D * (W + K)
   shape = f"{B}x{T} H{H} D{D} N{T // m} K{K}"
   res = {}
-  for bk, nw in variants:
-    name = f"pallas bk{bk} w{nw}"
-    kf, kg = attn_fns(partial(ks.sparse_attend, interpret=interp, block_k=bk, num_warps=nw), W, D)
+  for bk, bkb, nw in variants:   # key chunk forward, backward; warps
+    name = f"pallas bk{bk}/{bkb} w{nw}"
+    kf, kg = attn_fns(partial(ks.sparse_attend, interpret=interp, block_k=bk, block_k_bwd=bkb,
+                              num_warps=nw), W, D)
     for mode, f, mult in (("fwd", kf, 1), ("fwd+bwd", kg, 3)):
       r = guarded(f"attn {shape} {name} {mode}", lambda: timed(f, *x, reps=reps))
       if r:
@@ -236,11 +238,11 @@ def main():
   guarded("attn check", lambda: attn_check(interp))
   guarded("idx check", lambda: idx_check(interp))
   if ARGS.smoke:
-    attn_bench(1, 64, "masked", interp, 1, H=4, D=32, W=8, K=8, variants=((8, 4),))
+    attn_bench(1, 64, "masked", interp, 1, H=4, D=32, W=8, K=8, variants=((8, 8, 4),))
     idx_bench(64, interp, 1, H=4, I=32, K=8, variants=((16, 16, 4),))
   else:
     attn_bench(2, 4096, "masked", interp, reps)
-    attn_bench(1, 32768, "gather", interp, reps, variants=((64, 4), (32, 4), (64, 8)))
+    attn_bench(1, 32768, "gather", interp, reps, variants=((64, 32, 4), (64, 64, 4), (32, 32, 4)))
     idx_bench(16384, interp, reps, variants=((64, 64, 4), (64, 128, 8), (128, 64, 8)))
     attn_bench(1, 16384, "masked", interp, reps)
     idx_bench(65536, interp, 1, xla=False)
