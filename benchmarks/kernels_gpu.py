@@ -173,7 +173,7 @@ def _site_inputs(tokens: int, n: int, d: int):
 def site_case(tokens: int, n: int, d: int, interpret: bool, sweep: bool, reps: int):
   args = _site_inputs(tokens, n, d)
   ref = jax.jit(functools.partial(mhc.hc_site, **HC))
-  configs = [(32, 128, 8, 2)] + ([(16, 128, 4, 2), (64, 64, 8, 2), (32, 256, 8, 1)]
+  configs = [(64, 64, 8, 2)] + ([(16, 128, 4, 2), (32, 128, 8, 2), (32, 256, 8, 1)]
                                  if sweep else [])
   kerns = {f"tok={bt},d={bd},warps={nw},stages={ns}": jax.jit(functools.partial(
       mhc_site.hc_site_forward, **HC, block_tokens=bt, block_d=bd, num_warps=nw, num_stages=ns,

@@ -162,7 +162,7 @@ def _site_call(X, F, post, comb, pre, w_row, *params, n, d, iters, hc_eps, norm_
                                              "block_d", "interpret", "num_warps", "num_stages"))
 def hc_site_forward(X_BxTxNxD, F_BxTxD, post_BxTxN, comb_BxTxNxN, pre_BxTxN, fn, base, scale,
                     norm_weight, *, iters: int, hc_eps: float, norm_eps: float,
-                    block_tokens: int = 32, block_d: int = 128, interpret: bool = False,
+                    block_tokens: int = 64, block_d: int = 64, interpret: bool = False,
                     num_warps: int = 8, num_stages: int = 2):
   """(X', x, pre, post, comb) of one site from the fused forward kernel (see module doc)."""
   *_, n, d = X_BxTxNxD.shape
