@@ -1,9 +1,10 @@
 """The single-pass mHC wiring of the whole model (MODEL.md §3.3) against a float64 restatement.
 
   pre_mix ← e_0
-  for each layer:  a = hc(X; attn site);  X = a_postᵀ·Attn(attn_norm(collapse(X, pre_mix))) + a_combᵀX
-                   f = hc(X; ffn site);   X = f_postᵀ·MoE(ffn_norm(collapse(X, a_pre))) + f_combᵀX
-                   pre_mix ← f_pre
+  for each layer:
+    a = hc(X; attn site);  X = a_postᵀ·Attn(attn_norm(collapse(X, pre_mix))) + a_combᵀX
+    f = hc(X; ffn site);   X = f_postᵀ·MoE(ffn_norm(collapse(X, a_pre))) + f_combᵀX
+    pre_mix ← f_pre
   logits = head(final_norm(collapse(X, pre_mix)))
 
 Four SWA layers (CED needs an even depth; two runs of two, so the wiring is checked inside a
