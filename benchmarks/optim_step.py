@@ -51,7 +51,7 @@ def moe_tree(vocab=32768, d=1024, layers=2, experts=8, mlp=512, heads=8, hd=128,
               "shared": {"w1": f(L, d, mlp), "w3": f(L, d, mlp), "w2": f(L, mlp, d)}},
   }
   return {"embed": f(vocab, d), "head": f(d, vocab), "final_norm": {"scale": f(d)},
-          "segments": {"0": {"layers": {"0": layer}}}}
+          "runs": {"0": {"core": layer}}}
 
 
 def _materialize(abstract, seed):

@@ -1,23 +1,27 @@
 """One transformer layer of the single-pass mHC stack (MODEL.md §3.3, §4–§8, §14).
 
-A layer reads the n residual streams X and the previous site's pre-coefficients, optionally injects
-Engram memory (§7), runs attention with its CSA2 role from the layer plan (Full: compress + index;
-Reindex: index the shared KV; Reuse: reuse the latest top-k; SWA: window only), then the MoE, each
-through an mHC site:
+A layer reads the n residual streams X and the previous site's pre-coefficients (Engram memory,
+§7, is injected before it by the run that owns the table), runs attention with its CSA2 role from
+the layer plan (Full: compress + index; Reindex: index the shared KV; Reuse: reuse the latest
+top-k; SWA: window only), then the MoE, each through an mHC site:
 
   a_pre, a_post, a_comb = hc_attn(X)
   X = a_postᵀ·Attn(attn_norm(collapse(X, pre_mix))) + a_combᵀ X
   f_pre, f_post, f_comb = hc_ffn(X)
   X = f_postᵀ·MoE(ffn_norm(collapse(X, a_pre))) + f_combᵀ X ;   pre_mix ← f_pre
 
-What flows between layers is a `StreamState`; what every layer reads but never changes is a
-`Context`.
+Weights are split by what varies between layers: `LayerCore` holds what every layer has (the two
+mHC sites and norms, attention, MoE) and `Publisher` what only Full / Reindex layers have (the
+compressor and the indexer). `layer_forward` is the layer as a function of those weights, with the
+CSA2 step chosen by the layer's kind, statically (`kind`) or inside a scan by `lax.switch`
+(`kind_index`). What flows between layers is a `StreamState`; what every layer reads but never
+changes is a `Context`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,11 +32,9 @@ from dsv41_jax.layer_plan import LayerSpec
 from dsv41_jax.layers import mhc
 from dsv41_jax.layers.attention import Attention
 from dsv41_jax.layers.compressor import Compressor
-from dsv41_jax.layers.engram import Engram
 from dsv41_jax.layers.indexer import Indexer, indexer_kl_loss
 from dsv41_jax.layers.moe import MoE
 from dsv41_jax.layers.norm import RMSNorm
-from dsv41_jax.layers.rope import layer_inv_freq
 from dsv41_jax.layers.types import CompressedKV
 
 
@@ -73,101 +75,117 @@ class LayerAux(NamedTuple):
   engram_rows_touched: jax.Array  # fraction of table rows touched (0 without Engram)
 
 
-class Block(nnx.Module):
-  """One layer; its sub-modules follow its `LayerSpec` (parameter names in optim's table)."""
+class LayerCore(nnx.Module):
+  """The weights every layer has: `attn_hc`, `ffn_hc`, `attn_norm`, `ffn_norm`, `attn`, `moe`.
+
+  `spec` only fixes the RoPE frequencies, which a run's layers share (same compression ratio).
+  """
 
   def __init__(self, cfg: ModelConfig, spec: LayerSpec, rngs: nnx.Rngs):
-    self.cfg, self.spec = cfg, spec
     d = cfg.hidden_size
     self.attn_hc = mhc.MHCSite(cfg, rngs)
     self.ffn_hc = mhc.MHCSite(cfg, rngs)
     self.attn_norm = RMSNorm(d, cfg.rms_norm_eps, rngs)
     self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps, rngs)
     self.attn = Attention(cfg, spec, rngs)
-    if spec.mode == "full":
-      self.compressor = Compressor(cfg, spec, rngs)
-    if spec.mode in ("full", "reindex"):
-      self.indexer = Indexer(cfg, spec, rngs, query_chunk=cfg.index_query_chunk)
     self.moe = MoE(cfg, rngs)
-    if spec.engram:
-      self.engram = Engram(cfg, spec.index, rngs=rngs, fp8_table=cfg.engram_fp8_table)
 
-  def __call__(self, state: StreamState, ctx: Context, moe_bias_2xE: jax.Array
-               ) -> tuple[StreamState, LayerAux]:
-    cfg, spec = self.cfg, self.spec
-    X = state.X_BxTxNxD
-    real = ctx.segment_ids_BxT > 0
-    n = cfg.hc_mult
-    gate = jnp.zeros((n,), jnp.float32)
-    touched = jnp.zeros((), jnp.float32)
-    if spec.engram:
-      token_mask = real & ~ctx.image_mask_BxT
-      X, stats = self.engram(X, ctx.engram_ids[spec.index], token_mask)
-      gate, touched = stats["gate_mean"], stats["rows_touched_frac"]
 
-    # --- attention site ---
-    a_pre, a_post, a_comb = self.attn_hc(X)
-    x = self.attn_norm(mhc.collapse(X, state.pre_mix_BxTxN)).astype(cfg.dtype)
-    inv_freq = layer_inv_freq(cfg, spec)
-    kv, topk, candidate = state.kv, state.topk_BxTxK, state.candidate
-    c_q = self.attn.q_latent(x)
-    scores = None
-    if spec.mode == "full":
-      src = x
-      if spec.kv_input == "encoder_final":
-        enc = ctx.encoder_final
-        src = self.attn_norm(mhc.collapse(enc.X_BxTxNxD, enc.pre_mix_BxTxN)).astype(cfg.dtype)
-      main_kv, latent, seg, last, pos = self.compressor(src, ctx.positions_BxT, ctx.segment_ids_BxT,
-                                                        inv_freq)
-      index_k = self.indexer.keys(latent, pos, inv_freq)
-      kv = CompressedKV(main_kv, index_k, seg, last, pos)
-    if spec.mode in ("full", "reindex"):
-      topk, scores, cand_out = self.indexer(
-          x, c_q, positions=ctx.positions_BxT, segment_ids=ctx.segment_ids_BxT, kv=kv,
-          candidate=candidate if spec.candidate_role == "consumer" else None)
-      if spec.candidate_role == "source":
-        candidate = cand_out
-    y, _, global_probs = self.attn(
-        x, positions_BxT=ctx.positions_BxT, segment_ids_BxT=ctx.segment_ids_BxT,
-        kv=kv if spec.mode != "swa" else None, topk_BxTxK=topk if spec.mode != "swa" else None,
-        c_q_BxTxQ=c_q)
-    if scores is not None:
-      idx_loss = indexer_kl_loss(scores, topk, jax.lax.stop_gradient(global_probs), real)
+class Publisher(nnx.Module):
+  """A Full layer's `compressor` and `indexer`, or a Reindex layer's `indexer`."""
+
+  def __init__(self, cfg: ModelConfig, spec: LayerSpec, rngs: nnx.Rngs):
+    if not spec.owns_indexer:
+      raise ValueError(f"layer {spec.index} is a {spec.mode} layer; it publishes nothing")
+    if spec.owns_compressor:
+      self.compressor = Compressor(cfg, spec, rngs)
+    self.indexer = Indexer(cfg, spec, rngs, query_chunk=cfg.index_query_chunk)
+
+
+def _compressed_kv(core: LayerCore, pub: Publisher, src_BxTxD, ctx: Context) -> CompressedKV:
+  inv_freq = core.attn.inv_freq
+  main_kv, latent, seg, last, pos = pub.compressor(src_BxTxD, ctx.positions_BxT,
+                                                   ctx.segment_ids_BxT, inv_freq)
+  return CompressedKV(main_kv, pub.indexer.keys(latent, pos, inv_freq), seg, last, pos)
+
+
+def encoder_final_input(cfg: ModelConfig, core: LayerCore, enc: StreamState) -> jax.Array:
+  """The compressor input of a decoder KV source that projects from the final encoder state."""
+  return core.attn_norm(mhc.collapse(enc.X_BxTxNxD, enc.pre_mix_BxTxN)).astype(cfg.dtype)
+
+
+def prefill_kv(cfg: ModelConfig, core: LayerCore, pub: Publisher, enc: StreamState,
+               ctx: Context) -> CompressedKV:
+  """The compressed KV a decoder Full layer builds from the final encoder state (§6)."""
+  return _compressed_kv(core, pub, encoder_final_input(cfg, core, enc), ctx)
+
+
+def _publish(cfg: ModelConfig, spec: LayerSpec, core: LayerCore, pub: Publisher | None,
+             x, c_q, state: StreamState, ctx: Context):
+  """The CSA2 step of one kind: (kv, topk, candidate, scores_at_topk or zeros)."""
+  kv, topk, candidate = state.kv, state.topk_BxTxK, state.candidate
+  scores = jnp.zeros(topk.shape, jnp.float32)
+  if spec.owns_compressor:
+    src = x
+    if spec.kv_input == "encoder_final":
+      src = encoder_final_input(cfg, core, ctx.encoder_final)
+    kv = _compressed_kv(core, pub, src, ctx)
+  if spec.owns_indexer:
+    topk, scores, cand_out = pub.indexer(
+        x, c_q, positions=ctx.positions_BxT, segment_ids=ctx.segment_ids_BxT, kv=kv,
+        candidate=candidate if spec.candidate_role == "consumer" else None)
+    if spec.candidate_role == "source":
+      candidate = cand_out
+  return kv, topk, candidate, scores
+
+
+def layer_forward(cfg: ModelConfig, kinds: Sequence[LayerSpec], core: LayerCore,
+                  pubs: Sequence[Publisher | None], state: StreamState, ctx: Context,
+                  moe_bias_2xE: jax.Array, kind_index=0) -> tuple[StreamState, LayerAux]:
+  """One layer. `kinds[kind_index]` is its kind; `pubs[k]` the Publisher for kind k (None for
+  kinds that publish nothing). With one kind the CSA2 step is static; with several,
+  `kind_index` may be traced and the step is a `lax.switch` over the kinds."""
+  X = state.X_BxTxNxD
+  real = ctx.segment_ids_BxT > 0
+  global_branch = kinds[0].reads_global_kv    # one compression ratio per run: all or none
+
+  # --- attention site ---
+  a_pre, a_post, a_comb = core.attn_hc(X)
+  x = core.attn_norm(mhc.collapse(X, state.pre_mix_BxTxN)).astype(cfg.dtype)
+  c_q = core.attn.q_latent(x)
+  kv, topk, candidate, scores = state.kv, state.topk_BxTxK, state.candidate, None
+  if global_branch:
+    branches = [
+        (lambda x, c_q, state, spec=spec, pub=pub: _publish(cfg, spec, core, pub, x, c_q, state, ctx))
+        for spec, pub in zip(kinds, pubs)]
+    if len(branches) == 1:
+      kv, topk, candidate, scores = branches[0](x, c_q, state)
     else:
-      idx_loss = jnp.zeros((), jnp.float32)
-    X = mhc.expand(X, a_post, a_comb, y)
+      kv, topk, candidate, scores = jax.lax.switch(kind_index, branches, x, c_q, state)
+  y, _, global_probs = core.attn(
+      x, positions_BxT=ctx.positions_BxT, segment_ids_BxT=ctx.segment_ids_BxT,
+      kv=kv if global_branch else None, topk_BxTxK=topk if global_branch else None, c_q_BxTxQ=c_q)
+  idx_loss = jnp.zeros((), jnp.float32)
+  if global_branch:
+    owns = [spec.owns_indexer for spec in kinds]
+    kl = lambda: indexer_kl_loss(scores, topk, jax.lax.stop_gradient(global_probs), real)
+    if all(owns):
+      idx_loss = kl()
+    elif any(owns):
+      idx_loss = jax.lax.switch(kind_index, [kl if o else (lambda: jnp.zeros((), jnp.float32))
+                                             for o in owns])
+  X = mhc.expand(X, a_post, a_comb, y)
 
-    # --- MoE site ---
-    f_pre, f_post, f_comb = self.ffn_hc(X)
-    x = self.ffn_norm(mhc.collapse(X, a_pre)).astype(cfg.dtype)
-    y, moe_aux = self.moe(x, segment_ids_BxT=ctx.segment_ids_BxT,
-                          image_mask_BxT=ctx.image_mask_BxT, bias_2xE=moe_bias_2xE)
-    X = mhc.expand(X, f_post, f_comb, y)
+  # --- MoE site ---
+  f_pre, f_post, f_comb = core.ffn_hc(X)
+  x = core.ffn_norm(mhc.collapse(X, a_pre)).astype(cfg.dtype)
+  y, moe_aux = core.moe(x, segment_ids_BxT=ctx.segment_ids_BxT,
+                        image_mask_BxT=ctx.image_mask_BxT, bias_2xE=moe_bias_2xE)
+  X = mhc.expand(X, f_post, f_comb, y)
 
-    new_state = StreamState(X.astype(state.X_BxTxNxD.dtype), f_pre, kv, topk, candidate)
-    aux = LayerAux(moe_aux["balance_loss"], idx_loss, moe_aux["load_2xE"],
-                   moe_aux["dropped_fraction"], gate, touched)
-    return new_state, aux
-
-  def prefill_kv(self, enc: StreamState, ctx: Context) -> CompressedKV:
-    """The compressed KV this decoder Full layer builds from the final encoder state (§6)."""
-    cfg, spec = self.cfg, self.spec
-    inv_freq = layer_inv_freq(cfg, spec)
-    src = self.attn_norm(mhc.collapse(enc.X_BxTxNxD, enc.pre_mix_BxTxN)).astype(cfg.dtype)
-    main_kv, latent, seg, last, pos = self.compressor(src, ctx.positions_BxT, ctx.segment_ids_BxT,
-                                                      inv_freq)
-    return CompressedKV(main_kv, self.indexer.keys(latent, pos, inv_freq), seg, last, pos)
-
-
-class Unit(nnx.Module):
-  """The layers of one unit of a segment (a publisher layer and its Reuse followers)."""
-
-  def __init__(self, cfg: ModelConfig, specs: tuple[LayerSpec, ...], rngs: nnx.Rngs):
-    self.layers = nnx.List([Block(cfg, s, rngs) for s in specs])
-
-  def __call__(self, state: StreamState, ctx: Context, moe_bias_Ux2xE: jax.Array):
-    auxes = []
-    for j, layer in enumerate(self.layers):
-      state, aux = layer(state, ctx, moe_bias_Ux2xE[j])
-      auxes.append(aux)
-    return state, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+  new_state = StreamState(X.astype(state.X_BxTxNxD.dtype), f_pre, kv, topk, candidate)
+  n = cfg.hc_mult
+  aux = LayerAux(moe_aux["balance_loss"], idx_loss, moe_aux["load_2xE"],
+                 moe_aux["dropped_fraction"], jnp.zeros((n,), jnp.float32),
+                 jnp.zeros((), jnp.float32))
+  return new_state, aux

@@ -1,10 +1,16 @@
 """The static layer plan of MODEL.md §2, computed once from a `ModelConfig`, as data.
 
 Each layer gets a `LayerSpec` (its compression ratio, CSA2 mode, KV and index sources, Engram
-flag, candidate role, RoPE base). Layers are then grouped into *units*: a unit starts at a layer
-that publishes a top-k (a Full or Reindex layer) and runs through the Reuse layers that consume
-it; each pure-SWA layer is a unit of its own. Consecutive units of identical structure form a
-*segment*, which the model compiles once and scans over (`Segment.repeats`).
+flag, candidate role, RoPE base). Consecutive layers are then grouped into *runs* that one
+`lax.scan` executes with one compiled layer body:
+
+- a run never crosses the encoder/decoder boundary, nor a change of compression ratio (the shared
+  compressed KV in the scan's carry keeps one shape), and an Engram layer always starts a run (its
+  table is applied before the scan, so tables of different sizes never need stacking);
+- inside a run, layers differ only by their *kind* (`LayerSpec.kind`: Full, Reindex, Reuse, SWA,
+  with their candidate-pool role and KV input). The scan body switches on the kind (`lax.switch`),
+  so the program holds one body per kind per run, and the number of runs is fixed by the two
+  halves, the ratio changes and the Engram layers, not by depth.
 
 The model, the ledger and the tests all read this table; no model code tests a layer index.
 """
@@ -42,28 +48,77 @@ class LayerSpec:
     return (self.compress_ratio, self.mode, self.engram, self.candidate_role, self.kv_input,
             self.rope_theta, self.yarn, self.is_encoder)
 
+  @property
+  def kind(self) -> tuple:
+    """What a run's scan body switches on: mode, candidate role and KV input."""
+    return (self.mode, self.candidate_role, self.kv_input)
+
+  @property
+  def kind_name(self) -> str:
+    """The kind as a parameter-path component: `full`, `reindex_consumer`, `full_encfinal`, …"""
+    parts = [self.mode, self.candidate_role or "", "encfinal" if self.kv_input == "encoder_final"
+             else ""]
+    return "_".join(p for p in parts if p)
+
+  @property
+  def owns_compressor(self) -> bool:
+    return self.mode == "full"
+
+  @property
+  def owns_indexer(self) -> bool:
+    return self.mode in ("full", "reindex")
+
+  @property
+  def reads_global_kv(self) -> bool:
+    return self.mode != "swa"
+
 
 @dataclasses.dataclass(frozen=True)
-class Segment:
-  """`repeats` consecutive units, each of the layers `unit` (relative structure identical)."""
+class Run:
+  """Consecutive layers executed by one scan (see the module docstring).
 
-  first_layer: int
-  unit: tuple[LayerSpec, ...]   # the specs of the first repeat
-  repeats: int
+  `kinds` holds one representative spec per distinct `LayerSpec.kind`, in order of first
+  appearance; `kind_of[i]` is layer i's index into `kinds` and `slot_of[i]` its index among the
+  run's layers of that kind (the row of the kind's stacked parameters it uses).
+  """
+
+  layers: tuple[LayerSpec, ...]
+  kinds: tuple[LayerSpec, ...]
+  kind_of: tuple[int, ...]
+  slot_of: tuple[int, ...]
 
   @property
-  def unit_len(self) -> int:
-    return len(self.unit)
+  def first_layer(self) -> int:
+    return self.layers[0].index
 
   @property
-  def layers(self) -> tuple[int, ...]:
-    return tuple(range(self.first_layer, self.first_layer + self.unit_len * self.repeats))
+  def n_layers(self) -> int:
+    return len(self.layers)
+
+  @property
+  def compress_ratio(self) -> int:
+    return self.layers[0].compress_ratio
+
+  @property
+  def is_encoder(self) -> bool:
+    return self.layers[0].is_encoder
+
+  @property
+  def engram(self) -> bool:
+    """The run's first layer injects Engram memory (only a run's first layer can)."""
+    return self.layers[0].engram
+
+  def kind_count(self, k: int) -> int:
+    return self.kind_of.count(k)
+
+  def layers_of_kind(self, k: int) -> tuple[int, ...]:
+    return tuple(l.index for l, j in zip(self.layers, self.kind_of) if j == k)
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
   layers: tuple[LayerSpec, ...]
-  segments: tuple[Segment, ...]
+  runs: tuple[Run, ...]
   num_encoder_layers: int
 
   def __iter__(self):
@@ -74,6 +129,13 @@ class LayerPlan:
 
   def __getitem__(self, i: int) -> LayerSpec:
     return self.layers[i]
+
+  def run_of(self, layer: int) -> tuple[int, int]:
+    """(run index, position within the run) of a layer."""
+    for r, run in enumerate(self.runs):
+      if run.first_layer <= layer < run.first_layer + run.n_layers:
+        return r, layer - run.first_layer
+    raise IndexError(f"layer {layer} is not in the plan ({len(self.layers)} layers)")
 
   @property
   def kv_sources(self) -> tuple[int, ...]:
@@ -143,30 +205,29 @@ def build_layer_plan(cfg: "ModelConfig") -> LayerPlan:
         index=i, compress_ratio=m, mode=mode, kv_source=kv_source, index_source=index_source,
         engram=i in cfg.engram_layer_ids, candidate_role=candidate_role, is_encoder=i < n_enc,
         kv_input=kv_input, rope_theta=theta, yarn=cfg.yarn_enabled and m != 0))
-  return LayerPlan(layers=tuple(specs), segments=_segments(specs), num_encoder_layers=n_enc)
+  return LayerPlan(layers=tuple(specs), runs=_runs(specs), num_encoder_layers=n_enc)
 
 
-def _units(specs: list[LayerSpec]) -> list[tuple[LayerSpec, ...]]:
-  units: list[list[LayerSpec]] = []
+def _runs(specs: list[LayerSpec]) -> tuple[Run, ...]:
+  groups: list[list[LayerSpec]] = []
   for s in specs:
-    starts_unit = (s.mode in ("swa", "full", "reindex") or not units
-                   or units[-1][0].mode == "swa" or s.is_encoder != units[-1][0].is_encoder)
-    if starts_unit:
-      units.append([s])
+    starts_run = (not groups or s.engram or s.is_encoder != groups[-1][0].is_encoder
+                  or s.compress_ratio != groups[-1][0].compress_ratio)
+    if starts_run:
+      groups.append([s])
     else:
-      units[-1].append(s)
-  return [tuple(u) for u in units]
-
-
-def _segments(specs: list[LayerSpec]) -> tuple[Segment, ...]:
-  segments: list[Segment] = []
-  for unit in _units(specs):
-    sig = tuple(s.structure() for s in unit)
-    # Engram tables differ in size from layer to layer (distinct primes), so they never stack.
-    if segments and not any(s.engram for s in unit):
-      prev = segments[-1]
-      if tuple(s.structure() for s in prev.unit) == sig:
-        segments[-1] = dataclasses.replace(prev, repeats=prev.repeats + 1)
-        continue
-    segments.append(Segment(first_layer=unit[0].index, unit=unit, repeats=1))
-  return tuple(segments)
+      groups[-1].append(s)
+  runs = []
+  for g in groups:
+    kinds: list[LayerSpec] = []
+    kind_of, slot_of = [], []
+    for s in g:
+      k = next((i for i, r in enumerate(kinds) if r.kind == s.kind), None)
+      if k is None:
+        k = len(kinds)
+        kinds.append(s)
+      slot_of.append(kind_of.count(k))
+      kind_of.append(k)
+    runs.append(Run(layers=tuple(g), kinds=tuple(kinds), kind_of=tuple(kind_of),
+                    slot_of=tuple(slot_of)))
+  return tuple(runs)

@@ -26,7 +26,7 @@ from dsv41_jax import cache_layout, flops
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layer_plan import build_layer_plan
 
-_LAYER_PATH = re.compile(r"^segments/(\d+)/layers/(\d+)/(.*)$")
+_LAYER_PATH = re.compile(r"^runs/(\d+)/([^/]+)/(.*)$")
 
 
 def _path_str(path) -> str:
@@ -39,7 +39,11 @@ def iter_params(state: nnx.State) -> Iterator[tuple[str, tuple[int, ...]]]:
 
 
 def per_layer_params(cfg: ModelConfig, state: nnx.State):
-  """Yield (layer id or None, path within the layer, per-layer element count) for every param."""
+  """Yield (layer id or None, path within the layer, per-layer element count) for every param.
+
+  A run's `core/...` stacks hold one row per layer of the run, its `<kind>/...` stacks one row per
+  layer of that kind, and its `engram/...` belongs to the run's first layer (`layer_plan.Run`).
+  """
   plan = build_layer_plan(cfg)
   for path, shape in iter_params(state):
     m = _LAYER_PATH.match(path)
@@ -47,10 +51,18 @@ def per_layer_params(cfg: ModelConfig, state: nnx.State):
     if not m:
       yield None, path, size
       continue
-    seg = plan.segments[int(m.group(1))]
-    j, rest = int(m.group(2)), m.group(3)
-    for r in range(seg.repeats):
-      yield seg.first_layer + r * seg.unit_len + j, rest, size // seg.repeats
+    run = plan.runs[int(m.group(1))]
+    group, rest = m.group(2), m.group(3)
+    if group == "engram":
+      yield run.first_layer, f"engram/{rest}", size
+      continue
+    if group == "core":
+      layers = [l.index for l in run.layers]
+    else:
+      k = next(k for k, spec in enumerate(run.kinds) if spec.kind_name == group)
+      layers = run.layers_of_kind(k)
+    for layer in layers:
+      yield layer, rest, size // len(layers)
 
 
 def _is_engram_table(rest: str) -> bool:

@@ -1,9 +1,12 @@
 """The whole DeepSeek-V4.1-Flash backbone: embedding, the plan-driven layer stack, head (MODEL.md).
 
-Layers are grouped by the layer plan into segments of identical units (`layer_plan.Segment`); each
-segment's units have their parameters stacked on a leading axis and run under one `lax.scan`, so
-compile time and program size do not grow with depth. A forward pass can stop after the encoder
-(CED prefill, §6).
+The layer plan groups layers into runs (`layer_plan.Run`); a run's weights are stacked on a
+leading axis (`runs/<r>/core/...` for every layer, `runs/<r>/<kind>/...` for each kind that has
+CSA2 weights of its own, `runs/<r>/engram/...` for the Engram table of its first layer) and run
+under one `lax.scan` whose body switches on the layer's kind. The program therefore holds one
+layer body per kind per run, whatever the depth: compile time and program size do not grow with
+the number of layers. With `scan_layers=False` the same weights run unrolled (for tests). A
+forward pass can stop after the encoder (CED prefill, §6).
 
 Shapes: B batch, T sequence, N = hc_mult streams, D hidden, V vocab, L layers, E experts.
 """
@@ -18,29 +21,53 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax import sharding
-from dsv41_jax.block import Context, LayerAux, StreamState, Unit
+from dsv41_jax.block import (Context, LayerAux, LayerCore, Publisher, StreamState, layer_forward,
+                             prefill_kv)
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.layer_plan import LayerPlan, Segment, build_layer_plan
+from dsv41_jax.layer_plan import LayerPlan, Run, build_layer_plan
 from dsv41_jax.layers import mhc
+from dsv41_jax.layers.engram import Engram
 from dsv41_jax.layers.norm import RMSNorm
 from dsv41_jax.layers.types import CompressedKV
 
 
-def _stacked_unit(cfg: ModelConfig, seg: Segment, rngs: nnx.Rngs) -> Unit:
-  """`seg.repeats` units with parameters stacked on a leading axis (one unit if repeats == 1)."""
-  if seg.repeats == 1:
-    return Unit(cfg, seg.unit, rngs)
+def _stacked(make, n: int, rngs: nnx.Rngs):
+  """`n` modules from `make(rngs)` with their parameters stacked on a leading axis."""
 
-  @nnx.split_rngs(splits=seg.repeats)
+  @nnx.split_rngs(splits=n)
   @nnx.vmap(in_axes=0, out_axes=0)
-  def make(r: nnx.Rngs) -> Unit:
-    return Unit(cfg, seg.unit, r)
+  def build(r: nnx.Rngs):
+    return make(r)
 
-  return make(rngs)
+  return build(rngs)
+
+
+def _take(module: nnx.Module, i) -> nnx.Module:
+  """Row `i` (an int or a traced index) of a stacked module."""
+  graphdef, state = nnx.split(module)
+  return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+
+
+class RunStack(nnx.Module):
+  """The weights of one run: `core` [n_layers, ...], one Publisher stack per publishing kind
+  (attribute = the kind's name), and the Engram memory of the run's first layer."""
+
+  def __init__(self, cfg: ModelConfig, run: Run, rngs: nnx.Rngs):
+    first = run.layers[0]
+    self.core = _stacked(lambda r: LayerCore(cfg, first, r), run.n_layers, rngs)
+    for k, spec in enumerate(run.kinds):
+      if spec.owns_indexer:
+        setattr(self, spec.kind_name,
+                _stacked(lambda r, spec=spec: Publisher(cfg, spec, r), run.kind_count(k), rngs))
+    if run.engram:
+      self.engram = Engram(cfg, first.index, rngs=rngs, fp8_table=cfg.engram_fp8_table)
+
+  def publishers(self, run: Run) -> list[Publisher | None]:
+    return [getattr(self, s.kind_name) if s.owns_indexer else None for s in run.kinds]
 
 
 class Transformer(nnx.Module):
-  """Embedding → segments of scanned units → final collapse, norm and head."""
+  """Embedding → runs of scanned layers → final collapse, norm and head."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -48,7 +75,7 @@ class Transformer(nnx.Module):
     pd = jnp.dtype(cfg.param_dtype)
     self.embed = sharding.param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
                                 sharding.normal(1.0), pd)
-    self.segments = nnx.List([_stacked_unit(cfg, s, rngs) for s in self.plan.segments])
+    self.runs = nnx.List([RunStack(cfg, run, rngs) for run in self.plan.runs])
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs)
     self.head = sharding.param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
                                sharding.fan_in_normal((0,)), pd)
@@ -73,45 +100,79 @@ class Transformer(nnx.Module):
     pre = jnp.broadcast_to(mhc.initial_pre(n), (B, T, n)).astype(jnp.float32)
     return StreamState(X, pre)
 
-  def run_segment(self, s: int, state: StreamState, ctx: Context,
-                  moe_bias_Lx2xE: jax.Array) -> tuple[StreamState, LayerAux]:
-    """Run segment `s`; returns the new state and per-layer aux stacked in layer order."""
+  def layer(self, index: int) -> tuple[LayerCore, Publisher | None, Engram | None]:
+    """The weights of one layer, un-stacked: (core, publisher or None, Engram or None)."""
+    r, i = self.plan.run_of(index)
+    run, stack = self.plan.runs[r], self.runs[r]
+    spec = run.kinds[run.kind_of[i]]
+    pub = _take(getattr(stack, spec.kind_name), run.slot_of[i]) if spec.owns_indexer else None
+    engram = stack.engram if (i == 0 and run.engram) else None
+    return _take(stack.core, i), pub, engram
+
+  def run_layers(self, r: int, state: StreamState, ctx: Context,
+                 moe_bias_Lx2xE: jax.Array) -> tuple[StreamState, LayerAux]:
+    """Run the layers of run `r`; returns the new state and per-layer aux stacked in layer order."""
     cfg = self.cfg
-    seg = self.plan.segments[s]
-    unit_module = self.segments[s]
-    lo, hi = seg.first_layer, seg.first_layer + seg.unit_len * seg.repeats
-    bias = moe_bias_Lx2xE[lo:hi].reshape(seg.repeats, seg.unit_len, *moe_bias_Lx2xE.shape[1:])
-    state = self._prepare_carry(seg, state, ctx)
+    run, stack = self.plan.runs[r], self.runs[r]
+    lo, n = run.first_layer, run.n_layers
+    bias = moe_bias_Lx2xE[lo:lo + n]
+    gate = touched = None
+    if run.engram:
+      token_mask = (ctx.segment_ids_BxT > 0) & ~ctx.image_mask_BxT
+      X, stats = stack.engram(state.X_BxTxNxD, ctx.engram_ids[run.first_layer], token_mask)
+      state = state._replace(X_BxTxNxD=X)
+      gate, touched = stats["gate_mean"], stats["rows_touched_frac"]
+    state = self._prepare_carry(run, state, ctx)
+    pubs = stack.publishers(run)
+    core_def, core_state = nnx.split(stack.core)
+    pub_defs = [None if p is None else nnx.split(p)[0] for p in pubs]
+    pub_states = [None if p is None else nnx.split(p)[1] for p in pubs]
+    kind_of = np.asarray(run.kind_of, np.int32)
+    slot_of = np.asarray(run.slot_of, np.int32)
 
     def body(carry, xs):
-      unit_state, bias_u = xs
-      unit = nnx.merge(graphdef, unit_state)
-      return unit(carry, ctx, bias_u)
+      core_p, pub_ps, bias_l, k = xs
+      core = nnx.merge(core_def, core_p)
+      ps = [None if d is None else nnx.merge(d, p) for d, p in zip(pub_defs, pub_ps)]
+      return layer_forward(cfg, run.kinds, core, ps, carry, ctx, bias_l, k)
 
     if cfg.remat:
       body = jax.checkpoint(body, prevent_cse=False)
-    graphdef, params = nnx.split(unit_module)
-    if seg.repeats == 1:
-      state, aux = body(state, (params, bias[0]))
-      aux = jax.tree.map(lambda a: a[None], aux)
-    elif cfg.scan_layers:
-      state, aux = jax.lax.scan(body, state, (params, bias))
+    if cfg.scan_layers and n > 1:
+      # Each kind's weights gathered into one row per layer (rows of other kinds are never read;
+      # the gather's transpose sums each layer's gradient back into its kind's stack).
+      gathered = [None if p is None else jax.tree.map(
+          lambda a, k=k: a[np.where(kind_of == k, slot_of, 0)], p)
+          for k, p in enumerate(pub_states)]
+      state, aux = jax.lax.scan(body, state, (core_state, gathered, bias, jnp.asarray(kind_of)))
     else:
       auxes = []
-      for r in range(seg.repeats):
-        state, a = body(state, jax.tree.map(lambda p: p[r], (params, bias)))
+      for i in range(n):
+        k, slot = run.kind_of[i], run.slot_of[i]
+
+        def one(carry, core_p, pub_p, bias_l, k=k):
+          # Unrolled, the kind is static: only the layer's own publisher weights are passed.
+          ps = [None if pub_defs[k] is None else nnx.merge(pub_defs[k], pub_p)]
+          return layer_forward(cfg, [run.kinds[k]], nnx.merge(core_def, core_p), ps, carry, ctx,
+                               bias_l)
+
+        if cfg.remat:
+          one = jax.checkpoint(one, prevent_cse=False)
+        pub_p = None if pub_states[k] is None else jax.tree.map(lambda a: a[slot], pub_states[k])
+        state, a = one(state, jax.tree.map(lambda a: a[i], core_state), pub_p, bias[i])
         auxes.append(a)
       aux = jax.tree.map(lambda *a: jnp.stack(a), *auxes)
-    # [repeats, unit_len, ...] -> [layers, ...]
-    aux = jax.tree.map(lambda a: a.reshape(seg.repeats * seg.unit_len, *a.shape[2:]), aux)
+    if gate is not None:
+      aux = aux._replace(engram_gate_N=aux.engram_gate_N.at[0].set(gate),
+                         engram_rows_touched=aux.engram_rows_touched.at[0].set(touched))
     return state, aux
 
-  def _prepare_carry(self, seg: Segment, state: StreamState, ctx: Context) -> StreamState:
-    """Give the carry the CSA2 fields a segment's units produce, so scan sees a fixed structure."""
+  def _prepare_carry(self, run: Run, state: StreamState, ctx: Context) -> StreamState:
+    """Give the carry the CSA2 fields a run's layers produce, so scan sees a fixed structure."""
     cfg = self.cfg
-    first = seg.unit[0]
-    if first.mode == "swa":
-      return state
+    first = run.layers[0]
+    if not first.reads_global_kv:
+      return StreamState(state.X_BxTxNxD, state.pre_mix_BxTxN)
     B, T = ctx.segment_ids_BxT.shape
     m = first.compress_ratio
     n_entries = -(-T // m)
@@ -125,16 +186,13 @@ class Transformer(nnx.Module):
           jnp.zeros((B, n_entries, cfg.index_head_dim), dt),
           jnp.full((B, n_entries), -1, jnp.int32), jnp.zeros((B, n_entries), jnp.int32),
           jnp.zeros((B, n_entries), jnp.int32))
-      topk = None
+      topk = cand = None
     if topk is None:
       topk = jnp.full((B, T, min(cfg.index_topk, n_entries)), -1, jnp.int32)
-    if cand is None and any(l.candidate_role == "source" for l in seg.unit):
-      cand = self._empty_candidate(B, T, n_entries)
+    if cand is None and any(l.candidate_role == "source" for l in run.layers):
+      from dsv41_jax.layers.indexer import empty_candidate
+      cand = empty_candidate(cfg, B, T, n_entries)
     return StreamState(state.X_BxTxNxD, state.pre_mix_BxTxN, kv, topk, cand)
-
-  def _empty_candidate(self, B: int, T: int, n_entries: int):
-    from dsv41_jax.layers.indexer import empty_candidate
-    return empty_candidate(self.cfg, B, T, n_entries)
 
   # --- forward ------------------------------------------------------------------------------
 
@@ -163,8 +221,8 @@ class Transformer(nnx.Module):
     state = self.initial_state(h)
     auxes = []
     n_enc = self.plan.num_encoder_layers
-    for s, seg in enumerate(self.plan.segments):
-      if seg.first_layer == n_enc:
+    for r, run in enumerate(self.plan.runs):
+      if run.first_layer == n_enc:
         enc_state = StreamState(state.X_BxTxNxD, state.pre_mix_BxTxN)
         if stop_after_encoder:
           return self._prefill_outputs(enc_state, ctx), _collect(auxes)
@@ -172,7 +230,7 @@ class Transformer(nnx.Module):
         state = enc_state
         ctx = Context(ctx.positions_BxT, ctx.segment_ids_BxT, ctx.image_mask_BxT, ctx.engram_ids,
                       encoder_final=enc_state if cfg.kv_source_input == "encoder_final" else None)
-      state, aux = self.run_segment(s, state, ctx, moe_bias_Lx2xE)
+      state, aux = self.run_layers(r, state, ctx, moe_bias_Lx2xE)
       auxes.append(aux)
     x = self.final_norm(mhc.collapse(state.X_BxTxNxD, state.pre_mix_BxTxN)).astype(cfg.dtype)
     logits = jnp.einsum("btd,dv->btv", x, self.head[...].astype(cfg.dtype),
@@ -185,18 +243,10 @@ class Transformer(nnx.Module):
     `kv_input` is "encoder_final"."""
     n_enc = self.plan.num_encoder_layers
     out: dict[str, Any] = {"encoder_state": enc, "decoder_kv": {}}
-    for s, seg in enumerate(self.plan.segments):
-      for r in range(seg.repeats):
-        for j, spec in enumerate(seg.unit):
-          layer_id = seg.first_layer + r * seg.unit_len + j
-          if spec.mode != "full" or spec.is_encoder or not (
-              spec.kv_input == "encoder_final" or layer_id == n_enc):
-            continue
-          unit = self.segments[s]
-          if seg.repeats > 1:
-            g, p = nnx.split(unit)
-            unit = nnx.merge(g, jax.tree.map(lambda a: a[r], p))
-          out["decoder_kv"][layer_id] = unit.layers[j].prefill_kv(enc, ctx)
+    for spec in self.plan.layers[n_enc:]:
+      if spec.owns_compressor and (spec.kv_input == "encoder_final" or spec.index == n_enc):
+        core, pub, _ = self.layer(spec.index)
+        out["decoder_kv"][spec.index] = prefill_kv(self.cfg, core, pub, enc, ctx)
     return out
 
 

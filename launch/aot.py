@@ -231,12 +231,12 @@ def _keep_axes(entry, names):
 def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int]) -> dict[str, float]:
   """Estimated activation bytes per device for b rows of T tokens (an estimate, not a measurement).
 
-  With layer remat (cfg.remat) every scanned unit keeps only its input carry for the backward
-  pass; the largest unit is then recomputed with all its intermediates live, values and their
-  cotangents both. Terms (a = itemsize of cfg.dtype, tp = the tensor axis size, N = hc_mult):
-    carries      (units + 1) · b·T·N·D·4                  f32 residual streams saved per unit
+  With layer remat (cfg.remat) every layer keeps only its input carry for the backward pass; the
+  largest layer is then recomputed with all its intermediates live, values and their cotangents
+  both. Terms (a = itemsize of cfg.dtype, tp = the tensor axis size, N = hc_mult):
+    carries      (L + 1) · b·T·N·D·4                      f32 residual streams saved per layer
                  (without remat: every layer's working set below is kept instead)
-    unit work    2 · Σ_{layers of the largest unit} (attention + moe + mhc), with per layer
+    layer work   2 · max over layers of (attention + moe + mhc), with per layer
       attention  b·T·(H/tp)·Dh·a  (q)  +  b·(H/tp)·T·(P+1)·S·4  (window scores, S = min(W, T),
                  P = ⌈(W−1)/S⌉ previous blocks)  +  global scores: "masked" b·(H/tp)·T·⌈T/m⌉·4,
                  "gather" b·T·K·Dh·a + b·(H/tp)·T·K·4  +  indexer b·min(512, T)·H_I·⌈T/m⌉·4
@@ -268,15 +268,15 @@ def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int])
     moe = b * T * k * (D + 3 * -(-I // tp)) * a + b * T * k * D * 4
     return att + moe + 4 * stream
 
-  units = [(seg.repeats, sum(layer(s) for s in seg.unit)) for seg in plan.segments]
+  per_layer = [layer(s) for s in plan.layers]
   if cfg.remat:
-    carries = (sum(r for r, _ in units) + 1) * stream
-    work = 2 * max(w for _, w in units)
+    carries = (len(per_layer) + 1) * stream
+    work = 2 * max(per_layer)
   else:
     carries = 0.0
-    work = 2 * sum(r * w for r, w in units)
+    work = 2 * sum(per_layer)
   logits = 3 * b * T * -(-cfg.vocab_size // tp) * 4
-  return {"carries": float(carries), "unit_work": float(work), "logits": float(logits),
+  return {"carries": float(carries), "layer_work": float(work), "logits": float(logits),
           "total": float(carries + work + logits)}
 
 
@@ -320,7 +320,7 @@ def axis_use(rows, sizes: Mapping[str, int]) -> dict[str, str]:
 
 
 def _family(path: str) -> str:
-  parts = [p for p in path.split("/") if not p.isdigit() and p not in ("segments", "layers")]
+  parts = [p for p in path.split("/") if not p.isdigit() and p not in ("runs", "core")]
   return "/".join(parts[-2:]) if len(parts) > 1 else parts[0]
 
 
@@ -457,7 +457,7 @@ def format_plan(name: str, plan: dict[str, Any], compiled: dict[str, Any] | None
   lines.append(f"    optimizer      {_gib(plan['opt_bytes'])}   (1 buffer muon/sinkhorn, 2 adamw)")
   act = plan["activation_bytes"]
   lines.append(f"    activations    {_gib(act['total'])}   estimate: carries "
-               f"{_gib(act['carries']).strip()} + largest unit {_gib(act['unit_work']).strip()} + "
+               f"{_gib(act['carries']).strip()} + largest layer {_gib(act['layer_work']).strip()} + "
                f"logits {_gib(act['logits']).strip()}")
   lines.append(f"    total          {_gib(plan['total_bytes'])}")
   if compiled:

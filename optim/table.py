@@ -1,10 +1,10 @@
 """The one declarative table: parameter-path pattern -> optimizer group (TRAINING.md §2).
 
 Parameters are named by their '/'-joined path in the parameter tree
-(`segments/0/layers/1/attn/wq_b`, see the naming note of the model). A pattern is matched against
+(`runs/0/core/attn/wq_b`, see the naming note of the model). A pattern is matched against
 the whole path: `*` matches within one path component, `**` matches any number of whole components
-(none included), `{a,b}` matches either alternative. Patterns never look at rank, because scanned
-segments carry extra leading stacked axes on every leaf.
+(none included), `{a,b}` matches either alternative. Patterns never look at rank, because the
+scanned runs carry extra leading stacked axes on every leaf.
 
 Every parameter must be claimed by exactly one row (`label_params` raises `TableError` naming every
 parameter claimed by no row or by several), and every row must claim something in at least one
@@ -18,7 +18,7 @@ Engram tables). Per-row `lr_mult` multiplies that row's learning rate (Engram ta
 The vision pathway (`vision/...` ViT, `projector/...`): every ViT row carries `tag="vision"`, whose
 learning rate is further multiplied by `OptimConfig.vision_lr_mult` (the ViT joins at a smaller
 learning rate once unfrozen); the projector trains like the backbone. ViT norms are claimed by their
-own row, so the generic norm row is split into the backbone (`segments/`, `projector/`) and
+own row, so the generic norm row is split into the backbone (`runs/`, `projector/`) and
 `final_norm`.
 """
 
@@ -116,7 +116,7 @@ TABLE: tuple[Row, ...] = (
     Row("**/engram/w_ekv", "muon"),
     Row("**/{attn_hc,ffn_hc}/fn", "muon"),
     # --- adamw: norms, sinks, mHC base / scale, Engram gate weights (RMSNorm weights, MODEL.md §7.3)
-    Row("{segments,projector}/**/*norm/scale", "adamw"),
+    Row("{runs,projector}/**/*norm/scale", "adamw"),
     Row("final_norm/scale", "adamw"),
     Row("**/attn/attn_sink", "adamw"),
     Row("**/{attn_hc,ffn_hc}/{base,scale}", "adamw"),

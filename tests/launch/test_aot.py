@@ -86,15 +86,15 @@ def test_activation_estimate_terms():
   mcfg = model_config(tiny.get_config())
   one = aot.activation_bytes(mcfg, 1, 128, {"data": 1})
   two = aot.activation_bytes(mcfg, 2, 128, {"data": 1})
-  for k in ("carries", "unit_work", "logits", "total"):
+  for k in ("carries", "layer_work", "logits", "total"):
     assert two[k] == pytest.approx(2 * one[k])
   assert one["logits"] == 3 * 128 * mcfg.vocab_size * 4
-  units = sum(s.repeats for s in model_lib.build_layer_plan(mcfg).segments)
-  assert one["carries"] == (units + 1) * 128 * mcfg.hc_mult * mcfg.hidden_size * 4
+  layers = len(model_lib.build_layer_plan(mcfg).layers)
+  assert one["carries"] == (layers + 1) * 128 * mcfg.hc_mult * mcfg.hidden_size * 4
   tp = aot.activation_bytes(mcfg, 1, 128, {"tensor": 2})
   assert tp["logits"] == one["logits"] / 2
-  masked = [aot.activation_bytes(mcfg, 1, T, {})["unit_work"] for T in (512, 1024, 2048)]
-  gathered = [aot.activation_bytes(mcfg.replace(global_attn_impl="gather"), 1, T, {})["unit_work"]
+  masked = [aot.activation_bytes(mcfg, 1, T, {})["layer_work"] for T in (512, 1024, 2048)]
+  gathered = [aot.activation_bytes(mcfg.replace(global_attn_impl="gather"), 1, T, {})["layer_work"]
               for T in (512, 1024, 2048)]
   assert masked[2] - masked[1] > 1.9 * (masked[1] - masked[0])
   assert gathered[2] - gathered[1] == pytest.approx(2 * (gathered[1] - gathered[0]), rel=0.05)

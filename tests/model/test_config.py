@@ -16,10 +16,12 @@ def test_flash_plan_matches_model_md_section_2():
   assert [plan[i].kv_source for i in (3, 9, 19)] == [2, 8, 14]
   assert [l.index for l in plan if l.engram] == [1, 14]
   assert all(l.is_encoder == (l.index < 20) for l in plan)
-  # Repeated units are compiled once: 6 segments for 40 layers.
-  segs = [(s.first_layer, s.unit_len, s.repeats) for s in plan.segments]
-  assert segs == [(0, 1, 1), (1, 1, 1), (2, 6, 2), (14, 6, 1), (20, 4, 1), (24, 4, 4)]
-  assert sum(s.unit_len * s.repeats for s in plan.segments) == 40
+  # Runs split at the halves, at ratio changes and at Engram layers: 5 scanned runs for 40 layers,
+  # each switching over the kinds it holds.
+  runs = [(r.first_layer, r.n_layers, tuple(k.kind_name for k in r.kinds)) for r in plan.runs]
+  assert runs == [(0, 1, ("swa",)), (1, 1, ("swa",)), (2, 12, ("full", "reuse")),
+                  (14, 6, ("full", "reuse")), (20, 20, ("full", "reuse", "reindex"))]
+  assert [l.index for r in plan.runs for l in r.layers] == list(range(40))
 
 
 def test_tiny_config_exercises_every_mode():

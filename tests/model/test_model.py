@@ -67,7 +67,7 @@ def split_model(cfg):
 def test_micro_config_covers_the_plan(cfg):
   plan = build_layer_plan(cfg)
   assert {l.mode for l in plan} == {"swa", "full", "reuse", "reindex"}
-  assert any(s.repeats > 1 for s in plan.segments)   # the scan path runs
+  assert any(r.n_layers > 1 and len(r.kinds) > 1 for r in plan.runs)  # scan + kind switch run
 
 
 def test_causality_across_groups_and_documents(cfg, split_model):

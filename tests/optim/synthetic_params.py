@@ -1,8 +1,10 @@
 """An abstract parameter tree built from the model's naming note, for testing the optimizer table
 before (and beside) `dsv41_jax.model.abstract_params`.
 
-Layers sit under `segments/<s>/layers/<j>/...` with one leading stacked axis (the segment's repeats),
-as the scanned model stores them. Shapes follow the naming note; only paths and ranks matter here.
+Layers sit under `runs/<r>/core/...` (one leading stacked axis: the run's layers),
+`runs/<r>/<kind>/{compressor,indexer}/...` (stacked over the run's layers of that kind) and
+`runs/<r>/engram/...` (the run's first layer), as the scanned model stores them. Shapes follow the
+naming note; only paths and ranks matter here.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ def _sds(*shape):
   return jax.ShapeDtypeStruct(tuple(int(s) for s in shape), jnp.float32)
 
 
-def _layer(cfg: ModelConfig, spec) -> dict:
+def _core(cfg: ModelConfig) -> dict:
   d, n, h, hd = cfg.hidden_size, cfg.hc_mult, cfg.num_attention_heads, cfg.head_dim
   mix = (2 + n) * n
   hc = lambda: {"fn": _sds(mix, n * d), "base": _sds(mix), "scale": _sds(3)}
@@ -40,23 +42,27 @@ def _layer(cfg: ModelConfig, spec) -> dict:
                      "w2": _sds(cfg.moe_intermediate_size, d)},
       },
   }
-  if spec.mode == "full":
-    layer["compressor"] = {"wkv": _sds(d, hd), "norm": {"scale": _sds(hd)}}
-    if spec.compress_ratio > 1:
-      layer["compressor"]["wgate"] = _sds(d, hd)
-  if spec.mode in ("full", "reindex"):
-    layer["indexer"] = {"wq_b": _sds(cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim),
-                        "weights_proj": _sds(d, cfg.index_n_heads)}
-    if spec.mode == "full":
-      layer["indexer"]["wk"] = _sds(hd, cfg.index_head_dim)
-      layer["indexer"]["k_norm"] = {"scale": _sds(cfg.index_head_dim)}
-  if spec.engram:
-    e = cfg.engram_head_dim
-    n_tables = len(cfg.engram_orders) * cfg.engram_n_heads
-    layer["engram"] = {"table": _sds(n_tables * cfg.engram_vocab_size, e),
-                       "w_ekv": _sds(n_tables * e, (n + 1) * d),
-                       "q_w": _sds(n, d), "k_w": _sds(n, d)}
   return layer
+
+
+def _publisher(cfg: ModelConfig, spec) -> dict:
+  d, hd = cfg.hidden_size, cfg.head_dim
+  pub = {"indexer": {"wq_b": _sds(cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim),
+                     "weights_proj": _sds(d, cfg.index_n_heads)}}
+  if spec.mode == "full":
+    pub["compressor"] = {"wkv": _sds(d, hd), "norm": {"scale": _sds(hd)}}
+    if spec.compress_ratio > 1:
+      pub["compressor"]["wgate"] = _sds(d, hd)
+    pub["indexer"]["wk"] = _sds(hd, cfg.index_head_dim)
+    pub["indexer"]["k_norm"] = {"scale": _sds(cfg.index_head_dim)}
+  return pub
+
+
+def _engram(cfg: ModelConfig) -> dict:
+  d, n, e = cfg.hidden_size, cfg.hc_mult, cfg.engram_head_dim
+  n_tables = len(cfg.engram_orders) * cfg.engram_n_heads
+  return {"table": _sds(n_tables * cfg.engram_vocab_size, e),
+          "w_ekv": _sds(n_tables * e, (n + 1) * d), "q_w": _sds(n, d), "k_w": _sds(n, d)}
 
 
 def _stack(tree, repeats: int):
@@ -66,15 +72,20 @@ def _stack(tree, repeats: int):
 def synthetic_params(cfg: ModelConfig) -> dict:
   """Nested dict of ShapeDtypeStructs with the model's parameter paths."""
   plan = build_layer_plan(cfg)
-  segments = {}
-  for s, seg in enumerate(plan.segments):
-    layers = {j: _stack(_layer(cfg, spec), seg.repeats) for j, spec in enumerate(seg.unit)}
-    segments[s] = {"layers": layers}
+  runs = {}
+  for r, run in enumerate(plan.runs):
+    stack = {"core": _stack(_core(cfg), run.n_layers)}
+    for k, spec in enumerate(run.kinds):
+      if spec.owns_indexer:
+        stack[spec.kind_name] = _stack(_publisher(cfg, spec), run.kind_count(k))
+    if run.engram:
+      stack["engram"] = _engram(cfg)
+    runs[r] = stack
   tree = {
       "embed": _sds(cfg.vocab_size, cfg.hidden_size),
       "head": _sds(cfg.hidden_size, cfg.vocab_size),
       "final_norm": {"scale": _sds(cfg.hidden_size)},
-      "segments": segments,
+      "runs": runs,
   }
   if cfg.vision is not None:
     tree.update(_vision(cfg))

@@ -9,7 +9,7 @@ from dsv41_jax import sharding
 from optim import chain, table
 from optim.config import OptimConfig
 
-LAYER = "segments/0/layers/0"
+LAYER = "runs/0/core"
 # (path, shape, logical axes): the model's names and axes, one leading stacked axis on layers.
 PARAMS = [
     ("embed", (64, 16), ("vocab", "embed")),

@@ -14,15 +14,15 @@ def _sds(*shape):
 
 
 @pytest.mark.parametrize("pattern,path,hit", [
-    ("**/attn/wq_b", "segments/0/layers/3/attn/wq_b", True),
+    ("**/attn/wq_b", "runs/0/core/attn/wq_b", True),
     ("**/attn/wq_b", "attn/wq_b", True),                      # ** matches no component too
-    ("**/attn/wq_b", "segments/0/layers/3/indexer/wq_b", False),
-    ("**/attn/wq_b", "segments/0/layers/3/attn/wq_b2", False),
+    ("**/attn/wq_b", "runs/0/reindex/indexer/wq_b", False),
+    ("**/attn/wq_b", "runs/0/core/attn/wq_b2", False),
     ("**/*norm/scale", "final_norm/scale", True),
-    ("**/*norm/scale", "segments/1/layers/0/compressor/norm/scale", True),
-    ("**/*norm/scale", "segments/1/layers/0/attn_hc/scale", False),
-    ("**/{attn_hc,ffn_hc}/fn", "segments/1/layers/0/ffn_hc/fn", True),
-    ("**/{attn_hc,ffn_hc}/fn", "segments/1/layers/0/xattn_hc/fn", False),
+    ("**/*norm/scale", "runs/1/full/compressor/norm/scale", True),
+    ("**/*norm/scale", "runs/1/core/attn_hc/scale", False),
+    ("**/{attn_hc,ffn_hc}/fn", "runs/1/core/ffn_hc/fn", True),
+    ("**/{attn_hc,ffn_hc}/fn", "runs/1/core/xattn_hc/fn", False),
     ("embed", "segments/0/embed", False),                      # patterns match the whole path
     ("layers/*/w", "layers/0/1/w", False),                     # * stays within one component
 ])
@@ -48,7 +48,7 @@ def test_rank_the_row_cannot_handle_is_named():
 
 def test_row_matching_nothing_is_named():
   rows = table.TABLE + (Row("**/moe/gate_bias", "adamw"),)
-  tree = {"embed": _sds(8, 4), "segments": {"0": {"layers": {"0": {"moe": {"router": _sds(4, 8)}}}}}}
+  tree = {"embed": _sds(8, 4), "runs": {"0": {"core": {"moe": {"router": _sds(4, 8)}}}}}
   with pytest.raises(TableError) as e:
     table.check_rows_used([tree], rows)
   assert "'**/moe/gate_bias'" in str(e.value) and "'embed'" not in str(e.value)
@@ -87,12 +87,12 @@ def test_variables_pure_state_and_dict_label_alike():
 
 def test_report_lists_every_parameter_and_state_bytes():
   params = {"embed": _sds(10, 4), "final_norm": {"scale": _sds(4)},
-            "segments": {"0": {"layers": {"0": {"attn": {"wq_b": _sds(3, 8, 2, 4)}}}}}}
+            "runs": {"0": {"core": {"attn": {"wq_b": _sds(3, 8, 2, 4)}}}}}
   text = table.report(params)
   lines = text.splitlines()
   assert any(l.startswith("embed ") and l.rstrip().endswith("160") and "sinkhorn" in l
              for l in lines)
   assert any(l.startswith("final_norm/scale ") and l.rstrip().endswith(" 32") for l in lines)
-  assert any("segments/0/layers/0/attn/wq_b" in l and "muon headwise" in l
+  assert any("runs/0/core/attn/wq_b" in l and "muon headwise" in l
              and l.rstrip().endswith("768") for l in lines)
   assert any(l.startswith("adamw") and "4 parameters" in l and "32 state bytes" in l for l in lines)
