@@ -157,7 +157,8 @@ def build_optimizer(cfg: OptimConfig, params, table: Sequence[Row] = TABLE,
 
   groups = {
       "muon": optax.chain(
-          scale_by_muon(cfg.muon_momentum, cfg.update_rms, lambda path: rows[path].headwise),
+          scale_by_muon(cfg.muon_momentum, cfg.update_rms, lambda path: rows[path].headwise,
+                        cfg.muon_ns_dtype),
           optax.add_decayed_weights(cfg.weight_decay)),
       "adamw": optax.chain(
           optax.scale_by_adam(b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps),

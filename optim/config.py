@@ -40,6 +40,9 @@ class OptimConfig:
   # --- Muon ---
   muon_momentum: float = 0.95
   update_rms: float = 0.18          # Muon and Sinkhorn updates are rescaled to this RMS (× lr)
+  # Newton–Schulz products: "float32" (HIGHEST), "bfloat16" (bf16 operands, f32 accumulation), or
+  # "auto" = float32 on CPU, bfloat16 on accelerators (benchmarks/RESULTS.md, Muon precision).
+  muon_ns_dtype: str = "auto"
   weight_decay: float = 0.1         # decoupled, for the muon and adamw groups
   # --- AdamW ---
   adam_b1: float = 0.9
@@ -81,6 +84,8 @@ class OptimConfig:
       need(0 <= getattr(self, name) < 1, f"{name} must lie in [0, 1) (got {getattr(self, name)})")
     need(self.vision_lr_mult >= 0, f"vision_lr_mult must be >= 0 (got {self.vision_lr_mult})")
     need(self.sinkhorn_iters >= 1, f"sinkhorn_iters must be >= 1 (got {self.sinkhorn_iters})")
+    need(self.muon_ns_dtype in ("auto", "float32", "bfloat16"),
+         f"muon_ns_dtype must be 'auto', 'float32' or 'bfloat16' (got {self.muon_ns_dtype!r})")
     need(self.unfreeze_at in ("never", "decay_start"),
          f"unfreeze_at must be 'never' or 'decay_start' (got {self.unfreeze_at!r})")
     if errors:
