@@ -98,9 +98,13 @@ def sinkhorn_balance(d_RxC: jax.Array, iters: int, tau: float, eps: float,
   x = x * lift_Rx1
   lift_RxC = _lift(x, -2, tau, rows)
   x = x * lift_RxC
-  for _ in range(iters):
+
+  def alternation(_, x):
     x = _divide_by_rms(x, -1, tau, eps, rows)   # each row by its RMS
-    x = _divide_by_rms(x, -2, tau, eps, rows)   # each column (of each block) by its RMS
+    return _divide_by_rms(x, -2, tau, eps, rows)   # each column (of each block) by its RMS
+
+  # A loop, not unrolled: the compiled update keeps one alternation body per parameter.
+  x = jax.lax.fori_loop(0, iters, alternation, x)
   return x / (lift_Rx1 * lift_RxC)
 
 
