@@ -55,6 +55,8 @@ def train_defaults() -> dict:
       # dense), and no MFU on devices without a known peak.
       peak_flops_per_device=0.0,
       progress_bar=True,
+      # jax's persistent compilation cache (launch/compile_cache.py); "" = no cache.
+      compilation_cache_dir="~/.cache/dsv41_jax/xla",
   )
 
 

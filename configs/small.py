@@ -102,6 +102,10 @@ def model_fields(size: str) -> dict:
       engram_compressed_vocab_size=s["vocab"],
       seq_len=s["seq"],
       yarn_enabled=False,  # pre-training: plain RoPE (MODEL.md §4.5)
+      # GPU defaults: capacity buckets (exact `dropless` runs through lax.ragged_dot at ~10
+      # TFLOP/s on the H200, TRAINING.md §7); the dropped fraction is logged every step.
+      moe_dispatch="capacity",
+      moe_capacity_factor=1.25,
       vision=dict(s["vit"]),
       **layout(s["layers"]),
   )

@@ -42,7 +42,7 @@ from dsv41_jax import flops, inputs, model as model_lib, sharding
 from dsv41_jax.engram.compression import build_compression_map
 from dsv41_jax.vision.merge import check_image_batch
 from launch import checkpoint as ckpt_lib
-from launch import evaluation, metrics as metrics_lib
+from launch import compile_cache, evaluation, metrics as metrics_lib
 from launch.step import engram_sub_tables, make_eval_step, make_train_step
 from optim.chain import build_optimizer, frozen_trainable, init_opt_state, learning_rates
 from optim.config import optim_config
@@ -172,8 +172,23 @@ def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     stop.restore()
 
 
+def compile_train_steps(jitted, mesh, phases, args) -> dict[bool, Any]:
+  """AOT-compile the train step for each `train_vit` phase the run will see, concurrently (XLA
+  compiles outside the GIL); with the persistent cache a rerun loads them instead."""
+  from concurrent.futures import ThreadPoolExecutor
+
+  def one(train_vit):
+    with jax.set_mesh(mesh):
+      return jitted.lower(*args, train_vit).compile()
+
+  with ThreadPoolExecutor(len(phases)) as pool:
+    futures = {tv: pool.submit(one, tv) for tv in phases}
+    return {tv: f.result() for tv, f in futures.items()}
+
+
 def _run(cfg: ml_collections.ConfigDict, workdir: str, stop: _Stop) -> dict[str, Any]:
   t_start = time.time()
+  cache_dir = compile_cache.enable(cfg.train.get("compilation_cache_dir", ""))
   try:
     mcfg = model_config(cfg)
   except (KeyError, ValueError) as e:  # ConfigError names the contradicting fields
@@ -249,11 +264,32 @@ def _run(cfg: ml_collections.ConfigDict, workdir: str, stop: _Stop) -> dict[str,
 
   # Both steps trace under the mesh, so the model's sharding constraints apply and the MoE and
   # Engram lookups run their expert- and engram-parallel shard_map paths.
-  train_step = _under_mesh(mesh, jax.jit(
+  train_jit = jax.jit(
       make_train_step(mcfg, graphdef, tx, ocfg.moe_bias_gamma), donate_argnums=(0, 1, 2),
       static_argnums=(4,),
       out_shardings=(param_shardings, jax.tree.map(lambda x: x.sharding, opt_state), replicated,
-                     replicated)))
+                     replicated))
+
+  def train_vit_at(step: int) -> bool:
+    """The ViT trains only once unfrozen (optim.frozen / unfreeze_at): one program per phase."""
+    return not ocfg.frozen or frozen_trainable(ocfg, step)
+
+  first_batch = None
+  train_steps: dict[bool, Any] = {}
+  compile_s = 0.0
+  if start < tcfg.steps:
+    first_batch = next(train_it)
+    log.info("process %d: first batch at step %d: %d rows, tokens sha256 %s",
+             jax.process_index(), start + 1, len(first_batch["tokens"]), batch_digest(first_batch))
+    first_batch = prepare(first_batch)
+    phases = sorted({train_vit_at(start), train_vit_at(tcfg.steps - 1)})
+    t0 = time.perf_counter()
+    train_steps = compile_train_steps(train_jit, mesh, phases,
+                                      (params, opt_state, moe_bias, first_batch))
+    compile_s = time.perf_counter() - t0
+    log.info("train step compiled in %.1f s (%s; compilation cache: %s)", compile_s,
+             " and ".join("ViT trainable" if tv else "ViT frozen" for tv in phases)
+             if mcfg.vision is not None else "text only", cache_dir or "off")
   eval_step = _under_mesh(mesh, jax.jit(make_eval_step(mcfg, graphdef), out_shardings=replicated))
 
   writer = metrics_lib.MetricWriter(workdir, primary)
@@ -280,20 +316,15 @@ def _run(cfg: ml_collections.ConfigDict, workdir: str, stop: _Stop) -> dict[str,
   try:
     while step < tcfg.steps:
       t0 = time.perf_counter()
-      host_batch = next(train_it)
-      if step == start:
-        log.info("process %d: first batch at step %d: %d rows, tokens sha256 %s",
-                 jax.process_index(), step + 1, len(host_batch["tokens"]),
-                 batch_digest(host_batch))
-      batch = prepare(host_batch)
+      if first_batch is not None:
+        batch, first_batch = first_batch, None
+      else:
+        batch = prepare(next(train_it))
       t1 = time.perf_counter()
-      # The ViT trains only once unfrozen (optim.frozen / unfreeze_at): one compile per phase.
-      train_vit = not ocfg.frozen or frozen_trainable(ocfg, step)
-      params, opt_state, moe_bias, m = train_step(params, opt_state, moe_bias, batch, train_vit)
+      params, opt_state, moe_bias, m = train_steps[train_vit_at(step)](
+          params, opt_state, moe_bias, batch)
       finite = bool(m["finite"])
       t2 = time.perf_counter()
-      if step == start:
-        log.info("first step (compile and run) %.1f s", t2 - t1)
       step += 1
       window_t += t2 - t0
       window_wait += t1 - t0
@@ -359,7 +390,8 @@ def _run(cfg: ml_collections.ConfigDict, workdir: str, stop: _Stop) -> dict[str,
     if bar is not None:
       bar.close()
   return {"start_step": start, "end_step": step, "losses": losses, "eval": last_eval,
-          "seconds": time.time() - t_start, "params": params, "moe_bias": moe_bias}
+          "seconds": time.time() - t_start, "compile_seconds": compile_s, "params": params,
+          "moe_bias": moe_bias}
 
 
 def main(argv):

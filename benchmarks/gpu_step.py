@@ -1,0 +1,203 @@
+"""Train step of the small configs on one GPU: init, compile, step time, MFU, memory, and where the
+step goes (model forward+backward, optimizer, host batch preparation).
+
+  PYTHONUNBUFFERED=1 python benchmarks/gpu_step.py --sizes s1 s3 --seq 4096 --batch 8 4
+  python benchmarks/gpu_step.py --sizes s1 s1/noremat --batch 8   # remat on vs off
+
+Per size: the model and optimizer state are created with their shardings (`init_model`,
+`init_opt_state`: timed to ready), the jitted donated train step of `launch.step` is lowered and
+compiled ahead of time (timed), then run `--steps` times on random packed rows (several documents
+per row, Engram ids hashed on the host as training does); the median step is reported. The split
+compiles two more programs from the same pieces: the model's forward+backward alone
+(`jax.value_and_grad` of the objective) and the optimizer update alone (`tx.update` +
+`apply_updates` on those gradients); "host" is the per-step batch preparation the train loop does
+(Engram hashing, device transfer). MFU = tokens/s × `dsv41_jax.flops.train_flops_per_token` /
+989 TFLOP/s (H200 dense bf16, `launch.metrics`). Peak memory is the device allocator's peak.
+Prints one line per size as it goes and a markdown table at the end; `--json PATH` saves them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from configs import small  # noqa: E402
+from configs.common import model_config  # noqa: E402
+from dsv41_jax import flops, inputs, model as model_lib, sharding  # noqa: E402
+from dsv41_jax.loss import objective  # noqa: E402
+from launch import metrics as metrics_lib  # noqa: E402
+from launch.step import make_train_step, model_inputs  # noqa: E402
+from optim.chain import build_optimizer, init_opt_state  # noqa: E402
+from optim.config import optim_config  # noqa: E402
+
+
+def packed_rows(mcfg, B: int, T: int, seed: int) -> dict[str, np.ndarray]:
+  """Random rows of 2–5 documents each (positions restart per document), no padding."""
+  rng = np.random.default_rng(seed)
+  tok = rng.integers(3, mcfg.vocab_size, (B, T)).astype(np.int32)
+  seg = np.zeros((B, T), np.int32)
+  pos = np.zeros((B, T), np.int32)
+  for b in range(B):
+    cuts = np.sort(rng.choice(np.arange(1, T), rng.integers(1, 5), replace=False))
+    bounds = np.concatenate([[0], cuts, [T]])
+    for d, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+      seg[b, lo:hi] = d + 1
+      pos[b, lo:hi] = np.arange(hi - lo)
+  loss_mask = np.roll(seg, -1, 1) == seg
+  loss_mask[:, -1] = False
+  return dict(tokens=tok, targets=np.roll(tok, -1, 1), loss_mask=loss_mask, segment_ids=seg,
+              positions=pos, image_mask=np.zeros((B, T), bool))
+
+
+def prepare(mcfg, rows, put):
+  batch = dict(rows)
+  if mcfg.engram_layer_ids:
+    cmap = np.arange(mcfg.vocab_size) % mcfg.engram_compressed_vocab_size
+    batch["engram_ids"] = inputs.engram_ids(mcfg, rows["tokens"], rows["segment_ids"],
+                                            rows["image_mask"], cmap)
+  return jax.tree.map(put, batch)
+
+
+def _median_seconds(fn, args_fn, n: int) -> float:
+  times = []
+  for _ in range(n):
+    args = args_fn()
+    jax.block_until_ready(args)
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def bench(spec: str, B: int, T: int, steps: int, split: bool) -> dict:
+  """`spec` is a size of configs/small.py, optionally "/noremat" (no layer rematerialisation)."""
+  size, _, variant = spec.partition("/")
+  cfg = small.get_config(size)
+  if variant == "noremat":
+    cfg.model.remat = False
+  cfg.data.seq_len, cfg.data.batch_size = T, B
+  cfg.model.seq_len = T
+  cfg.model.vision = None  # text rows: the ViT is frozen for most of a run (a separate program)
+  cfg.optim.frozen, cfg.optim.unfreeze_at = (), "never"
+  mcfg = model_config(cfg)
+  dev = jax.devices()[0]
+  mesh = sharding.make_mesh({"data": 1}, [dev])
+  rep = NamedSharding(mesh, P())
+  put = lambda x: jax.device_put(x, rep)
+  out: dict = dict(size=spec, batch=B, seq=T, device=dev.device_kind, jax=jax.__version__,
+                   dispatch=mcfg.moe_dispatch, remat=mcfg.remat, dtype=mcfg.dtype)
+
+  t0 = time.perf_counter()
+  with jax.set_mesh(mesh):
+    model = model_lib.init_model(mcfg, 0, mesh)
+  graphdef, params = nnx.split(model)
+  params = nnx.as_pure(params)
+  ocfg = optim_config({**dict(cfg.optim), "tokens_per_step": B * T})
+  tx = build_optimizer(ocfg, params)
+  opt_state = init_opt_state(tx, params, jax.tree.map(lambda x: x.sharding, params))
+  jax.block_until_ready((params, opt_state))
+  out["init_s"] = time.perf_counter() - t0
+  out["params"] = model_lib.param_count(params)
+  bias = put(model_lib.zero_moe_bias(mcfg))
+  print(f"[{spec}] {out['params'] / 1e9:.2f} B params, init {out['init_s']:.1f} s", flush=True)
+
+  t0 = time.perf_counter()
+  batch = prepare(mcfg, packed_rows(mcfg, B, T, 0), put)
+  jax.block_until_ready(batch)
+  out["host_prepare_s"] = time.perf_counter() - t0
+
+  step = jax.jit(make_train_step(mcfg, graphdef, tx, ocfg.moe_bias_gamma), donate_argnums=(0, 1, 2))
+  t0 = time.perf_counter()
+  with jax.set_mesh(mesh):
+    lowered = step.lower(params, opt_state, bias, batch)
+    out["lower_s"] = time.perf_counter() - t0
+    compiled = lowered.compile()
+  out["compile_s"] = time.perf_counter() - t0 - out["lower_s"]
+  print(f"[{spec}] trace+lower {out['lower_s']:.1f} s, compile {out['compile_s']:.1f} s", flush=True)
+
+  state = [params, opt_state, bias]
+  losses, times = [], []
+  for i in range(steps + 1):
+    t0 = time.perf_counter()
+    state[0], state[1], state[2], m = compiled(state[0], state[1], state[2], batch)
+    losses.append(float(m["loss"]))
+    times.append(time.perf_counter() - t0)
+  out["step_s"] = float(np.median(times[1:]))
+  out["losses"] = losses
+  out["tokens_per_s"] = B * T / out["step_s"]
+  out["flops_per_token"] = flops.train_flops_per_token(mcfg.replace(seq_len=T))
+  peak = metrics_lib.peak_flops_per_device(dev.device_kind, 0.0) or 989e12
+  out["mfu"] = out["tokens_per_s"] * out["flops_per_token"] / peak
+  stats = dev.memory_stats() or {}
+  out["peak_gib"] = stats.get("peak_bytes_in_use", 0) / 2**30
+  print(f"[{spec}] step {out['step_s'] * 1e3:.1f} ms (median of {steps}), "
+        f"{out['tokens_per_s']:,.0f} tok/s, MFU {out['mfu']:.1%}, peak {out['peak_gib']:.1f} GiB, "
+        f"losses {losses[0]:.3f} → {losses[-1]:.3f}", flush=True)
+
+  if split:
+    params, opt_state = state[0], state[1]
+
+    def loss_fn(p, batch):
+      logits, aux = nnx.merge(graphdef, p)(model_inputs(batch), bias)
+      return objective(mcfg, logits, aux, batch)[0]
+
+    fwd_bwd = jax.jit(jax.value_and_grad(loss_fn))
+    with jax.set_mesh(mesh):
+      fb = fwd_bwd.lower(params, batch).compile()
+      _, grads = fb(params, batch)
+
+      def update(g, s, p):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+      upd = jax.jit(update).lower(grads, opt_state, params).compile()
+    out["fwd_bwd_s"] = _median_seconds(fb, lambda: (params, batch), steps)
+    out["optimizer_s"] = _median_seconds(upd, lambda: (grads, opt_state, params), steps)
+    out["host_s"] = _median_seconds(
+        lambda b: b, lambda: (prepare(mcfg, packed_rows(mcfg, B, T, 1), put),), 3)
+    print(f"[{spec}] split: forward+backward {out['fwd_bwd_s'] * 1e3:.1f} ms, optimizer "
+          f"{out['optimizer_s'] * 1e3:.1f} ms, host batch preparation {out['host_s'] * 1e3:.1f} ms",
+          flush=True)
+  return out
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--sizes", nargs="+", default=["s1", "s3"])
+  ap.add_argument("--batch", type=int, nargs="+", default=[8, 4])
+  ap.add_argument("--seq", type=int, default=4096)
+  ap.add_argument("--steps", type=int, default=6)
+  ap.add_argument("--no_split", action="store_true")
+  ap.add_argument("--json", default=None)
+  args = ap.parse_args()
+  batches = args.batch if len(args.batch) == len(args.sizes) else args.batch[:1] * len(args.sizes)
+  rows = []
+  for size, B in zip(args.sizes, batches):
+    rows.append(bench(size, B, args.seq, args.steps, not args.no_split))
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(rows, f, indent=1)
+  print("\n| size | params | batch × seq | init s | compile s | step ms | tok/s | MFU | peak GiB "
+        "| fwd+bwd ms | optimizer ms | host ms |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['size']} | {r['params'] / 1e9:.2f} B | {r['batch']} × {r['seq']} | "
+          f"{r['init_s']:.1f} | {r['compile_s']:.1f} | {r['step_s'] * 1e3:.1f} | "
+          f"{r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['peak_gib']:.1f} | "
+          f"{r.get('fwd_bwd_s', float('nan')) * 1e3:.1f} | "
+          f"{r.get('optimizer_s', float('nan')) * 1e3:.1f} | {r.get('host_s', float('nan')) * 1e3:.1f} |")
+
+
+if __name__ == "__main__":
+  main()
