@@ -26,6 +26,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from launch import xla_flags  # noqa: E402
+
+xla_flags.apply_defaults()   # as launch.train does, before jax starts
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402

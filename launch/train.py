@@ -42,7 +42,7 @@ from dsv41_jax import flops, inputs, model as model_lib, sharding
 from dsv41_jax.engram.compression import build_compression_map
 from dsv41_jax.vision.merge import check_image_batch
 from launch import checkpoint as ckpt_lib
-from launch import compile_cache, evaluation, metrics as metrics_lib
+from launch import compile_cache, evaluation, metrics as metrics_lib, xla_flags
 from launch.step import engram_sub_tables, make_eval_step, make_train_step
 from optim.chain import build_optimizer, frozen_trainable, init_opt_state, learning_rates
 from optim.config import optim_config
@@ -406,6 +406,7 @@ def main(argv):
     ours.addHandler(handler)
   ours.setLevel(logging.INFO)
   ours.propagate = False
+  xla_flags.apply_defaults()   # before the first jax call starts the backend
   init_distributed(_COORD.value, _NPROC.value, _PID.value)
   try:
     summary = run(_CONFIG.value, _WORKDIR.value)
