@@ -181,10 +181,13 @@ def _reference(X_BxTxNxD, fn, base, scale, iters, hc_eps, norm_eps):
   logits = (mix[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*lead, n, n)
   comb = jax.nn.softmax(logits, axis=-1) + hc_eps
   comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + hc_eps)
-  for _ in range(iters - 1):
+
+  def alternation(_, comb):
     comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + hc_eps)
-    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + hc_eps)
-  return pre, post, comb
+    return comb / (jnp.sum(comb, axis=-2, keepdims=True) + hc_eps)
+
+  # The same loop form as the model's reference, so the two VJPs are one computation.
+  return pre, post, jax.lax.fori_loop(0, iters - 1, alternation, comb)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
