@@ -1,8 +1,12 @@
-"""Shared config scaffolding: the ml-collections tree every config file fills in."""
+"""Shared config scaffolding: the ml-collections tree every config file fills in, and the typed,
+validated views the launcher reads (`ModelConfig`, `DataConfig`, `OptimConfig`, `TrainConfig`,
+`MeshConfig`: one frozen dataclass per section, each check in one place, errors naming the key).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Mapping
 
 import ml_collections
 
@@ -30,34 +34,108 @@ def base_config(model: dict) -> ml_collections.ConfigDict:
   cfg.model = ml_collections.ConfigDict(fields)
   cfg.data = ml_collections.ConfigDict(data_defaults())
   cfg.optim = ml_collections.ConfigDict(optim_defaults())
+  # The schedule follows the run: decay boundaries as fractions of train.steps (the report holds
+  # to 28T tokens and decays to 40T of 45T), total_steps linked to train.steps so a command-line
+  # `--config.train.steps=N` moves the whole schedule with it.
+  cfg.optim.schedule_unit = "fraction"
+  cfg.optim.decay_start = 28 / 45
+  cfg.optim.decay_end = 40 / 45
   if model.get("vision") is not None:
     # The ViT stays frozen until the decay, then trains at optim.vision_lr_mult × lr.
     cfg.optim.frozen = ("vision/**",)
     cfg.optim.unfreeze_at = "decay_start"
   cfg.train = ml_collections.ConfigDict(train_defaults())
+  cfg.optim.total_steps = cfg.train.get_ref("steps")
   # Mesh axis sizes (TRAINING.md §1); -1 takes the remaining devices.
-  cfg.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, engram=1, tensor=1))
+  cfg.mesh = ml_collections.ConfigDict(dataclasses.asdict(MeshConfig()))
   return cfg
 
 
-def train_defaults() -> dict:
+class SectionError(ValueError):
+  """A config section with an unknown key or a bad value; the message names `config.<key>`."""
+
+
+def _checked(errors: list[str], section: str) -> None:
+  if errors:
+    raise SectionError("; ".join(f"config.{section}.{e}" for e in errors))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
   """The `train` section: loop length, logging, evaluation and checkpoint cadence."""
-  return dict(
-      steps=1000,
-      seed=0,
-      log_every=10,
-      eval_every=200,
-      eval_batches=8,            # held-out batches per evaluation (0 = the whole held-out split)
-      checkpoint_every=200,
-      keep_checkpoints=3,
-      max_bad_steps=5,           # consecutive non-finite steps before the run stops
-      # Peak FLOP/s per device for MFU; 0 = from the device kind (989e12 for H100/H200 bf16
-      # dense), and no MFU on devices without a known peak.
-      peak_flops_per_device=0.0,
-      progress_bar=True,
-      # jax's persistent compilation cache (launch/compile_cache.py); "" = no cache.
-      compilation_cache_dir="~/.cache/dsv41_jax/xla",
-  )
+
+  steps: int = 1000
+  seed: int = 0
+  log_every: int = 10
+  eval_every: int = 200          # 0 = no held-out evaluation
+  eval_batches: int = 8          # held-out batches per evaluation (0 = the whole held-out split)
+  checkpoint_every: int = 200
+  keep_checkpoints: int = 3
+  max_bad_steps: int = 5         # consecutive non-finite steps before the run stops
+  # Peak FLOP/s per device for MFU; 0 = from the device kind (989e12 for H100/H200 bf16 dense),
+  # and no MFU on devices without a known peak.
+  peak_flops_per_device: float = 0.0
+  # A tqdm bar when stderr is a terminal; plain log lines otherwise (files, CI, schedulers).
+  progress_bar: bool = True
+  # jax's persistent compilation cache (launch/compile_cache.py); "" = no cache.
+  compilation_cache_dir: str = "~/.cache/dsv41_jax/xla"
+  # Weights & Biases project for an extra metrics writer ("" = none; needs `pip install wandb`).
+  # TensorBoard and metrics.jsonl are always written.
+  wandb_project: str = ""
+
+  def __post_init__(self):
+    errors = []
+    for name in ("steps", "log_every", "checkpoint_every", "keep_checkpoints", "max_bad_steps"):
+      if getattr(self, name) < 1:
+        errors.append(f"{name}={getattr(self, name)} must be >= 1")
+    for name in ("eval_every", "eval_batches", "seed"):
+      if getattr(self, name) < 0:
+        errors.append(f"{name}={getattr(self, name)} must be >= 0")
+    if self.peak_flops_per_device < 0:
+      errors.append(f"peak_flops_per_device={self.peak_flops_per_device} must be >= 0 "
+                    "(0 = from the device kind)")
+    _checked(errors, "train")
+
+
+MESH_AXES = ("data", "fsdp", "expert", "engram", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """The `mesh` section: device-mesh axis sizes (TRAINING.md §1); -1 takes the remaining devices.
+
+  Whether the sizes fit the devices is checked where the devices are known (`sharding.make_mesh`).
+  """
+
+  data: int = -1
+  fsdp: int = 1
+  expert: int = 1
+  engram: int = 1
+  tensor: int = 1
+
+  def __post_init__(self):
+    sizes = dataclasses.asdict(self)
+    errors = [f"{k}={v} must be >= 1 or -1 (the remaining devices)"
+              for k, v in sizes.items() if v == 0 or v < -1]
+    if sum(v == -1 for v in sizes.values()) > 1:
+      errors.append(f"{{{', '.join(k for k, v in sizes.items() if v == -1)}}} are all -1: at most "
+                    "one axis can take the remaining devices")
+    _checked(errors, "mesh")
+
+
+def section(cls, values: Mapping[str, Any], name: str):
+  """`cls(**values)` for a config section, unknown keys named as `config.<name>.<key>`."""
+  known = {f.name for f in dataclasses.fields(cls)}
+  values = dict(values)
+  unknown = sorted(set(values) - known)
+  if unknown:
+    raise SectionError(f"config.{name} has unknown keys {unknown}; known keys are {sorted(known)}")
+  return cls(**values)
+
+
+def train_defaults() -> dict:
+  """The `train` section's fields at their defaults (`TrainConfig`)."""
+  return dataclasses.asdict(TrainConfig())
 
 
 def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:

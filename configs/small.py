@@ -22,9 +22,9 @@ Ledger (`python -m launch.ledger --config=configs/small.py:s2`): total / Engram 
       --config.mesh.data=2 --config.mesh.expert=4 --config.data.batch_size=32
   python -m launch.aot --config=configs/small.py:s3 --mesh=data:2,expert:4 --batch=16   # memory
 
-The learning-rate schedule is counted in tokens: warm-up `warmup_steps`, hold, cosine decay over
-the last 30 % of `train.steps` × the global batch × seq_len (set from the config's batch here; a
-command-line batch or step change should move `optim.decay_start` / `decay_end` with it).
+The learning-rate schedule: warm-up `warmup_steps`, hold, cosine decay over the last 30 % of the
+run. The decay window is a fraction of `train.steps` (at a fixed batch, the same as of the tokens),
+so a command-line step change moves it with the run.
 """
 
 from __future__ import annotations
@@ -123,8 +123,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   cfg.train.log_every = 20
   cfg.optim.lr = s["lr"]
   cfg.optim.warmup_steps = max(100, s["steps"] // 50)
-  tokens = s["steps"] * s["batch"] * s["seq"]
-  cfg.optim.schedule_unit = "tokens"
-  cfg.optim.decay_start = 0.7 * tokens
-  cfg.optim.decay_end = float(tokens)
+  cfg.optim.schedule_unit = "fraction"
+  cfg.optim.decay_start = 0.7
+  cfg.optim.decay_end = 1.0
   return cfg

@@ -25,8 +25,13 @@ class OptimConfig:
   # Decay window in `schedule_unit`s; the report holds to 28T tokens and decays to 40T of 45T.
   decay_start: float = 28e12
   decay_end: float = 40e12
-  schedule_unit: str = "tokens"     # "tokens" or "steps": the unit of decay_start / decay_end
+  # The unit of decay_start / decay_end: "fraction" (of `total_steps`, so the schedule follows
+  # the run's length), "steps" or "tokens" (absolute).
+  schedule_unit: str = "tokens"
   tokens_per_step: int = 100_600_000  # the report's batch; set from batch × seq_len by the launcher
+  # The run's length in steps, read by schedule_unit="fraction" (configs/common.py links it to
+  # train.steps, so a --config.train.steps override moves the schedule with it); 0 = unknown.
+  total_steps: int = 0
   final_lr_fraction: float = 0.1    # cosine decays to this fraction of `lr`, then holds
   # --- per-group learning-rate multipliers (table rows may add their own, e.g. Engram ×5) ---
   muon_lr_mult: float = 1.0
@@ -72,8 +77,12 @@ class OptimConfig:
 
     need(self.lr > 0, f"lr must be positive (got {self.lr})")
     need(self.warmup_steps >= 0, f"warmup_steps must be >= 0 (got {self.warmup_steps})")
-    need(self.schedule_unit in ("tokens", "steps"),
-         f"schedule_unit must be 'tokens' or 'steps' (got {self.schedule_unit!r})")
+    need(self.schedule_unit in ("fraction", "tokens", "steps"),
+         f"schedule_unit must be 'fraction', 'tokens' or 'steps' (got {self.schedule_unit!r})")
+    need(self.total_steps >= 0, f"total_steps must be >= 0 (got {self.total_steps})")
+    if self.schedule_unit == "fraction":
+      need(self.decay_end <= 1, f"with schedule_unit='fraction', decay_start ({self.decay_start}) "
+           f"and decay_end ({self.decay_end}) are fractions of the run: at most 1")
     need(self.tokens_per_step > 0, f"tokens_per_step must be positive (got {self.tokens_per_step})")
     need(0 <= self.decay_start <= self.decay_end,
          f"need 0 <= decay_start ({self.decay_start}) <= decay_end ({self.decay_end})")

@@ -59,3 +59,46 @@ def test_learning_rates_per_group_for_logging():
   lrs = learning_rates(cfg, 3)
   want = {"muon": 1.0, "adamw": 0.5, "sinkhorn": 1.0, "engram_table": 5.0}
   assert {k: lrs[k] for k in want} == pytest.approx(want)
+
+
+def test_fraction_boundaries_follow_the_run_length():
+  """schedule_unit="fraction": D0 = round(0.6·N), D1 = N, for several run lengths N."""
+  for n in (50, 300, 1001):
+    cfg = OptimConfig(lr=1.0, warmup_steps=5, decay_start=0.6, decay_end=1.0,
+                      schedule_unit="fraction", total_steps=n, final_lr_fraction=0.1)
+    assert schedule.boundaries(cfg) == schedule.Boundaries(5, round(0.6 * n), n)
+    steps = [0, round(0.6 * n) - 1, round(0.6 * n) + 3, n - 1, n]
+    np.testing.assert_allclose([float(schedule.learning_rate(cfg, s)) for s in steps],
+                               [_ref(s, 1.0, 5, round(0.6 * n), n, 0.1) for s in steps], rtol=1e-6)
+    assert schedule.outside_run(cfg, n) == []
+  with pytest.raises(OptimConfigError, match="total_steps"):
+    schedule.boundaries(OptimConfig(schedule_unit="fraction", decay_start=0.5, decay_end=1.0))
+  with pytest.raises(OptimConfigError, match="fractions of the run"):
+    OptimConfig(schedule_unit="fraction", decay_start=0.5, decay_end=300, total_steps=10)
+
+
+def test_tiny_config_decays_within_a_shortened_run():
+  """configs/tiny.py with --config.train.steps=50: the last step runs near the final rate, and
+  the default 300-step run keeps its documented shape (hold to step 180, decay to 300)."""
+  import ml_collections  # noqa: F401
+  from configs import tiny
+  from optim.config import optim_config
+  cfg = tiny.get_config()
+  cfg.lock()
+  assert schedule.boundaries(optim_config(cfg.optim)) == schedule.Boundaries(20, 180, 300)
+  cfg.train.steps = 50  # as a command-line override sets it
+  ocfg = optim_config(cfg.optim)
+  assert schedule.boundaries(ocfg) == schedule.Boundaries(20, 30, 50)
+  last = float(schedule.lr_factor(ocfg, 49))
+  assert last == pytest.approx(_ref(49, 1.0, 20, 30, 50, 0.1), rel=1e-6) and last < 0.11
+
+
+def test_absolute_boundaries_outside_the_run_are_named():
+  cfg = OptimConfig(lr=1.0, warmup_steps=2, decay_start=180, decay_end=300, schedule_unit="steps")
+  (w,) = schedule.outside_run(cfg, 50)
+  assert "never decays" in w and "decay_start = 180" in w and "train.steps = 50" in w
+  (w,) = schedule.outside_run(cfg, 200)
+  assert "cut short" in w and "decay_end = 300" in w
+  # the factor it reports is the schedule's own value at the last step
+  assert f"{float(schedule.lr_factor(cfg, 199)):.3f} × the peak" in w
+  assert schedule.outside_run(cfg, 300) == []
