@@ -35,7 +35,9 @@ class Document:
     return len(self.tokens)
 
 
-def build_document(segments: list[tuple], tok: TokenizerHandle, max_image_size: int) -> Document:
+def build_document(segments: list[tuple], tok: TokenizerHandle, max_image_size: int,
+                   max_image_pixels: int = images.MAX_PIXELS,
+                   max_file_bytes: int = images.MAX_FILE_BYTES) -> Document:
   """Tokenize segments and decode their images; RecordSkipped for a bad image."""
   parts = [np.asarray([tok.bos_id], np.int32)]
   length = 1
@@ -47,7 +49,7 @@ def build_document(segments: list[tuple], tok: TokenizerHandle, max_image_size: 
       length += len(ids)
       continue
     try:
-      pix = images.load_image(seg[1], seg[2], max_image_size)
+      pix = images.load_image(seg[1], seg[2], max_image_size, max_image_pixels, max_file_bytes)
     except images.ImageRejected as e:
       raise RecordSkipped(e.reason, str(e)) from None
     h, w = pix.shape[0] // images.CELL_PX, pix.shape[1] // images.CELL_PX

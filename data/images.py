@@ -3,7 +3,10 @@
 The rule every image goes through (`load_image`):
 
 1. Decode with Pillow. Zero bytes -> skipped as `image_empty`; bytes Pillow cannot decode (or a
-   path that cannot be read) -> skipped as `image_undecodable` / `image_missing`.
+   path that cannot be read) -> skipped as `image_undecodable` / `image_missing`. Before any
+   pixel is decoded, the header's size is checked: more than `max_pixels` (`data.max_image_pixels`)
+   -> skipped as `image_too_large`, so a 32-KB PNG claiming 121 Mpx costs no memory; an image file
+   larger than `max_file_bytes` (`data.max_record_bytes`) is not even read.
 2. Channels. Palette images are expanded first. 1 channel (`1`, `L`) is replicated to RGB;
    3 channels (`RGB`, `YCbCr`, `LAB`, `HSV`) are converted to RGB; 4 channels: `RGBA`/`RGBa` are
    composited over white, `CMYK` is converted to RGB. Every other layout -- 2 channels (`LA`,
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import io
 import os
+import warnings
 
 import numpy as np
 from PIL import Image
@@ -76,33 +80,53 @@ def to_rgb(img: Image.Image) -> Image.Image:
   raise ImageRejected("image_channels", f"mode {img.mode} ({len(img.getbands())} bands)")
 
 
-def decode(data: bytes) -> Image.Image:
-  """Pillow image from encoded bytes (step 1)."""
+MAX_PIXELS = 50_000_000  # the default of data.max_image_pixels (data/config.py)
+MAX_FILE_BYTES = 64 * 2**20  # the default of data.max_record_bytes
+
+
+def decode(data: bytes, max_pixels: int = MAX_PIXELS) -> Image.Image:
+  """Pillow image from encoded bytes (step 1); the pixel bound is checked on the header alone."""
   if len(data) == 0:
     raise ImageRejected("image_empty")
   try:
-    img = Image.open(io.BytesIO(data))
-    img.load()
+    with warnings.catch_warnings():  # our own bound below replaces Pillow's bomb warning
+      warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+      img = Image.open(io.BytesIO(data))  # lazy: reads the header only
+  except Image.DecompressionBombError as e:
+    raise ImageRejected("image_too_large", str(e)) from None
   except Exception as e:  # Pillow raises many types for corrupt data
+    raise ImageRejected("image_undecodable", f"{type(e).__name__}: {e}") from None
+  if img.width * img.height > max_pixels:
+    raise ImageRejected("image_too_large", f"{img.width} x {img.height} px, more than "
+                        f"data.max_image_pixels={max_pixels}")
+  try:
+    img.load()
+  except Exception as e:
     raise ImageRejected("image_undecodable", f"{type(e).__name__}: {e}") from None
   if img.width == 0 or img.height == 0:
     raise ImageRejected("image_empty", "zero-sized image")
   return img
 
 
-def read_path(path: str) -> bytes:
+def read_path(path: str, max_bytes: int = MAX_FILE_BYTES) -> bytes:
+  """An image file's bytes; `image_too_large` past `max_bytes` (read no further than that)."""
   try:
     with open(path, "rb") as f:
-      return f.read()
+      data = f.read(max_bytes + 1)
   except OSError as e:
     raise ImageRejected("image_missing", f"{path}: {e.strerror}") from None
+  if len(data) > max_bytes:
+    raise ImageRejected("image_too_large", f"{path}: file larger than "
+                        f"data.max_record_bytes={max_bytes}")
+  return data
 
 
-def load_image(data: bytes | None, path: str | None, max_image_size: int) -> np.ndarray:
+def load_image(data: bytes | None, path: str | None, max_image_size: int,
+               max_pixels: int = MAX_PIXELS, max_file_bytes: int = MAX_FILE_BYTES) -> np.ndarray:
   """Decode, convert and size one image: uint8 [h_cells*42, w_cells*42, 3]."""
   if data is None:
-    data = read_path(path) if path is not None else b""
-  img = to_rgb(decode(data))
+    data = read_path(path, max_file_bytes) if path is not None else b""
+  img = to_rgb(decode(data, max_pixels))
   h_cells, w_cells = cells_for(img.height, img.width, max_image_size)
   size = (w_cells * CELL_PX, h_cells * CELL_PX)
   if img.size != size:

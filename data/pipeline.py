@@ -5,6 +5,7 @@
     state = it.get_state()     # JSON-able; grain.checkpoint.CheckpointSave(it) stores it
     it.set_state(state)        # the next batches are bit-identical to the uninterrupted run
     it.counters()              # skipped records by reason, padding, tokens per stream
+    it.skip_locations()        # the first file:line of each skip reason
 
 Per stream (text, multimodal): a grain `MapDataset` over the stream's records, sliced to this
 process (`[process_index::process_count]`, so processes read disjoint records whose union is
@@ -30,13 +31,14 @@ import collections
 import grain
 
 from data import corpus, documents, images, packing
+from data.config import data_config
 from data.mixture import TokenMixer, normalized_weights
 from data.records import RecordSkipped, parse_record
 from data.sources import open_source
 from data.tokenizer import TokenizerHandle, cached_bpe, load_tokenizer
 
 STREAMS = ("text", "multimodal")
-MIN_SEQ_LEN = 8
+SKIP_LOCATIONS = 5  # file:line locations kept per skip reason
 
 
 def cache_dir(cfg) -> str:
@@ -62,9 +64,16 @@ def uses_default_corpus(cfg, split: str) -> bool:
 
 
 def make_tokenizer(cfg) -> TokenizerHandle:
-  """The tokenizer of `data.tokenizer_path`, or the default-corpus BPE of `model.vocab_size`."""
+  """The tokenizer of `data.tokenizer_path`, or the default-corpus BPE of `model.vocab_size`.
+
+  A tokenizer file that is missing or unreadable is a FileNotFoundError / ValueError naming
+  `data.tokenizer_path`."""
   if cfg.data.tokenizer_path:
-    return load_tokenizer(cfg.data.tokenizer_path)
+    try:
+      return load_tokenizer(cfg.data.tokenizer_path)
+    except (OSError, ValueError) as e:
+      raise type(e)(f"data.tokenizer_path: {e}; point it at a Hugging Face tokenizer.json, or "
+                     "set it to '' for the default-corpus BPE") from None
   manifest = default_manifest(cfg)
   corpus.write_manifest(manifest, cache_dir(cfg))
   return cached_bpe(lambda: corpus.bpe_texts(manifest), int(cfg.model.vocab_size),
@@ -72,37 +81,34 @@ def make_tokenizer(cfg) -> TokenizerHandle:
 
 
 def check_config(cfg, tok: TokenizerHandle) -> None:
-  """Errors for settings the pipeline cannot honour, each naming the field."""
-  d = cfg.data
-  normalized_weights({"text": d.text_weight, "multimodal": d.multimodal_weight})
-  if d.seq_len < MIN_SEQ_LEN:
-    raise ValueError(f"data.seq_len={d.seq_len} must be >= {MIN_SEQ_LEN}")
-  if d.batch_size < 1:
-    raise ValueError(f"data.batch_size={d.batch_size} must be >= 1")
-  block = images.max_cells(d.max_image_size) ** 2 + 2
-  if block > d.seq_len:
-    raise ValueError(f"data.max_image_size={d.max_image_size} gives image blocks of {block} "
-                     f"tokens, more than data.seq_len={d.seq_len}")
+  """Errors for settings the pipeline cannot honour, each naming the field: the data section's
+  own checks (`DataConfig`), then the tokenizer against `model.vocab_size`."""
+  data_config(cfg.data)
   if "model" in cfg and tok.vocab_size > cfg.model.vocab_size:
     raise ValueError(f"tokenizer {tok.source} has {tok.vocab_size} tokens, more than "
                      f"model.vocab_size={cfg.model.vocab_size}")
 
 
 class ToPieces:
-  """(index, payload) -> ("doc", index, pieces, n_tokens) or ("skip", index, reason).
+  """(index, payload) -> ("doc", index, pieces, n_tokens) or ("skip", index, reason, where).
 
-  Runs wherever grain runs the map (a worker process or the main process); picklable.
+  `where` is the payload's `file:line` (or `record <index>` for sources without one). Runs
+  wherever grain runs the map (a worker process or the main process); picklable.
   """
 
-  def __init__(self, tok: TokenizerHandle, seq_len: int, max_images: int, max_image_size: int):
+  def __init__(self, tok: TokenizerHandle, seq_len: int, max_images: int, max_image_size: int,
+               max_record_bytes: int, max_image_pixels: int):
     self.tok, self.seq_len, self.max_images = tok, seq_len, max_images
     self.max_image_size = max_image_size
+    self.max_record_bytes, self.max_image_pixels = max_record_bytes, max_image_pixels
 
   def __call__(self, index: int, payload):
     try:
-      doc = documents.build_document(parse_record(payload), self.tok, self.max_image_size)
+      doc = documents.build_document(parse_record(payload, self.max_record_bytes), self.tok,
+                                     self.max_image_size, self.max_image_pixels,
+                                     self.max_record_bytes)
     except RecordSkipped as e:
-      return ("skip", index, e.reason)
+      return ("skip", index, e.reason, payload[3] if len(payload) > 3 else f"record {index}")
     return ("doc", index, documents.pieces(doc, self.seq_len, self.max_images), len(doc))
 
 
@@ -149,6 +155,7 @@ class PackedIterator(grain.DatasetIterator):
     self._pieces: dict[tuple, list] = {}  # (stream, index) -> pieces of a document in the packer
     self._cursor: list[list | None] = [None] * len(iters)
     self._counters = collections.Counter()
+    self._skipped_at: dict[str, list[str]] = {}
     self._finished = False
 
   # --- pulling documents ---------------------------------------------------------------------
@@ -184,6 +191,9 @@ class PackedIterator(grain.DatasetIterator):
         return False
       if item[0] == "skip":
         self._counters[f"skipped/{item[2]}"] += 1
+        where = self._skipped_at.setdefault(item[2], [])
+        if len(where) < SKIP_LOCATIONS:
+          where.append(item[3])
         skips += 1
         if skips > self.epoch_len[s]:
           raise RuntimeError(f"data stream {STREAMS[s]!r}: every record of a whole pass was "
@@ -247,11 +257,16 @@ class PackedIterator(grain.DatasetIterator):
                 "packer/cut_rate": self.packer.cuts / max(1, self._counters["pieces"])})
     return dict(sorted(out.items()))
 
+  def skip_locations(self) -> dict[str, list[str]]:
+    """The first `SKIP_LOCATIONS` `file:line` locations of each skip reason, in reading order."""
+    return {k: list(v) for k, v in sorted(self._skipped_at.items())}
+
   def get_state(self) -> dict:
     return {"streams": [it.get_state() for it in self.streams],
             "mixer": self.mixer.get_state(), "packer": self.packer.get_state(),
             "cursor": self._cursor,
-            "counters": dict(self._counters), "finished": self._finished}
+            "counters": dict(self._counters), "skipped_at": self.skip_locations(),
+            "finished": self._finished}
 
   def set_state(self, state: dict) -> None:
     for it, st in zip(self.streams, state["streams"]):
@@ -259,6 +274,7 @@ class PackedIterator(grain.DatasetIterator):
     self.mixer.set_state(state["mixer"])
     self.packer.set_state(state["packer"])
     self._counters = collections.Counter(state["counters"])
+    self._skipped_at = {k: list(v) for k, v in state.get("skipped_at", {}).items()}
     self._finished = state["finished"]
     self._cursor = [None if c is None else [int(c[0]), int(c[1])] for c in state["cursor"]]
     self._pieces = {}
@@ -291,7 +307,7 @@ def _sources(cfg, split: str):
     if not paths:
       raise ValueError(f"data.{name} is empty: the {stream} stream has no {split} source "
                        f"(leave every data.*sources empty to use the default corpus)")
-    out.append(open_source(paths, f"data.{name}"))
+    out.append(open_source(paths, f"data.{name}", d.max_record_bytes))
   return tuple(out)
 
 
@@ -302,7 +318,8 @@ def _make(cfg, process_index: int, process_count: int, split: str, tok=None) -> 
   check_config(cfg, tok)
   d = cfg.data
   weights = normalized_weights({"text": d.text_weight, "multimodal": d.multimodal_weight})
-  fn = ToPieces(tok, d.seq_len, max_images_per_row(cfg), d.max_image_size)
+  fn = ToPieces(tok, d.seq_len, max_images_per_row(cfg), d.max_image_size, d.max_record_bytes,
+                d.max_image_pixels)
   train = split == "train"
   datasets = [stream_dataset(src, s, fn, cfg, process_index, process_count, train)
               for s, src in enumerate(_sources(cfg, split))]

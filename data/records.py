@@ -1,11 +1,14 @@
 """Record schema: what a source element means, and how a bad one is named (TRAINING.md §3).
 
-A source yields payloads `(kind, value, base_dir)`:
+A source yields payloads `(kind, value, base_dir)`, optionally followed by `where` (the record's
+`file:line`, for the skip report):
 
 - `("json", bytes, dir)`: one JSONL line or one ArrayRecord record, a UTF-8 JSON object;
 - `("row", dict, dir)`: one Parquet row;
 - `("text", bytes, None)`: a whole UTF-8 text file (the default corpus);
-- `("segments", list, None)`: an already-built multimodal record (the generated image docs).
+- `("segments", list, None)`: an already-built multimodal record (the generated image docs);
+- `("too_large", n_bytes, None)`: a record the shard reader did not read, being larger than
+  `data.max_record_bytes`.
 
 The object is either a text record `{"text": str}` or a multimodal record
 `{"segments": [seg, ...]}` whose ordered segments are `{"text": str}`, `{"image": path}`
@@ -13,7 +16,8 @@ The object is either a text record `{"text": str}` or a multimodal record
 `{"image_base64": str}` (JSON). `parse_record` turns a payload into a list of segments
 `("text", str)` / `("image", bytes | None, path | None)`, or raises `RecordSkipped` whose
 `reason` is the counter the pipeline increments: `invalid_utf8`, `malformed_json`,
-`malformed_record`, `empty_text`.
+`malformed_record`, `empty_text`, `record_too_large` (more than `max_record_bytes` encoded bytes:
+checked before any JSON parsing or tokenizing).
 """
 
 from __future__ import annotations
@@ -88,9 +92,28 @@ def from_object(obj: Any, base_dir: str | None) -> list[tuple]:
   return out
 
 
-def parse_record(payload: tuple) -> list[tuple]:
+MAX_RECORD_BYTES = 64 * 2**20  # the default of data.max_record_bytes (data/config.py)
+
+
+def _size(value: Any) -> int:
+  """Encoded bytes of a decoded row: its strings and byte strings, summed (Parquet)."""
+  if isinstance(value, (bytes, bytearray, str)):
+    return len(value)
+  if isinstance(value, dict):
+    return sum(_size(v) for v in value.values())
+  if isinstance(value, (list, tuple)):
+    return sum(_size(v) for v in value)
+  return 8
+
+
+def parse_record(payload: tuple, max_record_bytes: int = MAX_RECORD_BYTES) -> list[tuple]:
   """Segments of one source payload, or RecordSkipped."""
-  kind, value, base_dir = payload
+  kind, value, base_dir = payload[:3]
+  if kind == "too_large" or (kind in ("json", "text") and len(value) > max_record_bytes) or (
+      kind == "row" and _size(value) > max_record_bytes):
+    size = value if kind == "too_large" else (len(value) if kind != "row" else _size(value))
+    raise RecordSkipped("record_too_large",
+                        f"{size} bytes, more than data.max_record_bytes={max_record_bytes}")
   if kind == "json":
     text = _text(value)
     if not text.strip():

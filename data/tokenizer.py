@@ -59,6 +59,11 @@ class TokenizerHandle:
   def special_ids(self) -> dict[str, int]:
     return {t: self._tok.token_to_id(t) for t in SPECIAL_TOKENS}
 
+  def id_to_token(self, i: int) -> str | None:
+    """The vocabulary string of id `i` as stored (byte-level BPE pieces in their byte alphabet,
+    e.g. 'Ġthe'), or None for an unused id; `decode([i])` gives the text instead."""
+    return self._tok.id_to_token(int(i))
+
   def encode(self, text: str) -> np.ndarray:
     """Token ids of `text` (no special tokens added), int32."""
     return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
@@ -77,7 +82,11 @@ def load_tokenizer(path: str) -> TokenizerHandle:
   """A Hugging Face `tokenizer.json` (e.g. a DeepSeek tokenizer), special tokens ensured."""
   if not os.path.isfile(path):
     raise FileNotFoundError(f"tokenizer file {path!r} does not exist")
-  return TokenizerHandle(Tokenizer.from_file(path), source=path)
+  try:
+    tokenizer = Tokenizer.from_file(path)
+  except Exception as e:  # tokenizers raises a plain Exception for a file it cannot parse
+    raise ValueError(f"tokenizer file {path!r} is not a Hugging Face tokenizer.json ({e})") from None
+  return TokenizerHandle(tokenizer, source=path)
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:

@@ -36,7 +36,7 @@ def token_byte_lengths(tok, vocab_size: int) -> np.ndarray:
   for i in range(min(vocab_size, tok.vocab_size)):
     if i in special:
       continue
-    piece = tok._tok.id_to_token(i)
+    piece = tok.id_to_token(i)
     if piece is None:
       continue
     if all(c in alphabet for c in piece):

@@ -26,9 +26,11 @@ def test_report_figures(corpus_dir, small_tok, tmp_path, monkeypatch):
   r = data_report.report(cfg, 40)
   assert r["rows"] == 42 and r["padding_fraction"] == 0.0
   assert 0 < r["multimodal_token_share"] < 1 and r["tokens_per_second"] > 0
-  assert r["skipped_records"] == 0
+  assert r["skipped_records"] == 0 and r["skipped_at"] == {}
   assert r["segment_length"]["count"] == sum(r["segment_length"]["histogram"].values())
   assert "padding_fraction" in data_report.format_text(r)
+  r["skipped_at"] = {"record_too_large": ["a.jsonl:3", "b.jsonl:9"]}
+  assert "record_too_large       at a.jsonl:3, b.jsonl:9" in data_report.format_text(r)
 
 
 def test_command_line_overrides(corpus_dir, small_tok, tmp_path):
