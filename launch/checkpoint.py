@@ -10,15 +10,21 @@ Saves are asynchronous; `CheckpointManager` keeps the newest `keep` steps and on
 once it is complete, so a save that fails or is killed never replaces the last good checkpoint.
 A newest checkpoint that cannot be restored (damaged files) is skipped with a warning in favour
 of the one before, and moved aside to `damaged-<step>`; when checkpoints exist but none restores,
-`RestoreError` stops the run instead of silently starting over. Restoring takes abstract leaves that carry the *current* mesh's shardings, so a
-run can resume on a different mesh shape.
+`RestoreError` stops the run instead of silently starting over. Restoring takes abstract leaves
+that carry the *current* mesh's shardings, so a run can resume on a different mesh shape.
+
+A save that fails (a full disk, a lost mount: reported by `save`, `wait` or `close`, since saves
+finish in the background) raises `SaveError` after removing the step's temporary
+`*.orbax-checkpoint-tmp*` directory; the checkpoints saved before are untouched.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
+import shutil
 from typing import Any
 
 import grain
@@ -36,6 +42,10 @@ class WorkdirMismatch(ValueError):
 
 class RestoreError(RuntimeError):
   """Checkpoints exist but none can be restored (damaged, or saved by an incompatible run)."""
+
+
+class SaveError(RuntimeError):
+  """A checkpoint could not be written; the message names the step, the cause and the fix."""
 
 
 def _jsonable(tree: Any) -> Any:
@@ -70,6 +80,8 @@ def check_or_write_config(workdir: str, config: dict, is_primary: bool) -> None:
 
 
 class Checkpointer:
+  """Asynchronous saves and fall-back restores of one work directory's checkpoints."""
+
   def __init__(self, workdir: str, keep: int):
     self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
     self.manager = ocp.CheckpointManager(
@@ -77,14 +89,38 @@ class Checkpointer:
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                              enable_async_checkpointing=True),
         item_names=("state", "data_iter"))
+    self._pending: int | None = None  # the step whose background save may still be running
 
   def steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
 
   def save(self, step: int, state: dict, data_iter: grain.DatasetIterator) -> None:
-    self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
-        data_iter=grain.checkpoint.CheckpointSave(data_iter)))
+    """Start saving `step` (the previous save is finished first); SaveError if either fails."""
+    try:
+      self.manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state),
+          data_iter=grain.checkpoint.CheckpointSave(data_iter)))
+    except Exception as e:  # noqa: BLE001 -- any failure to write is reported the same way
+      self._failed(step, e)
+    self._pending = step
+
+  def _failed(self, step: int | None, error: Exception) -> None:
+    """Remove the failed save's temporary directories, then raise SaveError."""
+    if jax.process_index() == 0:
+      for tmp in glob.glob(os.path.join(self.directory, "*.orbax-checkpoint-tmp*")):
+        shutil.rmtree(tmp, ignore_errors=True)
+    try:
+      self.manager.reload()
+      kept = self.steps()
+    except Exception:  # noqa: BLE001 -- the listing is for the message only
+      kept = []
+    first_line = (str(error).splitlines() or [""])[0][:300]
+    last = f"step {kept[-1]}" if kept else "none yet"
+    raise SaveError(
+        f"saving the checkpoint of step {step} in {self.directory} failed "
+        f"({type(error).__name__}: {first_line}); its temporary files are removed and the last "
+        f"good checkpoint ({last}) is intact. Free disk space (or choose another --workdir with "
+        f"a copy of it) and run again to resume") from None
 
   def restore_latest(self, abstract_state: dict, data_iter: grain.DatasetIterator
                      ) -> tuple[int, dict] | None:
@@ -134,11 +170,19 @@ class Checkpointer:
     self.manager.reload()
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    """Block until the background save is complete; SaveError if it failed."""
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001
+      self._failed(self._pending, e)
+    self._pending = None
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    """Finish the background save (SaveError if it failed) and release the manager."""
+    try:
+      self.wait()
+    finally:
+      self.manager.close()
 
 
 def abstract_like(tree: Any) -> Any:
