@@ -1,10 +1,13 @@
-"""Compile time of a training forward+backward vs depth, with and without the layer scan.
+"""Size and compile time of the whole train step vs depth (issue 10: program size independent of depth).
 
-  python benchmarks/compile_scaling.py [--repeats 1 4]
+  python benchmarks/compile_scaling.py                    # tiny widths, layouts of 12 and 24 layers
+  python benchmarks/compile_scaling.py --layers 12 --tiny  # configs/tiny.py itself
 
-`tiny` is configs/tiny.py (12 layers). Deeper variants keep its structure and add repeated units:
-each encoder unit is (Full, Reuse) at m = 2 and each decoder unit (Reindex, Reuse) at m = 1, so the
-layer plan has the same segments with larger `repeats`. Prints a markdown table.
+The step is `launch.step.make_train_step` (model forward + backward, the optimizer chain, finite check, MoE bias update)
+on text rows of batch 8 × 128, lowered with abstract inputs and compiled (never run). Depth variants keep the
+small configs' Flash layout (`configs/small.layout(L)`) at configs/tiny.py's widths. Reported: lowered StableHLO bytes,
+`dot_general` count, trace + lower seconds, XLA compile seconds, and the number of fusions in the compiled HLO (a proxy
+for the kernels a GPU backend generates). Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -12,68 +15,69 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import sys
 import time
 
-import jax
-import numpy as np
-from flax import nnx
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from configs import common, tiny
-from dsv41_jax import inputs, model as M
-from dsv41_jax.loss import objective
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
 
-
-def deepen(cfg, extra_units: int):
-  """tiny with `extra_units` more (Full, Reuse) encoder units and (Reindex, Reuse) decoder units."""
-  n_enc = 6 + 2 * extra_units
-  ratios = (0, 0) + (2,) * (n_enc - 2) + (1,) * n_enc
-  enc_full = tuple(range(2, n_enc, 2))
-  dec_idx = tuple(range(n_enc, 2 * n_enc, 2))
-  return cfg.replace(num_hidden_layers=2 * n_enc, compress_ratios=ratios,
-                     kv_source_layer_ids=enc_full + (n_enc,),
-                     index_source_layer_ids=enc_full + dec_idx,
-                     engram_layer_ids=(1, n_enc - 2))
+from configs import common, small, tiny  # noqa: E402
+from dsv41_jax import model as M  # noqa: E402
+from dsv41_jax.layer_plan import build_layer_plan  # noqa: E402
+from launch.step import make_train_step  # noqa: E402
+from optim.chain import build_optimizer  # noqa: E402
+from optim.config import optim_config  # noqa: E402
 
 
-def compile_seconds(cfg, batch_size=2):
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: M.Transformer(cfg, nnx.Rngs(0))))
-  rng = np.random.default_rng(0)
+def step_program(cfg, B: int = 8):
+  """(jitted step, abstract args) of the train step for model config `cfg`."""
+  graphdef, params = nnx.split(M.abstract_model(cfg))
+  params = nnx.as_pure(params)
+  ocfg = optim_config(dict(tiny.get_config().optim, frozen=(), unfreeze_at="never"))
+  tx = build_optimizer(ocfg, params)
+  opt_state = jax.eval_shape(tx.init, params)
   T = cfg.seq_len
-  tokens = rng.integers(0, cfg.vocab_size, (batch_size, T))
-  seg = np.ones((batch_size, T), np.int32)
-  pos = np.tile(np.arange(T, dtype=np.int32), (batch_size, 1))
-  batch = dict(tokens=tokens, positions=pos, segment_ids=seg, targets=tokens,
-               loss_mask=np.ones((batch_size, T), bool),
-               engram_ids=inputs.engram_ids(cfg, tokens, seg))
-  bias = M.zero_moe_bias(cfg)
+  i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+  n_ids = len(cfg.engram_orders) * cfg.engram_n_heads
+  batch = dict(tokens=i32(B, T), positions=i32(B, T), segment_ids=i32(B, T), targets=i32(B, T),
+               loss_mask=jax.ShapeDtypeStruct((B, T), jnp.bool_),
+               engram_ids={l.index: i32(B, T, n_ids) for l in build_layer_plan(cfg) if l.engram})
+  bias = jax.ShapeDtypeStruct((cfg.num_hidden_layers, 2, cfg.n_routed_experts), jnp.float32)
+  step = jax.jit(make_train_step(cfg, graphdef, tx, ocfg.moe_bias_gamma), static_argnums=(4,))
+  return step, (params, opt_state, bias, batch, False)
 
-  def loss_fn(params):
-    logits, aux = nnx.merge(graphdef, params)(batch, bias)
-    return objective(cfg, logits, aux, batch)[0]
 
+def measure(cfg) -> dict:
+  step, args = step_program(cfg)
   t0 = time.perf_counter()
-  lowered = jax.jit(jax.value_and_grad(loss_fn)).lower(state)
+  lowered = step.lower(*args)
   t1 = time.perf_counter()
+  text = lowered.as_text()
   compiled = lowered.compile()
   t2 = time.perf_counter()
-  hlo_bytes = len(compiled.as_text())
-  return t1 - t0, t2 - t1, hlo_bytes
+  fusions = sum(" fusion(" in line for line in compiled.as_text().splitlines())
+  return dict(stablehlo_bytes=len(text), dots=text.count("dot_general"), lower_s=t1 - t0,
+              compile_s=t2 - t1, fusions=fusions)
 
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--extra", type=int, nargs="*", default=[0, 4])
+  ap.add_argument("--layers", type=int, nargs="*", default=[12, 24])
+  ap.add_argument("--tiny", action="store_true", help="configs/tiny.py's own plan (12 layers)")
   args = ap.parse_args()
-  base = common.model_config(tiny.get_config())
+  base = common.model_config(tiny.get_config()).replace(vision=None)
   print(f"machine: {platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}")
-  print("| layers | scan | trace+lower s | compile s | compiled HLO text bytes |")
-  print("|---|---|---|---|---|")
-  for extra in args.extra:
-    for scan in (True, False):
-      cfg = deepen(base, extra).replace(scan_layers=scan)
-      lower_s, compile_s, size = compile_seconds(cfg)
-      print(f"| {cfg.num_hidden_layers} | {scan} | {lower_s:.1f} | {compile_s:.1f} | {size:,} |",
-            flush=True)
+  print("| layers | StableHLO bytes | dot_general | trace+lower s | compile s | fusions |")
+  print("|---|---|---|---|---|---|")
+  cfgs = [("tiny", base)] if args.tiny else [(str(L), base.replace(**small.layout(L)))
+                                              for L in args.layers]
+  for name, cfg in cfgs:
+    r = measure(cfg)
+    print(f"| {name} | {r['stablehlo_bytes']:,} | {r['dots']} | {r['lower_s']:.1f} | "
+          f"{r['compile_s']:.1f} | {r['fusions']:,} |", flush=True)
 
 
 if __name__ == "__main__":
