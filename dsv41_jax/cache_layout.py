@@ -35,7 +35,7 @@ class GlobalKVLayout:
 
 def global_kv_layout(cfg: ModelConfig) -> GlobalKVLayout:
   plan = build_layer_plan(cfg)
-  entries = sum((Fraction(1, l.compress_ratio) for l in plan if l.mode == "full"), Fraction(0))
+  entries = sum((Fraction(1, l.compress_ratio) for l in plan if l.owns_compressor), Fraction(0))
   return GlobalKVLayout(main_kv_bytes=quant.fp4_e4m3_16_bytes(cfg.head_dim),
                         index_k_bytes=quant.mxfp4_bytes(cfg.index_head_dim),
                         entries_per_token=entries)

@@ -83,9 +83,9 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> f
   w_bar = _mean_min(T, cfg.sliding_window)
   total = 0.0
   for l in plan:
-    k_bar = 0.0 if l.mode == "swa" else _mean_min(T, cfg.index_topk, l.compress_ratio)
+    k_bar = 0.0 if not l.reads_global_kv else _mean_min(T, cfg.index_topk, l.compress_ratio)
     total += 4.0 * H * D * (w_bar + k_bar)
-    if l.mode in ("full", "reindex"):
+    if l.owns_indexer:
       n_bar = _mean_min(T, np.inf, l.compress_ratio)
       total += 2.0 * cfg.index_n_heads * cfg.index_head_dim * n_bar
   return total

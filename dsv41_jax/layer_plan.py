@@ -139,7 +139,7 @@ class LayerPlan:
 
   @property
   def kv_sources(self) -> tuple[int, ...]:
-    return tuple(l.index for l in self.layers if l.mode == "full")
+    return tuple(l.index for l in self.layers if l.owns_compressor)
 
   def table(self) -> str:
     """A printable table of the plan, one row per layer."""

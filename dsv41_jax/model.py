@@ -178,7 +178,7 @@ class Transformer(nnx.Module):
     n_entries = -(-T // m)
     kv, topk, cand = state.kv, state.topk_BxTxK, state.candidate
     if kv is None or kv.main_kv_BxNxD.shape[1] != n_entries:
-      if first.mode != "full":
+      if not first.owns_compressor:
         raise ValueError(f"layer {first.index} ({first.mode}) has no compressed KV to read")
       dt = jnp.dtype(cfg.dtype)
       kv = CompressedKV(

@@ -21,9 +21,12 @@ shardings alone, per device,
   activations  an estimate (`activation_bytes`), whose formula is in that function's docstring.
 The batch is split over the mesh axes of the logical axis "batch"; b = global batch / those ways.
 
-`--rules` overrides entries of `sharding.RULES` for the plan: the parameter, optimizer-state and
-batch shardings (analytic and compiled). The model's own activation constraints inside the step
-keep reading `sharding.RULES`, so a compiled what-if is only as faithful as those agree.
+`--rules` overrides entries of `sharding.RULES` and the plan runs under the whole resulting table
+(`sharding.use_rules`): parameter, optimizer-state and batch shardings, and in the compiled plan
+the model's activation constraints and its MoE and Engram exchanges too. The report prints the
+rules that split something on this mesh. A table that leaves a parameter's logical axis unmapped,
+maps a mesh axis twice within a parameter, or splits a dimension the mesh cannot divide is an
+error naming the parameter (and the dimension and axis).
 """
 
 from __future__ import annotations
@@ -147,9 +150,10 @@ def _mesh_str(sizes: Mapping[str, int]) -> str:
   return ",".join(f"{a}:{s}" for a, s in sizes.items() if s != 1) or "(1 device)"
 
 
-def parse_rules(text: str | None) -> dict[str, Any]:
-  """`sharding.RULES` with overrides 'logical=axis+axis;logical2=none' (none = replicated)."""
-  rules = dict(sharding.RULES)
+def parse_rules(text: str | None, base=None) -> dict[str, Any]:
+  """`base` (default `sharding.RULES`) with overrides 'logical=axis+axis;logical2=none' (none =
+  replicated)."""
+  rules = dict(sharding.RULES if base is None else base)
   if not text:
     return rules
   for part in (p.strip() for p in text.split(";")):
@@ -169,15 +173,15 @@ def parse_rules(text: str | None) -> dict[str, Any]:
       raise PlanError(f"rule {part!r}: unknown mesh axes {bad}; the mesh axes are "
                       f"{', '.join(sharding.MESH_AXES)}")
     rules[name] = axes[0] if len(axes) == 1 else axes
-  return rules
+  try:
+    return sharding.check_table(rules)
+  except sharding.ShardingError as e:
+    raise PlanError(str(e)) from None
 
 
 def batch_ways(sizes: Mapping[str, int], rules: Mapping[str, Any]) -> tuple[tuple[str, ...], int]:
-  """The mesh axes the batch is split over and their product."""
-  target = rules["batch"]
-  axes = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
-  axes = tuple(a for a in axes if sizes.get(a, 1) > 1)
-  return axes, math.prod(sizes[a] for a in axes)
+  """The mesh axes the batch is split over and their product (`sharding.batch_axes`)."""
+  return sharding.batch_axes(sizes, rules), sharding.batch_ways(sizes, rules)
 
 
 def global_batch_for(requested: int | None, per_config: int, ways: int) -> tuple[int, str]:
@@ -197,17 +201,21 @@ def global_batch_for(requested: int | None, per_config: int, ways: int) -> tuple
 # --- analytic plan ------------------------------------------------------------------------------
 
 def _spec_ways(spec: P, sizes: Mapping[str, int]) -> list[int]:
-  out = []
-  for entry in spec:
-    names = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-    out.append(math.prod(sizes.get(n, 1) for n in names))
-  return out
+  return [sharding.axes_size(sizes, () if e is None else ((e,) if isinstance(e, str) else e))
+          for e in spec]
 
 
-def param_shards(cfg: ModelConfig, sizes: Mapping[str, int], rules=sharding.RULES):
-  """(path, shape, PartitionSpec, per-device elements, optimizer group) for every parameter."""
+def param_shards(cfg: ModelConfig, sizes: Mapping[str, int], rules=None):
+  """(path, shape, PartitionSpec, per-device elements, optimizer group) for every parameter.
+
+  Raises `PlanError` naming the parameter (and dimension and axis) that the rules or the mesh
+  cannot partition.
+  """
   state = model_lib.abstract_params(cfg)
-  specs = sharding.state_partition_specs(state, rules)
+  try:
+    specs = sharding.state_partition_specs(state, rules)
+  except sharding.ShardingError as e:
+    raise PlanError(str(e)) from None
   mesh_axes = {a for a, s in sizes.items() if s > 1}
   groups = {p: r.group for p, r in table_lib.label_params(state).items()}
   spec_by_path = dict(table_lib.flatten_params(specs))
@@ -215,8 +223,12 @@ def param_shards(cfg: ModelConfig, sizes: Mapping[str, int], rules=sharding.RULE
   for path, leaf in table_lib.flatten_params(state):
     spec = spec_by_path[path]
     spec = P(*(_keep_axes(e, mesh_axes) for e in spec))
+    try:
+      sharding.check_divisible(tuple(leaf.shape), spec, sizes, path)
+    except sharding.ShardingError as e:
+      raise PlanError(str(e)) from None
     ways = _spec_ways(spec, sizes)
-    local = math.prod(-(-n // w) for n, w in zip(leaf.shape, ways))
+    local = math.prod(n // w for n, w in zip(leaf.shape, ways))
     out.append((path, tuple(leaf.shape), spec, local, groups[path]))
   return out
 
@@ -262,7 +274,7 @@ def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int])
         att += b * Ht * T * n_ent * 4
       else:
         att += b * T * K * Dh * a + b * Ht * T * K * 4
-      if spec.mode in ("full", "reindex"):
+      if spec.owns_indexer:
         att += b * min(512, T) * cfg.index_n_heads * n_ent * 4
     k, I = cfg.num_experts_per_tok, cfg.moe_intermediate_size
     moe = b * T * k * (D + 3 * -(-I // tp)) * a + b * T * k * D * 4
@@ -281,8 +293,9 @@ def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int])
 
 
 def analytic_plan(cfg: ModelConfig, sizes: Mapping[str, int], global_batch: int, seq_len: int,
-                  rules=sharding.RULES) -> dict[str, Any]:
+                  rules=None) -> dict[str, Any]:
   """Per-device bytes of parameters, gradients, optimizer state and activations (see module doc)."""
+  rules = dict(sharding.active_rules() if rules is None else rules)
   rows = param_shards(cfg, sizes, rules)
   item = jnp.dtype(cfg.param_dtype).itemsize
   params = sum(r[3] for r in rows) * item
@@ -305,7 +318,18 @@ def analytic_plan(cfg: ModelConfig, sizes: Mapping[str, int], global_batch: int,
       "activation_bytes": act,
       "total_bytes": float(2 * params + opt + act["total"]),
       "axes_use": axis_use(rows, sizes),
+      "rules": rules_used(rules, sizes),
   }
+
+
+def rules_used(rules: Mapping[str, Any], sizes: Mapping[str, int]) -> dict[str, tuple[str, ...]]:
+  """The rules that split something on this mesh: logical axis -> its mesh axes of size > 1."""
+  out = {}
+  for name in rules:
+    axes = sharding.mesh_axes(sizes, name, rules)
+    if axes:
+      out[name] = axes
+  return out
 
 
 def axis_use(rows, sizes: Mapping[str, int]) -> dict[str, str]:
@@ -361,13 +385,21 @@ class Lowered:
   args: tuple               # abstract (params, opt_state, moe_bias, batch)
   out_shardings: tuple
   mesh: jax.sharding.Mesh
+  rules: Mapping[str, Any] = dataclasses.field(default_factory=lambda: dict(sharding.RULES))
 
 
 def lower_args(cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, global_batch: int,
-               rules=sharding.RULES) -> Lowered:
-  """The train step and its abstract, sharded arguments, built as `launch.train.run` builds them."""
+               rules=None) -> Lowered:
+  """The train step and its abstract, sharded arguments, built as `launch.train.run` builds them,
+  under `rules` (default: the active table)."""
   from launch.step import engram_sub_tables, make_train_step
 
+  rules = dict(sharding.active_rules() if rules is None else rules)
+  with sharding.use_rules(rules):
+    return _lower_args(cfg, mesh, global_batch, rules, engram_sub_tables, make_train_step)
+
+
+def _lower_args(cfg, mesh, global_batch, rules, engram_sub_tables, make_train_step) -> Lowered:
   mcfg = model_config(cfg)
   abs_model = model_lib.abstract_model(mcfg)
   gdef, abs_state = nnx.split(abs_model)
@@ -382,17 +414,16 @@ def lower_args(cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, global_b
   replicated = NamedSharding(mesh, P())
   a_bias = jax.ShapeDtypeStruct((mcfg.num_hidden_layers, 2, mcfg.n_routed_experts), jnp.float32,
                                 sharding=replicated)
-  bspec = sharding._fit(sharding.logical_to_mesh(("batch",), rules=rules), mesh)
-  a_batch = abstract_batch(cfg, mcfg, global_batch, NamedSharding(mesh, bspec))
+  a_batch = abstract_batch(cfg, mcfg, global_batch, sharding.batch_sharding(mesh, 1, rules))
   step = make_train_step(mcfg, gdef, tx, ocfg.moe_bias_gamma)
   return Lowered(step, (a_params, a_opt, a_bias, a_batch), (shard, oshard, replicated, replicated),
-                 mesh)
+                 mesh, rules)
 
 
 def compile_train_step(low: Lowered):
   """Lower and compile (never run) the donated, sharded train step; (compiled, seconds)."""
   t0 = time.perf_counter()
-  with jax.set_mesh(low.mesh):
+  with jax.set_mesh(low.mesh), sharding.use_rules(low.rules):
     compiled = jax.jit(low.step, donate_argnums=(0, 1, 2),
                        out_shardings=low.out_shardings).lower(*low.args).compile()
   return compiled, time.perf_counter() - t0
@@ -416,7 +447,7 @@ def memory_stats(compiled) -> dict[str, float]:
 
 
 def compiled_plan(cfg: ml_collections.ConfigDict, sizes: Mapping[str, int], global_batch: int,
-                  rules=sharding.RULES, devices=None) -> dict[str, Any]:
+                  rules=None, devices=None) -> dict[str, Any]:
   devices = list(jax.devices() if devices is None else devices)
   n = math.prod(sizes.values())
   if n > len(devices):
@@ -450,6 +481,10 @@ def format_plan(name: str, plan: dict[str, Any], compiled: dict[str, Any] | None
   for a, fam in plan["axes_use"].items():
     batch = " + the batch" if a in plan["batch_axes"] else ""
     lines.append(f"    {a:7s} ({plan['mesh'][a]}): {fam}{batch}")
+  lines.append("  rules (logical axis -> mesh axes, those that split something on this mesh):")
+  rules = plan.get("rules", {})
+  for k in range(0, len(rules), 4):
+    lines.append("    " + "; ".join(f"{n} -> {'+'.join(a)}" for n, a in list(rules.items())[k:k + 4]))
   lines.append("  per device (analytic):")
   lines.append(f"    parameters     {_gib(plan['param_bytes'])}   by group: " + ", ".join(
       f"{g} {_gib(v).strip()}" for g, v in sorted(plan["param_bytes_by_group"].items())))
@@ -520,7 +555,7 @@ def main(argv):
                       analytic=F.analytic, rules_text=F.rules,
                       max_compile_params=F.max_compile_params,
                       name=_flag(sys.argv, "config") or "config")
-  except (PlanError, ConfigError) as e:
+  except (PlanError, ConfigError, sharding.ShardingError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   print(text)

@@ -76,7 +76,7 @@ class Compressor(nnx.Module):
   """The weights of one Full layer's compressor: `wkv`, `wgate` (m > 1 only), `norm/scale`."""
 
   def __init__(self, cfg, spec, rngs: nnx.Rngs):
-    if spec.mode != "full":
+    if not spec.owns_compressor:
       raise ValueError(f"layer {spec.index} is a {spec.mode} layer; only Full layers own a compressor")
     self.m = int(spec.compress_ratio)
     self.rope_dim = cfg.qk_rope_head_dim

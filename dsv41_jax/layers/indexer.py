@@ -153,7 +153,7 @@ class Indexer(nnx.Module):
                                ("q_lora", "index_heads", "index_dim"), init, pdt)
     self.weights_proj = sharding.param(rngs, (cfg.hidden_size, cfg.index_n_heads),
                                        ("embed", "index_heads"), init, pdt)
-    if spec.mode == "full":
+    if spec.owns_compressor:
       self.wk = sharding.param(rngs, (cfg.head_dim, cfg.index_head_dim), ("kv", "index_dim"),
                                init, pdt)
       self.k_norm = norm.RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps, rngs, param_dtype=pdt)
