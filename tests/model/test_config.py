@@ -28,9 +28,12 @@ def test_tiny_config_exercises_every_mode():
   cfg = common.model_config(tiny.get_config())
   modes = {l.mode for l in build_layer_plan(cfg)}
   assert modes == {"swa", "full", "reindex", "reuse"}
-  # The released configuration: every text field at its default, plus the default vision tower.
+  # The released configuration: every text field at its default, plus the default vision tower;
+  # pre-training runs without YaRN (MODEL.md §4.5), the long-context phase with it.
   from dsv41_jax.vision.config import VisionConfig
-  assert common.model_config(flash.get_config()) == ModelConfig(vision=VisionConfig())
+  assert common.model_config(flash.get_config("long")) == ModelConfig(vision=VisionConfig())
+  assert common.model_config(flash.get_config()) == ModelConfig(vision=VisionConfig(),
+                                                                yarn_enabled=False)
 
 
 @pytest.mark.parametrize("changes, names", [
