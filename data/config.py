@@ -109,6 +109,11 @@ class DataConfig:
       raise DataConfigError("; ".join(errors))
 
 
+def images_per_row(seq_len: int, max_images_per_row: int) -> int:
+  """Image slots of a packed row: `data.max_images_per_row`, or seq_len // 64 (at least 1)."""
+  return max_images_per_row or max(1, seq_len // 64)
+
+
 def data_defaults() -> dict:
   """The data section's fields and their default values (the `cfg.data` section)."""
   return dataclasses.asdict(DataConfig())

@@ -31,7 +31,7 @@ import collections
 import grain
 
 from data import corpus, documents, images, packing
-from data.config import data_config
+from data.config import data_config, images_per_row
 from data.mixture import TokenMixer, normalized_weights
 from data.records import RecordSkipped, parse_record
 from data.sources import open_source
@@ -46,7 +46,7 @@ def cache_dir(cfg) -> str:
 
 
 def max_images_per_row(cfg) -> int:
-  return cfg.data.max_images_per_row or max(1, cfg.data.seq_len // 64)
+  return images_per_row(cfg.data.seq_len, cfg.data.max_images_per_row)
 
 
 def default_manifest(cfg) -> dict:

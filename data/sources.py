@@ -57,7 +57,10 @@ def expand_paths(paths: Sequence[str], name: str = "data source") -> list[str]:
     else:
       raise FileNotFoundError(f"{name}: data source {p!r} does not exist; fix the path in {name}")
     for m in matches:
-      shard_format(m)
+      try:
+        shard_format(m)
+      except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
     out.extend(matches)
   return out
 

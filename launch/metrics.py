@@ -1,4 +1,5 @@
-"""Training logs: `metrics.jsonl` (one JSON object per logged step) and TensorBoard event files.
+"""Training logs: `metrics.jsonl` (one JSON object per logged step) and TensorBoard event files,
+plus Weights & Biases when `train.wandb_project` is set (and the `wandb` package is installed).
 
 Every figure written here comes from the function named beside it: MFU from
 `dsv41_jax.flops.train_flops_per_token` and `peak_flops_per_device`; padding and skipped records
@@ -53,12 +54,54 @@ def flatten(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
   return out
 
 
+class MetricsError(RuntimeError):
+  """A metrics writer that cannot start; the message names the setting."""
+
+
+def median(values) -> float | None:
+  """The median of the values (None for none): e.g. tokens/s over the logged windows."""
+  values = [v for v in values if v is not None and math.isfinite(v)]
+  return float(np.median(values)) if values else None
+
+
+def last_logged(workdir: str) -> dict[str, float]:
+  """The last logged train loss (`loss`, `step`) and held-out figures (`eval/...`) of a work
+  directory's metrics.jsonl, for the summary of a run that had nothing left to train."""
+  out: dict[str, float] = {}
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return out
+  with open(path) as f:
+    for line in f:
+      r = json.loads(line)
+      if r.get("loss") is not None:
+        out.update(loss=r["loss"], step=r["step"])
+      if r.get("eval/loss") is not None:
+        out.update({k: v for k, v in r.items() if k.startswith("eval/")}, eval_step=r["step"])
+  return out
+
+
 class MetricWriter:
-  def __init__(self, workdir: str, enabled: bool):
+  """Writes each logged step to metrics.jsonl and TensorBoard (and W&B when `wandb_project`)."""
+
+  def __init__(self, workdir: str, enabled: bool, wandb_project: str = "",
+               config: dict | None = None):
     self.enabled = enabled
     self.jsonl = None
     self.tb = None
+    self.wandb = None
     if enabled:
+      if wandb_project:
+        try:
+          import wandb
+        except ImportError:
+          raise MetricsError(f"train.wandb_project={wandb_project!r} is set but the wandb package "
+                             "is not installed; pip install wandb, or set "
+                             "--config.train.wandb_project=''") from None
+        # One W&B run per work directory: a resumed run continues its curves.
+        self.wandb = wandb.init(project=wandb_project, dir=workdir, config=config,
+                                name=os.path.basename(os.path.abspath(workdir)),
+                                id=_run_id(workdir), resume="allow")
       os.makedirs(workdir, exist_ok=True)
       self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
       from tensorboardX import SummaryWriter
@@ -73,11 +116,21 @@ class MetricWriter:
                    for k, v in flat.items()})
     self.jsonl.write(json.dumps(record) + "\n")
     self.jsonl.flush()
-    for k, v in flat.items():
-      if isinstance(v, (int, float)) and not isinstance(v, bool):
-        self.tb.add_scalar(k, v, step)
+    scalars = {k: v for k, v in flat.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for k, v in scalars.items():
+      self.tb.add_scalar(k, v, step)
+    if self.wandb is not None:
+      self.wandb.log(scalars, step=int(step))
 
   def close(self) -> None:
     if self.enabled:
       self.jsonl.close()
       self.tb.close()
+      if self.wandb is not None:
+        self.wandb.finish()
+
+
+def _run_id(workdir: str) -> str:
+  import hashlib
+  return hashlib.sha256(os.path.abspath(workdir).encode()).hexdigest()[:16]

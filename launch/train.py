@@ -3,22 +3,34 @@
   python -m launch.train --config=configs/tiny.py --workdir=/tmp/dsv41_tiny
   python -m launch.train --config=configs/tiny.py --workdir=DIR --config.train.steps=50 \
       --config.mesh.data=2 --config.mesh.expert=4
+  python -m launch.train --config=configs/tiny.py --workdir=DIR --profile_steps=5:7
 
 Multi-host: pass --coordinator_address=host:port --num_processes=N --process_id=i (or set
 JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID; on SLURM, jax detects them). Every
 process reads its own data shard; `data.batch_size` rows per process make one global batch.
 
-A work directory that holds a checkpoint is resumed from it (on any mesh shape). SIGTERM saves a
-checkpoint and exits 0. A step with a non-finite loss, gradient or update is not applied; after
-`train.max_bad_steps` such steps in a row the run stops, the last good checkpoint intact.
-Configuration mistakes (unknown key, mesh vs devices, batch vs data axes, a work directory of
-another model) stop before the first step with `error: ...` and exit status 2.
+Wiring lives in `launch/setup.py` (typed config, mesh, state, compiled step, batch adapter); this
+file is the loop around it and what a person at the terminal sees:
+
+* Interruptions. SIGTERM or Ctrl-C (SIGINT) in the loop: the step in flight finishes, a
+  checkpoint is saved, exit 0; a second Ctrl-C exits at once (status 130) without waiting for the
+  save. During start-up or compilation, either signal stops the run at once (exit 0): nothing was
+  trained, nothing is saved, the work directory keeps its last checkpoint.
+* Errors. Configuration, file-system and input mistakes (unknown key, bad value, mesh vs devices,
+  batch vs data axes, missing data or tokenizer file, a work directory that is not writable or
+  holds another model, a checkpoint save that fails on a full disk) stop with one
+  `error: ...` line naming the key or path and exit status 2; the last good checkpoint stays.
+* Non-finite steps are not applied; after `train.max_bad_steps` in a row the run stops (exit 2).
+* Output. A progress bar when stderr is a terminal (its ETA and tokens/s start after
+  compilation; log lines are written around it), plain log lines otherwise; `metrics.jsonl` and
+  TensorBoard always (W&B with `train.wandb_project`); an end-of-run summary (`format_summary`).
+* Resume. A work directory that holds a checkpoint is resumed from it (on any mesh shape).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
 import os
 import re
 import signal
@@ -31,21 +43,15 @@ import ml_collections
 import numpy as np
 from absl import app, flags
 from absl import logging as absl_logging
-from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import config_flags
 
-from configs.common import model_config
-from data import images
 from data.pipeline import make_eval_iterator, make_tokenizer, make_train_iterator
-from dsv41_jax import flops, inputs, model as model_lib, sharding
-from dsv41_jax.engram.compression import build_compression_map
-from dsv41_jax.vision.merge import check_image_batch
+from dsv41_jax import flops
 from launch import checkpoint as ckpt_lib
-from launch import compile_cache, evaluation, metrics as metrics_lib, xla_flags
-from launch.step import engram_sub_tables, make_eval_step, make_train_step
-from optim.chain import build_optimizer, frozen_trainable, init_opt_state, learning_rates
-from optim.config import optim_config
+from launch import compile_cache, evaluation, metrics as metrics_lib, setup, xla_flags
+from launch.setup import SetupError, compile_train_steps, replicate, to_global  # noqa: F401
+from optim import schedule
+from optim.chain import frozen_trainable, learning_rates
 
 log = logging.getLogger("dsv41.train")
 
@@ -54,12 +60,18 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Work directory (logs, checkpoin
 _COORD = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-host).")
 _NPROC = flags.DEFINE_integer("num_processes", None, "Number of processes (multi-host).")
 _PID = flags.DEFINE_integer("process_id", None, "This process's id (multi-host).")
-
-BATCH_AXES = ("batch",)
+_PROFILE = flags.DEFINE_string(
+    "profile_steps", None, "N:M: a jax.profiler trace of steps N..M (1-based, inclusive) into "
+    "WORKDIR/profile (TensorBoard's profile plugin or Perfetto read it).")
 
 
 class TrainingError(RuntimeError):
   """The run cannot continue; the message says what to change."""
+
+
+class Interrupted(BaseException):
+  """A signal during start-up or compilation: stop now, nothing to save. A BaseException, so no
+  `except Exception` on the way (a checkpoint restore's fallback, say) mistakes it for a fault."""
 
 
 def init_distributed(coordinator: str | None, num_processes: int | None,
@@ -80,318 +92,347 @@ def _int_env(name: str) -> int | None:
   return int(v) if v else None
 
 
-def _message(e: BaseException) -> str:
-  return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
-
-
-def build_mesh(cfg: ml_collections.ConfigDict) -> jax.sharding.Mesh:
-  try:
-    return sharding.make_mesh(dict(cfg.mesh))
-  except ValueError as e:
-    raise TrainingError(f"config.mesh: {e}") from None
-
-
-def check_batch(cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> int:
-  """Global batch size; it must split evenly over the mesh axes the batch is sharded on."""
-  global_batch = cfg.data.batch_size * jax.process_count()
-  spec = sharding.logical_to_mesh(BATCH_AXES)
-  axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-  ways = int(np.prod([mesh.shape[a] for a in axes if a]))
-  if global_batch % ways:
-    raise TrainingError(
-        f"data.batch_size ({cfg.data.batch_size}) × processes ({jax.process_count()}) = "
-        f"{global_batch} rows do not split over the mesh's batch axes {axes} ({ways} ways); make "
-        f"data.batch_size a multiple of {ways // math.gcd(ways, jax.process_count())}")
-  return global_batch
-
-
-def replicate(x, sharding: NamedSharding) -> jax.Array:
-  """A host value as a replicated global array (valid with several processes, unlike
-  `jax.device_put` of a process-local array)."""
-  x = np.asarray(x)
-  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
-
-
 def batch_digest(batch: dict[str, np.ndarray]) -> str:
   """sha256 (first 16 hex digits) of a host batch's tokens: which data a process saw."""
   import hashlib
   return hashlib.sha256(np.ascontiguousarray(batch["tokens"]).tobytes()).hexdigest()[:16]
 
 
-def to_global(batch: dict[str, np.ndarray], mesh) -> dict[str, Any]:
-  """Per-process numpy rows → global arrays sharded over the batch axes."""
-  spec = sharding.logical_to_mesh(BATCH_AXES)
+def parse_profile_steps(text: str | None, steps: int) -> tuple[int, int] | None:
+  """'N:M' → (N, M) with 1 <= N <= M <= steps; None for no profile."""
+  if not text:
+    return None
+  m = re.fullmatch(r"(\d+):(\d+)", text.strip())
+  if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+    raise TrainingError(f"--profile_steps={text} must be N:M with 1 <= N <= M (steps to trace, "
+                        "1-based, inclusive)")
+  first, last = int(m.group(1)), int(m.group(2))
+  if last > steps:
+    raise TrainingError(f"--profile_steps={text} ends after train.steps = {steps}")
+  return first, last
 
-  def put(x):
-    x = np.asarray(x)
-    s = NamedSharding(mesh, P(spec[0], *([None] * (x.ndim - 1))))
-    return jax.make_array_from_process_local_data(s, x)
 
-  return jax.tree.map(put, batch)
+def _data_error(e: BaseException) -> str:
+  """A data-pipeline error as `config.data...: ...` (its message names the key or the path)."""
+  text = setup._message(e)
+  return f"config.{text}" if text.startswith("data.") else f"config.data: {text}"
+
+
+def check_workdir(workdir: str) -> None:
+  """The work directory exists (or is created) and is writable, checked before any work."""
+  if not workdir:
+    raise TrainingError("--workdir is empty; give a directory for logs and checkpoints")
+  probe = os.path.join(workdir, f".write-test-{os.getpid()}")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    with open(probe, "w") as f:
+      f.write("ok")
+    os.remove(probe)
+  except OSError as e:
+    raise TrainingError(f"--workdir {workdir} is not writable ({e.strerror or e}); choose a "
+                        "directory you can write to") from None
 
 
 class _Stop:
-  """SIGTERM sets a flag the loop reads after the step in flight.
+  """SIGTERM and SIGINT (Ctrl-C), both ways a run is asked to stop.
 
-  With several processes they must stop after the same step (the save is collective), so
+  Before the loop (`in_loop` False) a signal raises `Interrupted` where the main thread is (the
+  compilation runs in worker threads, so the main thread is waiting and reacts at once). In the
+  loop it sets a flag read after the step in flight: save, then exit 0. A second SIGINT exits at
+  once. With several processes they must stop after the same step (the save is collective), so
   `agreed()` asks every process and stops all of them when any one was signalled."""
 
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
   def __init__(self):
-    self.requested = False
-    self._old = signal.signal(signal.SIGTERM, self._handle)
+    self.requested: str | None = None
+    self.in_loop = False
+    self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
   def _handle(self, signum, frame):
-    self.requested = True
+    name = signal.Signals(signum).name
+    if self.requested is not None and signum == signal.SIGINT:
+      sys.stderr.write(f"\n{name} again: exiting now, without waiting for the checkpoint\n")
+      sys.stderr.flush()
+      os._exit(130)
+    self.requested = name
+    if not self.in_loop:
+      raise Interrupted(name)
 
   def agreed(self) -> bool:
     if jax.process_count() == 1:
-      return self.requested
+      return self.requested is not None
     from jax.experimental import multihost_utils
-    return bool(np.max(multihost_utils.process_allgather(np.int32(self.requested))))
+    asked = np.int32(self.requested is not None)
+    return bool(np.max(multihost_utils.process_allgather(asked)))
 
   def restore(self):
-    signal.signal(signal.SIGTERM, self._old)
+    for s, old in self._old.items():
+      signal.signal(s, old)
 
 
-def _under_mesh(mesh, fn):
-  def call(*args):
-    with jax.set_mesh(mesh):
-      return fn(*args)
-  return call
+def run(cfg: ml_collections.ConfigDict, workdir: str, profile_steps: str | None = None
+        ) -> dict[str, Any]:
+  """Train per `cfg` in `workdir`; returns a summary (see `format_summary`).
 
-
-def run(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Train per `cfg` in `workdir`; returns a summary (last losses, steps run, eval figures).
-
-  The SIGTERM handler is installed first, so a SIGTERM during start-up (data, compilation)
-  also ends in a saved checkpoint and a clean exit, after the first step."""
+  The signal handlers are installed first, so a signal during start-up stops it (`Interrupted`)."""
   stop = _Stop()
   try:
-    return _run(cfg, workdir, stop)
+    return _run(cfg, workdir, stop, profile_steps)
   finally:
     stop.restore()
 
 
-def compile_train_steps(jitted, mesh, phases, args) -> dict[bool, Any]:
-  """AOT-compile the train step for each `train_vit` phase the run will see, concurrently (XLA
-  compiles outside the GIL); with the persistent cache a rerun loads them instead."""
-  from concurrent.futures import ThreadPoolExecutor
+class _Progress:
+  """Per-step timing, the logged records (metrics.jsonl, TensorBoard, W&B), the log line or the
+  progress bar, and the figures of the end-of-run summary."""
 
-  def one(train_vit):
-    with jax.set_mesh(mesh):
-      return jitted.lower(*args, train_vit).compile()
+  def __init__(self, run: setup.RunConfig, workdir: str, start: int, primary: bool,
+               config: dict, train_it):
+    self.run, self.train_it, self.primary = run, train_it, primary
+    self.tokens_per_step = run.tokens_per_step
+    self.flops_per_token = flops.train_flops_per_token(run.model.replace(seq_len=run.data.seq_len))
+    self.peak = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind,
+                                                  run.train.peak_flops_per_device)
+    self.writer = metrics_lib.MetricWriter(workdir, primary, run.train.wandb_project, config)
+    self.window = [0.0, 0.0, 0]  # seconds, data-wait seconds, steps
+    self.losses: dict[int, float] = {}
+    self.tokens_per_second: list[float] = []
+    self.bar = None
+    if primary and run.train.progress_bar and sys.stderr.isatty():
+      from tqdm import tqdm
+      self.bar = tqdm(total=run.train.steps, initial=start, dynamic_ncols=True, file=sys.stderr,
+                      unit="step")
 
-  with ThreadPoolExecutor(len(phases)) as pool:
-    futures = {tv: pool.submit(one, tv) for tv in phases}
-    return {tv: f.result() for tv, f in futures.items()}
+  def step(self, step: int, m: dict, seconds: float, data_wait: float) -> None:
+    self.window[0] += seconds
+    self.window[1] += data_wait
+    self.window[2] += 1
+    loss = float(m["loss"])
+    self.losses[step] = loss
+    if step % self.run.train.log_every == 0 or step == self.run.train.steps:
+      self._log(step, m, loss)
+    if self.bar is not None:
+      self.bar.update(1)
+
+  def _log(self, step: int, m: dict, loss: float) -> None:
+    seconds, wait, n = self.window
+    step_time = seconds / n
+    tps = self.tokens_per_step / step_time
+    self.tokens_per_second.append(tps)
+    record = {k: np.asarray(v) for k, v in m.items()}
+    record.update(step_time=step_time, data_wait=wait / n, compute_time=(seconds - wait) / n,
+                  tokens_per_second=tps, tokens_seen=step * self.tokens_per_step)
+    u = metrics_lib.mfu(self.flops_per_token, tps, jax.device_count(), self.peak)
+    if u is not None:
+      record["mfu"] = u
+    record["lr"] = learning_rates(self.run.optim, step)
+    record["data"] = self.train_it.counters()
+    record["data"]["padding_fraction"] = (
+        record["data"].get("padding_tokens", 0)
+        / max(1, record["data"].get("rows", 0) * self.run.data.seq_len))
+    self.writer.write(step, record)
+    mfu = f" mfu {u:.2%}" if u is not None else ""
+    log.info("process %d step %d loss %r step_time %.3f s (data wait %.3f s) tokens/s %.0f%s",
+             jax.process_index(), step, loss, step_time, record["data_wait"], tps, mfu)
+    if self.bar is not None:
+      self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", step_s=f"{step_time:.3f}",
+                           **({"mfu": f"{u:.2%}"} if u is not None else {}))
+    self.window = [0.0, 0.0, 0]
+
+  def eval(self, step: int, figures: dict[str, float]) -> None:
+    self.writer.write(step, {f"eval/{k}": v for k, v in figures.items()})
+    log.info("step %d eval %s", step, figures)
+
+  def close(self) -> None:
+    self.writer.close()
+    if self.bar is not None:
+      self.bar.close()
+
+  def figures(self) -> dict[str, Any]:
+    tps = metrics_lib.median(self.tokens_per_second)
+    return {"median_tokens_per_second": tps,
+            "mfu": None if tps is None else metrics_lib.mfu(self.flops_per_token, tps,
+                                                             jax.device_count(), self.peak)}
 
 
-def _run(cfg: ml_collections.ConfigDict, workdir: str, stop: _Stop) -> dict[str, Any]:
+def _run(cfg: ml_collections.ConfigDict, workdir: str, stop: _Stop,
+         profile_text: str | None) -> dict[str, Any]:
   t_start = time.time()
-  cache_dir = compile_cache.enable(cfg.train.get("compilation_cache_dir", ""))
-  try:
-    mcfg = model_config(cfg)
-  except (KeyError, ValueError) as e:  # ConfigError names the contradicting fields
-    raise TrainingError(f"config.model: {_message(e)}") from None
-  mesh = build_mesh(cfg)
-  global_batch = check_batch(cfg, mesh)
+  run = setup.run_config(cfg)
+  tcfg = run.train
+  profile = parse_profile_steps(profile_text, tcfg.steps)
+  check_workdir(workdir)
+  cache_dir = compile_cache.enable(tcfg.compilation_cache_dir)
+  mesh = setup.build_mesh(run.mesh)
+  rows = setup.global_batch(run, mesh)
   log.info("mesh %s over %d devices, %d process(es); global batch %d rows",
-           dict(mesh.shape), mesh.size, jax.process_count(), global_batch)
-  tcfg = cfg.train
-  try:
-    ocfg = optim_config({**dict(cfg.optim),
-                         "tokens_per_step": global_batch * cfg.data.seq_len})
-  except (KeyError, ValueError) as e:
-    raise TrainingError(f"config.optim: {_message(e)}") from None
+           dict(mesh.shape), mesh.size, jax.process_count(), rows)
+  for warning in schedule.outside_run(run.optim, tcfg.steps):
+    log.warning("schedule: %s", warning)
   primary = jax.process_index() == 0
   ckpt_lib.check_or_write_config(workdir, cfg.to_dict(), primary)
 
   # --- data ---
   try:
     tok = make_tokenizer(cfg)
-  except (KeyError, ValueError) as e:
-    raise TrainingError(f"config.data / model.vocab_size: {_message(e)}") from None
-  if tok.vocab_size > mcfg.vocab_size:
-    raise TrainingError(f"the tokenizer has {tok.vocab_size} tokens but model.vocab_size is "
-                        f"{mcfg.vocab_size}; raise model.vocab_size")
-  cmap = build_compression_map(lambda i: tok.decode([i]), tok.vocab_size,
-                               raw_token=lambda i: tok._tok.id_to_token(i) or "")
-  if mcfg.engram_layer_ids and int(cmap.max()) + 1 > mcfg.engram_compressed_vocab_size:
-    raise TrainingError(f"the tokenizer compresses to {int(cmap.max()) + 1} ids but "
-                        f"model.engram_compressed_vocab_size is {mcfg.engram_compressed_vocab_size}")
+  except (KeyError, ValueError, OSError) as e:  # the message names data.tokenizer_path
+    raise SetupError(_data_error(e)) from None
+  cmap = setup.compression_map(run.model, tok)
   try:
     train_it = make_train_iterator(cfg, jax.process_index(), jax.process_count(), tokenizer=tok)
-  except (KeyError, ValueError) as e:  # the data section's checks name the field
-    raise TrainingError(f"config.data: {_message(e)}") from None
+  except (KeyError, ValueError, OSError) as e:  # the messages name the data key or path
+    raise SetupError(_data_error(e)) from None
   t_data = time.time()
-  token_bytes = replicate(evaluation.token_byte_lengths(tok, mcfg.vocab_size),
-                          NamedSharding(mesh, P()))
+  adapter = setup.BatchAdapter(run.model, run.data, mesh, cmap)
+  with contextlib.ExitStack() as cleanup:
+    cleanup.callback(train_it.close)
+    return _train(cfg, run, workdir, stop, profile, mesh, tok, adapter, train_it, primary,
+                  cleanup, dict(t_start=t_start, t_data=t_data, cache_dir=cache_dir))
 
-  def prepare(batch):
-    batch = dict(batch)
-    if mcfg.vision is not None:  # the model cannot raise inside jit: check the image layout here
-      check_image_batch(batch, cell_px=images.CELL_PX, max_image_size=cfg.data.max_image_size)
-    if mcfg.engram_layer_ids:
-      batch["engram_ids"] = inputs.engram_ids(mcfg, batch["tokens"], batch["segment_ids"],
-                                              batch["image_mask"], cmap)
-    return to_global(batch, mesh)
 
-  # --- model and optimizer, created directly with their shardings ---
-  with jax.set_mesh(mesh):
-    model = model_lib.init_model(mcfg, tcfg.seed, mesh)
-  graphdef, params = nnx.split(model)
-  params = nnx.as_pure(params)
-  tx = build_optimizer(ocfg, params, sub_tables=engram_sub_tables(model))
-  del model
-  param_shardings = jax.tree.map(lambda x: x.sharding, params)
-  opt_state = init_opt_state(tx, params, param_shardings)
-  replicated = NamedSharding(mesh, P())
-  moe_bias = replicate(model_lib.zero_moe_bias(mcfg), replicated)
-
+def _train(cfg, run, workdir, stop, profile, mesh, tok, adapter, train_it, primary, cleanup,
+           times) -> dict[str, Any]:
+  tcfg = run.train
+  # --- model and optimizer, created directly with their shardings, or restored ---
+  state = setup.init_state(run, mesh)
   checkpointer = ckpt_lib.Checkpointer(workdir, tcfg.keep_checkpoints)
+  cleanup.callback(checkpointer.close)
   start = 0
-  restored = checkpointer.restore_latest(
-      ckpt_lib.abstract_like({"params": params, "opt_state": opt_state, "moe_bias": moe_bias,
-                              "step": replicate(np.int32(0), replicated)}),
-      train_it)
+  restored = checkpointer.restore_latest(ckpt_lib.abstract_like(state.checkpoint(0)), train_it)
   if restored is not None:
-    start, state = restored
-    params, opt_state, moe_bias = state["params"], state["opt_state"], state["moe_bias"]
+    start, tree = restored
+    state.params, state.opt_state, state.moe_bias = (tree["params"], tree["opt_state"],
+                                                     tree["moe_bias"])
     log.info("resumed from step %d of %s", start, checkpointer.directory)
   t_state = time.time()
   log.info("startup: config and data %.1f s, model and optimizer state %.1f s",
-           t_data - t_start, t_state - t_data)
-
-  # Both steps trace under the mesh, so the model's sharding constraints apply and the MoE and
-  # Engram lookups run their expert- and engram-parallel shard_map paths.
-  train_jit = jax.jit(
-      make_train_step(mcfg, graphdef, tx, ocfg.moe_bias_gamma), donate_argnums=(0, 1, 2),
-      static_argnums=(4,),
-      out_shardings=(param_shardings, jax.tree.map(lambda x: x.sharding, opt_state), replicated,
-                     replicated))
+           times["t_data"] - times["t_start"], t_state - times["t_data"])
 
   def train_vit_at(step: int) -> bool:
     """The ViT trains only once unfrozen (optim.frozen / unfreeze_at): one program per phase."""
-    return not ocfg.frozen or frozen_trainable(ocfg, step)
+    return not run.optim.frozen or frozen_trainable(run.optim, step)
 
-  first_batch = None
-  train_steps: dict[bool, Any] = {}
-  compile_s = 0.0
+  batch, train_steps, compile_s = None, {}, 0.0
   if start < tcfg.steps:
-    first_batch = next(train_it)
+    rows = next(train_it)
     log.info("process %d: first batch at step %d: %d rows, tokens sha256 %s",
-             jax.process_index(), start + 1, len(first_batch["tokens"]), batch_digest(first_batch))
-    first_batch = prepare(first_batch)
+             jax.process_index(), start + 1, len(rows["tokens"]), batch_digest(rows))
+    batch = adapter(rows)
     phases = sorted({train_vit_at(start), train_vit_at(tcfg.steps - 1)})
     t0 = time.perf_counter()
-    train_steps = compile_train_steps(train_jit, mesh, phases,
-                                      (params, opt_state, moe_bias, first_batch))
+    log.info("compiling the train step (%s)", " and ".join(
+        "ViT trainable" if tv else "ViT frozen" for tv in phases)
+        if run.model.vision is not None else "text only")
+    train_steps = compile_train_steps(setup.train_step_jit(run, state), mesh, phases,
+                                      (*state.arrays(), batch))
     compile_s = time.perf_counter() - t0
-    log.info("train step compiled in %.1f s (%s; compilation cache: %s)", compile_s,
-             " and ".join("ViT trainable" if tv else "ViT frozen" for tv in phases)
-             if mcfg.vision is not None else "text only", cache_dir or "off")
-  eval_step = _under_mesh(mesh, jax.jit(make_eval_step(mcfg, graphdef), out_shardings=replicated))
+    log.info("train step compiled in %.1f s (compilation cache: %s)", compile_s,
+             times["cache_dir"] or "off")
+  eval_step = setup.eval_step(run, state, mesh)
+  token_bytes = replicate(evaluation.token_byte_lengths(tok, run.model.vocab_size),
+                          state.shardings[2])
 
-  writer = metrics_lib.MetricWriter(workdir, primary)
-  flops_per_token = flops.train_flops_per_token(mcfg.replace(seq_len=cfg.data.seq_len))
-  peak = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind,
-                                           tcfg.peak_flops_per_device)
-  tokens_per_step = global_batch * cfg.data.seq_len
-  bar = None
-  if primary and tcfg.progress_bar:
-    from tqdm import tqdm
-    bar = tqdm(total=tcfg.steps, initial=start, dynamic_ncols=True, file=sys.stderr)
+  def evaluate() -> dict[str, float]:
+    return evaluation.evaluate(
+        lambda b: eval_step(state.params, state.moe_bias, adapter(b), token_bytes),
+        make_eval_iterator(cfg, jax.process_index(), jax.process_count(), tokenizer=tok),
+        tcfg.eval_batches)
 
-  def save(step):
-    state = {"params": params, "opt_state": opt_state, "moe_bias": moe_bias,
-             "step": replicate(np.int32(step), replicated)}
-    checkpointer.save(step, state, train_it)
-
-  losses: dict[int, float] = {}
-  bad_in_a_row = 0
+  progress = _Progress(run, workdir, start, primary, cfg.to_dict(), train_it)
+  cleanup.callback(progress.close)
+  if progress.bar is not None:  # log lines go above the bar, not into it
+    from tqdm.contrib.logging import logging_redirect_tqdm
+    cleanup.enter_context(logging_redirect_tqdm([logging.getLogger("dsv41")]))
   last_eval: dict[str, float] = {}
-  step = start
+  bad_in_a_row, step = 0, start
   saved = start if restored is not None else None
-  window_t, window_wait, window_steps = 0.0, 0.0, 0
-  try:
-    while step < tcfg.steps:
-      t0 = time.perf_counter()
-      if first_batch is not None:
-        batch, first_batch = first_batch, None
+  stop.in_loop = True
+  while step < tcfg.steps:
+    t0 = time.perf_counter()
+    if batch is None:
+      batch = adapter(next(train_it))
+    t1 = time.perf_counter()
+    if profile and step + 1 == profile[0]:
+      jax.profiler.start_trace(os.path.join(workdir, "profile"))
+    state.params, state.opt_state, state.moe_bias, m = train_steps[train_vit_at(step)](
+        *state.arrays(), batch)
+    finite, batch, step = bool(m["finite"]), None, step + 1
+    if profile and step == profile[1]:
+      jax.block_until_ready(m)
+      jax.profiler.stop_trace()
+      log.info("profile of steps %d-%d written to %s", *profile, os.path.join(workdir, "profile"))
+    progress.step(step, m, time.perf_counter() - t0, t1 - t0)
+    bad_in_a_row = 0 if finite else bad_in_a_row + 1
+    if not finite:
+      log.warning("step %d: non-finite loss %s, gradient norm %s or update norm %s; update "
+                  "skipped", step, float(m["loss"]), float(m["grad_norm"]),
+                  float(m["update_norm"]))
+    if bad_in_a_row >= tcfg.max_bad_steps:  # after the step's metrics are logged
+      raise TrainingError(
+          f"{bad_in_a_row} consecutive steps had a non-finite loss or gradient (last at step "
+          f"{step}); stopping. The last good checkpoint is intact in {checkpointer.directory}"
+          f" (steps {checkpointer.steps()}); lower optim.lr or check the data.")
+    if tcfg.eval_every and (step % tcfg.eval_every == 0 or step == tcfg.steps):
+      last_eval = evaluate()
+      progress.eval(step, last_eval)
+    stopping = stop.agreed()
+    if finite and (step % tcfg.checkpoint_every == 0 or step == tcfg.steps or stopping):
+      checkpointer.save(step, state.checkpoint(step), train_it)
+      saved = step
+    if stopping:
+      if saved == step:
+        log.warning("%s: saved step %d, exiting", stop.requested or "signal", step)
       else:
-        batch = prepare(next(train_it))
-      t1 = time.perf_counter()
-      params, opt_state, moe_bias, m = train_steps[train_vit_at(step)](
-          params, opt_state, moe_bias, batch)
-      finite = bool(m["finite"])
-      t2 = time.perf_counter()
-      step += 1
-      window_t += t2 - t0
-      window_wait += t1 - t0
-      window_steps += 1
-      loss = float(m["loss"])
-      losses[step] = loss
-      if finite:
-        bad_in_a_row = 0
-      else:
-        bad_in_a_row += 1
-        log.warning("step %d: non-finite loss %s, gradient norm %s or update norm %s; update "
-                    "skipped", step, loss, float(m["grad_norm"]), float(m["update_norm"]))
-      if step % tcfg.log_every == 0 or step == tcfg.steps:
-        step_time = window_t / window_steps
-        tps = tokens_per_step / step_time
-        record = {k: np.asarray(v) for k, v in m.items()}
-        record.update(step_time=step_time, data_wait=window_wait / window_steps,
-                      compute_time=(window_t - window_wait) / window_steps,
-                      tokens_per_second=tps, tokens_seen=step * tokens_per_step)
-        u = metrics_lib.mfu(flops_per_token, tps, jax.device_count(), peak)
-        if u is not None:
-          record["mfu"] = u
-        record["lr"] = learning_rates(ocfg, step)
-        record["data"] = train_it.counters()
-        record["data"]["padding_fraction"] = (
-            record["data"].get("padding_tokens", 0)
-            / max(1, record["data"].get("rows", 0) * cfg.data.seq_len))
-        writer.write(step, record)
-        log.info("process %d step %d loss %r step_time %.3f s (data wait %.3f s)",
-                 jax.process_index(), step, loss, step_time, record["data_wait"])
-        if bar is not None:
-          bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", step_s=f"{step_time:.3f}",
-                          **({"mfu": f"{u:.2%}"} if u is not None else {}))
-        window_t, window_wait, window_steps = 0.0, 0.0, 0
-      if bar is not None:
-        bar.update(1)
-      if bad_in_a_row >= tcfg.max_bad_steps:  # after the step's metrics are logged
-        raise TrainingError(
-            f"{bad_in_a_row} consecutive steps had a non-finite loss or gradient (last at step "
-            f"{step}); stopping. The last good checkpoint is intact in {checkpointer.directory}"
-            f" (steps {checkpointer.steps()}); lower optim.lr or check the data.")
-      if tcfg.eval_every and (step % tcfg.eval_every == 0 or step == tcfg.steps):
-        last_eval = evaluation.evaluate(
-            lambda b: eval_step(params, moe_bias, prepare(b), token_bytes),
-            make_eval_iterator(cfg, jax.process_index(), jax.process_count(), tokenizer=tok),
-            tcfg.eval_batches)
-        writer.write(step, {f"eval/{k}": v for k, v in last_eval.items()})
-        log.info("step %d eval %s", step, last_eval)
-      stopping = stop.agreed()
-      if finite and (step % tcfg.checkpoint_every == 0 or step == tcfg.steps or stopping):
-        save(step)
-        saved = step
-      if stopping:
-        if saved == step:
-          log.warning("SIGTERM: saved step %d, exiting", step)
-        else:
-          log.warning("SIGTERM: step %d was not finite and is not saved (last checkpoint: %s); "
-                      "exiting", step, saved)
-        break
-  finally:
-    checkpointer.close()
-    writer.close()
-    if bar is not None:
-      bar.close()
-  return {"start_step": start, "end_step": step, "losses": losses, "eval": last_eval,
-          "seconds": time.time() - t_start, "compile_seconds": compile_s, "params": params,
-          "moe_bias": moe_bias}
+        log.warning("%s: step %d was not finite and is not saved (last checkpoint: %s); "
+                    "exiting", stop.requested or "signal", step, saved)
+      break
+  cleanup.close()  # finish the last save (a failure raises here), close the writers
+  return {"start_step": start, "end_step": step, "steps": tcfg.steps, "losses": progress.losses,
+          "eval": last_eval, "seconds": time.time() - times["t_start"],
+          "compile_seconds": compile_s, "tokens_per_step": run.tokens_per_step,
+          "interrupted": stop.requested, "params": state.params, "moe_bias": state.moe_bias,
+          **progress.figures()}
+
+
+def format_summary(s: dict[str, Any], workdir: str) -> str:
+  """The end-of-run summary: steps, tokens, final train and held-out loss, bits per byte, median
+  tokens/s, MFU, wall time and the share of it spent compiling. A run that had nothing left to
+  train reports the last figures its metrics.jsonl holds."""
+  first = (f"done (process {jax.process_index()}): steps {s['start_step']}→{s['end_step']} of "
+           f"{s['steps']}")
+  if s.get("interrupted"):
+    first += f" (stopped by {s['interrupted']})"
+  lines = [first]
+  ran = s["end_step"] - s["start_step"]
+  losses = s["losses"]
+  if losses:
+    last = max(losses)
+    lines.append(f"  train loss   {losses[last]:.4f} at step {last}")
+    lines.append(f"  tokens       {ran * s['tokens_per_step']:,} this run, "
+                 f"{s['end_step'] * s['tokens_per_step']:,} in all")
+  ev = dict(s["eval"])
+  logged = metrics_lib.last_logged(workdir) if not losses or not ev else {}
+  if not losses:
+    where = (f"last logged loss {logged['loss']:.4f} at step {int(logged['step'])}"
+             if "loss" in logged else "no loss logged in metrics.jsonl")
+    lines.append(f"  nothing to train: the work directory is at step {s['end_step']} of "
+                 f"train.steps = {s['steps']} ({where}); raise --config.train.steps to continue")
+  if not ev and "eval/loss" in logged:
+    ev = {"loss": logged["eval/loss"], "bits_per_byte": logged.get("eval/bits_per_byte")}
+  if ev:
+    bpb = ev.get("bits_per_byte")
+    lines.append(f"  held-out     loss {ev['loss']:.4f}" + (
+        f", {bpb:.4f} bits/byte" if bpb is not None else ""))
+  if s.get("median_tokens_per_second"):
+    mfu = s.get("mfu")
+    lines.append(f"  throughput   {s['median_tokens_per_second']:,.0f} tokens/s (median of the "
+                 f"logged windows), MFU " + (f"{mfu:.2%}" if mfu is not None else
+                                           "n/a (set train.peak_flops_per_device)"))
+  share = s["compile_seconds"] / s["seconds"] if s["seconds"] else 0.0
+  lines.append(f"  wall time    {s['seconds']:.0f} s, compilation {s['compile_seconds']:.0f} s "
+               f"({share:.0%})")
+  return "\n".join(lines)
 
 
 def main(argv):
@@ -409,15 +450,17 @@ def main(argv):
   xla_flags.apply_defaults()   # before the first jax call starts the backend
   init_distributed(_COORD.value, _NPROC.value, _PID.value)
   try:
-    summary = run(_CONFIG.value, _WORKDIR.value)
-  except (TrainingError, ckpt_lib.WorkdirMismatch, ckpt_lib.RestoreError) as e:
+    summary = run(_CONFIG.value, _WORKDIR.value, _PROFILE.value)
+  except (TrainingError, SetupError, ckpt_lib.WorkdirMismatch, ckpt_lib.RestoreError,
+          ckpt_lib.SaveError, metrics_lib.MetricsError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-  losses = summary["losses"]
-  last = losses[max(losses)] if losses else float("nan")
-  print(f"done (process {jax.process_index()}): steps {summary['start_step']}→"
-        f"{summary['end_step']}, last loss {last:.4f}, eval {summary['eval']}, "
-        f"{summary['seconds']:.0f} s")
+  except Interrupted as e:
+    print(f"{e}: stopped during start-up; nothing was trained or saved, the work directory is "
+          "as it was", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # compilation threads may still run: do not wait for them
+  print(format_summary(summary, _WORKDIR.value), flush=True)
 
 
 def parse_flags(argv: list[str]) -> list[str]:

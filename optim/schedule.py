@@ -64,12 +64,12 @@ def outside_run(cfg: OptimConfig, run_steps: int) -> list[str]:
   if b.decay_start >= run_steps:
     return [f"the learning rate never decays: optim.decay_start = {cfg.decay_start}{unit} is step "
             f"{b.decay_start}, at or past train.steps = {run_steps}; the run ends at the peak "
-            f"rate. {fix}"]
+            f"rate; {fix}"]
   if b.decay_end > run_steps:
     end = float(lr_factor(cfg, run_steps - 1))
     return [f"the decay is cut short: optim.decay_end = {cfg.decay_end}{unit} is step "
             f"{b.decay_end}, past train.steps = {run_steps}; the run ends at {end:.3f} × the peak "
-            f"rate (not {cfg.final_lr_fraction}). {fix}"]
+            f"rate (not {cfg.final_lr_fraction}); {fix}"]
   return []
 
 

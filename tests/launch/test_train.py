@@ -2,13 +2,16 @@
 
 One uninterrupted reference run (mesh data 4 × expert 2, 4 steps, checkpoints at 2 and 4) is shared:
 
-* bitwise resume: the same run SIGKILLed after checkpoint 1, resumed, SIGTERMed (it saves and exits
-  0), resumed again, logs the same loss bits at every step and ends with the same state bits;
+* bitwise resume: the same run SIGKILLed after checkpoint 1, resumed, interrupted with SIGINT
+  (Ctrl-C: it saves and exits 0), resumed again, logs the same loss bits at every step and ends
+  with the same state bits; a further start has nothing to train and says so;
+* SIGTERM during compilation stops the run at once, exit 0, nothing written;
 * a damaged newest checkpoint is skipped for the one before, which is restored onto another mesh
   (data 2 × expert 4): the losses after the restore match within a float32 tolerance;
 * a poisoned parameter makes every step non-finite: nothing is applied, the run stops after
   `train.max_bad_steps`, the last good checkpoint stays as it was;
-* bad input stops before any step with a message naming what to change;
+* bad input (config, files, work directory) stops before any step with one `error:` line naming
+  what to change, exit 2;
 * two processes on 127.0.0.1 train one model, each on its own data shard, with equal losses,
   and resume together (marked slow: a cold compile per process).
 
@@ -191,9 +194,24 @@ def test_reference_run_logs(reference):
     assert 0 < r["mfu"] < 1
     assert r["data/rows"] == r["step"] * 8
   out = reference["out"]
-  keys = ("loss=", "tok_s=", "step_s=", "mfu=")
-  assert any(all(k in seg for k in keys) for seg in out.split("\r")), out[-3000:]
+  # stderr is a file here, not a terminal: plain log lines (no bar), each with the bar's figures
+  assert "\r" not in out and "it/s]" not in out
+  lines = re.findall(r"process 0 step (\d+) loss \S+ step_time .* tokens/s (\d+) mfu ([\d.]+)%", out)
+  assert [int(s) for s, _, _ in lines] == list(range(1, STEPS + 1)), out[-3000:]
+  by_step = {r["step"]: r for r in recs}
+  for s, tps, mfu in lines:
+    assert int(tps) == round(by_step[int(s)]["tokens_per_second"])
+    assert float(mfu) == pytest.approx(100 * by_step[int(s)]["mfu"], abs=0.006)
   assert "startup: config and data" in out and "train step compiled in" in out
+  # the end-of-run summary, its figures from the records above
+  ev = [r for r in reference["records"] if "eval/loss" in r][0]
+  assert f"done (process 0): steps 0→{STEPS} of {STEPS}" in out
+  assert f"train loss   {recs[-1]['loss']:.4f} at step {STEPS}" in out
+  assert f"tokens       {STEPS * 8 * 32:,} this run" in out
+  assert f"held-out     loss {ev['eval/loss']:.4f}, {ev['eval/bits_per_byte']:.4f} bits/byte" in out
+  median = float(np.median([r["tokens_per_second"] for r in recs]))
+  assert f"throughput   {median:,.0f} tokens/s" in out
+  assert re.search(r"wall time    \d+ s, compilation \d+ s \(\d+%\)", out)
   assert ckpt_steps(reference["workdir"]) == [2, 4]
   evals = [r for r in reference["records"] if "eval/loss" in r]
   assert [r["step"] for r in evals] == [STEPS]
@@ -220,20 +238,26 @@ def test_bitwise_resume_after_sigkill_and_sigterm(env, reference):
   assert rc == -signal.SIGKILL, out1[-3000:]
   killed_at = ckpt_steps(workdir)[-1]
   assert killed_at < STEPS
-  # 2. Resume; SIGTERM once it has written a newer checkpoint.
+  # 2. Resume; Ctrl-C (SIGINT) once it has written a newer checkpoint.
   p = start(env, workdir, *MESH_A, *ckpt)
   wait_for(lambda: ckpt_steps(workdir)[-1] > killed_at, p, f"a checkpoint after {killed_at}")
-  p.send_signal(signal.SIGTERM)
+  p.send_signal(signal.SIGINT)
   rc, out2 = finish(p)
   assert rc == 0, out2[-3000:]
+  assert "Traceback" not in out2 and "KeyboardInterrupt" not in out2
   assert f"resumed from step {killed_at}" in out2
-  saved = re.search(r"SIGTERM: saved step (\d+), exiting", out2)
+  saved = re.search(r"SIGINT: saved step (\d+), exiting", out2)
   assert saved, out2[-3000:]
   term_step = int(saved.group(1))
   assert ckpt_steps(workdir)[-1] == term_step
   # 3. Resume to the end.
   out3 = train(env, workdir, *MESH_A, *ckpt)
   assert f"resumed from step {term_step}" in out3
+  # 4. A finished run started again: nothing to train, the last logged loss (not nan).
+  out4 = train(env, workdir, *MESH_A, *ckpt)
+  last = step_losses(metrics(workdir))[STEPS]
+  assert f"last logged loss {last:.4f} at step {STEPS}" in out4, out4[-3000:]
+  assert "nothing to train" in out4 and "loss nan" not in out4
   records = [r for r in metrics(workdir) if "loss" in r]
   assert {r["step"] for r in records} == set(range(1, STEPS + 1))
   ref = reference["losses"]
@@ -259,7 +283,8 @@ def corrupt(step_dir):
 
 def test_damaged_newest_checkpoint_and_other_mesh(env, reference):
   """The newest checkpoint (4) is damaged: the restart warns, moves it aside, resumes from 2 on
-  data 2 × expert 4, and steps 3 and 4 give the uninterrupted run's losses.
+  data 2 × expert 4, and steps 3 and 4 give the uninterrupted run's losses. `--profile_steps=3:3`
+  writes a jax.profiler trace of step 3 into the work directory.
 
   Tolerance: step 3 starts from the bitwise-restored state on the same batch; the batch is split
   8 ways on both meshes (data × expert), but the expert weights and the cross-device sums are
@@ -275,7 +300,10 @@ def test_damaged_newest_checkpoint_and_other_mesh(env, reference):
   shutil.copytree(reference["workdir"], workdir)
   corrupt(os.path.join(workdir, "checkpoints", "4"))
   n_before = len(metrics(workdir))
-  out = train(env, workdir, *MESH_B)
+  out = train(env, workdir, *MESH_B, "--profile_steps=3:3")
+  traces = [n for _, _, names in os.walk(os.path.join(workdir, "profile")) for n in names]
+  assert any(n.endswith(".xplane.pb") for n in traces), traces
+  assert "profile of steps 3-3 written to" in out
   mesh_line = re.search(r"mesh (\{.*?\}) over 8 devices", out)
   assert mesh_line and "'data': 2" in mesh_line.group(1) and "'expert': 4" in mesh_line.group(1)
   assert "checkpoint at step 4 cannot be restored" in out
@@ -303,7 +331,7 @@ SPY = textwrap.dedent("""
     import json, sys
     import jax, numpy as np
     from absl import app
-    from launch import checkpoint as ckpt_lib, train
+    from launch import checkpoint as ckpt_lib, setup, train
 
     out_path = sys.argv.pop(1)
     records = []
@@ -358,7 +386,7 @@ SPY = textwrap.dedent("""
         return getattr(jax, name)
 
     ckpt_lib.Checkpointer.restore_latest = poisoned_restore
-    train.jax = JaxWithSpy()
+    setup.jax = JaxWithSpy()  # launch.setup builds the train step's jit
     app.run(train.main, flags_parser=train.parse_flags)
     """)
 
@@ -392,12 +420,24 @@ def test_nonfinite_steps_are_not_applied(env, reference):
 
 
 def test_bad_input_stops_before_any_step(env, reference):
-  """Each mistake stops before the first step (no metrics written) with a message naming the fix:
-  an unknown config key, a mesh that does not match the 8 devices, a batch that does not split
+  """Each mistake stops before the first step (no metrics written) with one `error:` line naming
+  the fix, exit 2: an unknown config key, data.batch_size=0 (named as such, not as the
+  optimizer's tokens per step), a missing data path, a missing tokenizer file, a work directory
+  that cannot be written, a mesh that does not match the 8 devices, a batch that does not split
   over the data axes, a work directory of another model, a work directory whose checkpoints
   are all damaged."""
+  blocker = str(env["root"] / "a_file")
+  with open(blocker, "w") as f:
+    f.write("not a directory")
   cases = {
       "unknown_key": (("--config.train.stepz=3",), ["'stepz'", 'Did you mean "steps"']),
+      "batch_zero": (("--config.data.batch_size=0",), ["config.data.batch_size=0 must be >= 1"]),
+      "data_path": (("--config.data.text_sources=('/nonexistent/shard.jsonl',)",
+                     "--config.data.multimodal_sources=('/nonexistent/mm.jsonl',)"),
+                    ["config.data.text_sources", "'/nonexistent/shard.jsonl' does not exist"]),
+      "tokenizer": (("--config.data.tokenizer_path=/nonexistent/tokenizer.json",),
+                    ["config.data.tokenizer_path", "'/nonexistent/tokenizer.json' does not exist"]),
+      "workdir": ((), [f"--workdir {blocker}/run is not writable"]),
       "mesh": (("--config.mesh.data=3",), ["config.mesh", "8 are available"]),
       "batch": (("--config.data.batch_size=6", "--config.mesh.data=8"),
                 ["data.batch_size (6)", "multiple of 8"]),
@@ -412,8 +452,8 @@ def test_bad_input_stops_before_any_step(env, reference):
     corrupt(os.path.join(all_damaged, "checkpoints", str(step)))
   procs = {}
   for name, (overrides, _) in cases.items():
-    workdir = {"model": reference["workdir"], "all_damaged": all_damaged}.get(
-        name, str(env["root"] / f"bad_{name}"))
+    workdir = {"model": reference["workdir"], "all_damaged": all_damaged,
+               "workdir": f"{blocker}/run"}.get(name, str(env["root"] / f"bad_{name}"))
     procs[name] = (start(env, workdir, *overrides), workdir)
   before = files_digest(reference["workdir"] + "/checkpoints")
   for name, (p, workdir) in procs.items():
@@ -422,13 +462,62 @@ def test_bad_input_stops_before_any_step(env, reference):
     for text in cases[name][1]:
       assert text in out, (name, text, out[-3000:])
     assert "Traceback" not in out, out[-3000:]
-    assert "first step (compile and run)" not in out
+    assert len([l for l in out.splitlines() if l.startswith("error: ")]) == 1, out[-3000:]
+    assert "tokens_per_step" not in out
+    assert "compiling the train step" not in out
     if name not in ("model", "all_damaged"):
       assert not os.path.exists(os.path.join(workdir, "metrics.jsonl"))
   assert ckpt_steps(all_damaged) == [2, 4]
   assert len(metrics(all_damaged)) == len(reference["records"])
   assert len(metrics(reference["workdir"])) == len(reference["records"])
   assert files_digest(reference["workdir"] + "/checkpoints") == before
+
+
+def test_signal_during_compilation_stops_at_once(env, tmp_path):
+  """SIGTERM while the train step compiles (a cold compilation cache, so it takes a while):
+  the run exits 0 within seconds, says nothing was trained or saved, and leaves no checkpoint
+  and no metrics."""
+  workdir = str(tmp_path / "interrupted")
+  p = start(env, workdir, *MESH_A, "--config.train.compilation_cache_dir=",
+            extra_env={"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cold_cache")})
+  log_path = p.log.name
+  wait_for(lambda: "compiling the train step" in open(log_path).read(), p, "the compilation")
+  p.send_signal(signal.SIGTERM)
+  t0 = time.time()
+  rc, out = finish(p, timeout=60)
+  waited = time.time() - t0
+  assert rc == 0, out[-3000:]
+  assert waited < 20, waited
+  assert "SIGTERM: stopped during start-up; nothing was trained or saved" in out
+  assert "Traceback" not in out and "train step compiled in" not in out
+  assert not os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+  assert not os.path.isdir(os.path.join(workdir, "checkpoints")) or not os.listdir(
+      os.path.join(workdir, "checkpoints"))
+
+
+def test_second_ctrl_c_exits_at_once(monkeypatch):
+  """The handler itself: before the loop a signal raises Interrupted; in the loop the first
+  Ctrl-C only asks for a stop (saved after the step in flight), the second exits with 130."""
+  from launch import train as train_lib
+  exits = []
+
+  def fake_exit(code):
+    exits.append(code)
+    raise SystemExit(code)
+  monkeypatch.setattr(train_lib.os, "_exit", fake_exit)
+  stop = train_lib._Stop()
+  try:
+    with pytest.raises(train_lib.Interrupted):
+      stop._handle(signal.SIGTERM, None)
+    stop.requested, stop.in_loop = None, True
+    stop._handle(signal.SIGINT, None)
+    assert stop.requested == "SIGINT" and stop.agreed() and exits == []
+    with pytest.raises(SystemExit):
+      stop._handle(signal.SIGINT, None)
+    assert exits == [130]
+  finally:
+    stop.restore()
+  assert signal.getsignal(signal.SIGINT) is not stop._handle
 
 
 def free_port() -> int:
@@ -470,7 +559,7 @@ def test_two_processes_train_one_model(env):
   outs = both(2)
   for i, out in enumerate(outs):
     assert f"mesh {{'data': 2," in out and "2 process(es)" in out
-    assert f"done (process {i}): steps 0→2" in out
+    assert f"done (process {i}): steps 0→2 of 2" in out
   digests, losses = parse(outs, 1)
   assert digests[0] != digests[1]
   assert sorted(losses[0]) == [1, 2]
@@ -481,6 +570,6 @@ def test_two_processes_train_one_model(env):
   outs = both(3)
   digests3, losses3 = parse(outs, 3)
   for i, out in enumerate(outs):
-    assert "resumed from step 2" in out and f"done (process {i}): steps 2→3" in out
+    assert "resumed from step 2" in out and f"done (process {i}): steps 2→3 of 3" in out
   assert digests3[0] != digests3[1] and not set(digests3) & set(digests)
   assert sorted(losses3[0]) == [3] and losses3[0] == losses3[1]

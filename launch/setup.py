@@ -1,0 +1,313 @@
+"""One setup for every entry point (`launch.train`, `launch.aot`, the benchmarks): typed config
+sections, the mesh, the train state (sharded arrays, or abstract ones for a plan), the compiled
+train step, and the batch adapter that turns a process's host rows into the global batch.
+
+    run = setup.run_config(cfg)                  # every section typed and checked once
+    mesh = setup.build_mesh(run.mesh)
+    rows = setup.global_batch(run, mesh)         # rows per step, checked against the batch axes
+    state = setup.init_state(run, mesh)          # or setup.abstract_state(run, mesh) to plan
+    adapter = setup.BatchAdapter(run.model, run.data, mesh, cmap)
+    step = setup.train_step_jit(run, state)      # donated, sharded, traced under the mesh
+    compiled = setup.compile_train_steps(step, mesh, phases, (*state.arrays(), adapter(rows)))
+
+Every check here raises `SetupError` whose message starts with the config key it is about
+(`config.data.batch_size=0 must be >= 1`, `config.mesh: ...`) and says what to change;
+`launch.train` prints it as one `error: ...` line and exits 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from configs.common import MeshConfig, SectionError, TrainConfig, model_config, section
+from data import images, packing
+from data.config import DataConfig, DataConfigError, data_config, images_per_row
+from dsv41_jax import inputs, model as model_lib, sharding
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.vision.merge import check_image_batch
+from launch.step import engram_sub_tables, make_eval_step, make_train_step
+from optim.chain import build_optimizer, init_opt_state, opt_state_shardings
+from optim.config import OptimConfig, optim_config
+
+BATCH_AXES = ("batch",)
+
+
+class SetupError(ValueError):
+  """A config, data or mesh mistake found before training; the message names the key."""
+
+
+def _message(e: BaseException) -> str:
+  return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+
+
+# --- typed config ------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """The five sections of a config as frozen, validated dataclasses."""
+
+  model: ModelConfig
+  data: DataConfig
+  optim: OptimConfig   # tokens_per_step = global rows × data.seq_len
+  train: TrainConfig
+  mesh: MeshConfig
+
+  @property
+  def tokens_per_step(self) -> int:
+    return self.optim.tokens_per_step
+
+
+def run_config(cfg, process_count: int | None = None) -> RunConfig:
+  """Check every section of a ConfigDict, data first (the optimizer's tokens per step derive from
+  it); `process_count` (default: jax's) multiplies `data.batch_size` into the global batch."""
+  processes = jax.process_count() if process_count is None else process_count
+  try:
+    data = data_config(cfg.data)
+  except DataConfigError as e:
+    raise SetupError(f"config.{e}") from None
+  try:
+    train = section(TrainConfig, cfg.train, "train")
+    mesh = section(MeshConfig, cfg.mesh, "mesh")
+  except SectionError as e:
+    raise SetupError(str(e)) from None
+  try:
+    model = model_config(cfg)
+  except (KeyError, TypeError, ValueError) as e:  # ConfigError names the contradicting fields
+    raise SetupError(f"config.model: {_message(e)}") from None
+  try:
+    optim = optim_config({**dict(cfg.optim),
+                          "tokens_per_step": data.batch_size * processes * data.seq_len})
+  except (KeyError, TypeError, ValueError) as e:
+    raise SetupError(f"config.optim: {_message(e)}") from None
+  return RunConfig(model, data, optim, train, mesh)
+
+
+# --- mesh and batch ----------------------------------------------------------------------------
+
+def build_mesh(mesh_cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
+  """The device mesh of the `mesh` section over `devices` (default: all)."""
+  try:
+    return sharding.make_mesh(dataclasses.asdict(mesh_cfg), devices)
+  except ValueError as e:
+    raise SetupError(f"config.mesh: {e}") from None
+
+
+def batch_ways(mesh, rules=sharding.RULES) -> tuple[tuple[str, ...], int]:
+  """(mesh axes the batch is split over, how many ways)."""
+  spec = sharding._fit(sharding.logical_to_mesh(BATCH_AXES, rules=rules), mesh)
+  axes = spec[0] if isinstance(spec[0], tuple) else ((spec[0],) if spec[0] else ())
+  return axes, int(np.prod([dict(mesh.shape)[a] for a in axes])) if axes else 1
+
+
+def global_batch(run: RunConfig, mesh, process_count: int | None = None) -> int:
+  """Rows per step over all processes; they must split evenly over the batch's mesh axes."""
+  processes = jax.process_count() if process_count is None else process_count
+  rows = run.data.batch_size * processes
+  axes, ways = batch_ways(mesh)
+  if rows % ways:
+    raise SetupError(
+        f"config.data.batch_size ({run.data.batch_size}) × processes ({processes}) = {rows} rows "
+        f"do not split over the mesh's batch axes {axes} ({ways} ways); make data.batch_size a "
+        f"multiple of {ways // math.gcd(ways, processes)}")
+  return rows
+
+
+def compression_map(model: ModelConfig, tok) -> np.ndarray | None:
+  """The tokenizer's Engram compression map (built once), checked against the model's vocabulary
+  and compressed table size; None for a model without Engram."""
+  if tok.vocab_size > model.vocab_size:
+    raise SetupError(f"config.model.vocab_size: the tokenizer {tok.source} has {tok.vocab_size} "
+                     f"tokens but model.vocab_size is {model.vocab_size}; raise model.vocab_size")
+  if not model.engram_layer_ids:
+    return None
+  from dsv41_jax.engram.compression import build_compression_map
+  cmap = build_compression_map(lambda i: tok.decode([i]), tok.vocab_size,
+                               raw_token=lambda i: tok.id_to_token(i) or "")
+  if int(cmap.max()) + 1 > model.engram_compressed_vocab_size:
+    raise SetupError(f"config.model.engram_compressed_vocab_size: the tokenizer compresses to "
+                     f"{int(cmap.max()) + 1} ids but model.engram_compressed_vocab_size is "
+                     f"{model.engram_compressed_vocab_size}; raise it")
+  return cmap
+
+
+def _rows_spec(ndim: int, mesh, rules) -> NamedSharding:
+  spec = sharding._fit(sharding.logical_to_mesh(BATCH_AXES, rules=rules), mesh)
+  return NamedSharding(mesh, P(spec[0], *([None] * (ndim - 1))))
+
+
+class BatchAdapter:
+  """A process's host rows (numpy, `data/packing.py` keys) → the global batch the step takes.
+
+  One place for: the image-layout check (the model cannot raise inside jit), the Engram hash ids
+  per Engram layer (`dsv41_jax.inputs.engram_ids`, with the tokenizer's compression map), and the
+  placement of every array over the batch's mesh axes (`make_array_from_process_local_data`:
+  valid with several processes). `abstract(rows)` gives the same batch as ShapeDtypeStructs, for
+  compiling without data."""
+
+  def __init__(self, model: ModelConfig, data: DataConfig, mesh, cmap: np.ndarray | None = None,
+               rules=sharding.RULES):
+    self.model, self.data, self.mesh, self.cmap, self.rules = model, data, mesh, cmap, rules
+
+  def host(self, rows: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """The host-side part: checks and Engram ids, still numpy."""
+    batch = dict(rows)
+    if self.model.vision is not None and "images" in batch:  # the pipeline's rows always do
+      check_image_batch(batch, cell_px=images.CELL_PX, max_image_size=self.data.max_image_size)
+    if self.model.engram_layer_ids:
+      batch["engram_ids"] = inputs.engram_ids(self.model, batch["tokens"], batch["segment_ids"],
+                                              batch["image_mask"], self.cmap)
+    return batch
+
+  def __call__(self, rows: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    return to_global(self.host(rows), self.mesh, self.rules)
+
+  def abstract(self, global_rows: int) -> dict[str, Any]:
+    """ShapeDtypeStructs (with shardings) of one global batch of `global_rows` rows."""
+    return abstract_batch(self.model, self.data, global_rows,
+                          _rows_spec(1, self.mesh, self.rules))
+
+
+def abstract_batch(model: ModelConfig, data: DataConfig, global_rows: int,
+                   rows_sharding: NamedSharding | None = None) -> dict[str, Any]:
+  """ShapeDtypeStructs of one global batch as the adapter makes it: the packed-row keys of
+  `data/packing.py` (image arrays only for a model with vision), plus Engram ids per Engram layer;
+  split on their leading (row) axis like `rows_sharding`'s first dimension when given."""
+  row = packing.empty_row(data.seq_len, images_per_row(data.seq_len, data.max_images_per_row),
+                          images.max_cells(data.max_image_size) * images.CELL_PX)
+  if model.vision is None:
+    row = {k: v for k, v in row.items() if not k.startswith("image") or k == "image_mask"}
+  shapes = {k: ((global_rows, *np.shape(v)), np.asarray(v).dtype) for k, v in row.items()}
+  if model.engram_layer_ids:
+    probe = inputs.engram_ids(model, np.zeros((1, 8), np.int32), np.ones((1, 8), np.int32), None,
+                              np.arange(model.vocab_size) % model.engram_compressed_vocab_size)
+    shapes["engram_ids"] = {l: ((global_rows, data.seq_len, v.shape[-1]), np.dtype(np.int32))
+                            for l, v in probe.items()}
+
+  def sds(sd):
+    shape, dtype = sd
+    s = None
+    if rows_sharding is not None:
+      s = NamedSharding(rows_sharding.mesh,
+                        P(rows_sharding.spec[0], *([None] * (len(shape) - 1))))
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=s)
+  return jax.tree.map(sds, shapes, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2
+                      and isinstance(x[0], tuple))
+
+
+def to_global(batch: Mapping[str, Any], mesh, rules=sharding.RULES) -> dict[str, Any]:
+  """Per-process numpy rows → global arrays split over the batch's mesh axes (each process
+  contributes its own rows; valid with several processes)."""
+  def put(x):
+    x = np.asarray(x)
+    return jax.make_array_from_process_local_data(_rows_spec(x.ndim, mesh, rules), x)
+  return jax.tree.map(put, dict(batch))
+
+
+def replicate(x, sharding_: NamedSharding) -> jax.Array:
+  """A host value as a replicated global array (valid with several processes, unlike
+  `jax.device_put` of a process-local array)."""
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding_, lambda index: x[index])
+
+
+# --- train state -------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class TrainState:
+  """Parameters, optimizer state and MoE routing biases (arrays, or ShapeDtypeStructs), with what
+  the step needs to use them: the module graph, the optimizer and the output shardings."""
+
+  params: Any
+  opt_state: Any
+  moe_bias: Any
+  graphdef: nnx.GraphDef
+  tx: Any
+  shardings: tuple  # (params, opt_state, replicated) NamedShardings
+
+  def arrays(self) -> tuple:
+    return self.params, self.opt_state, self.moe_bias
+
+  def checkpoint(self, step) -> dict:
+    """The checkpointed tree (`launch.checkpoint`): state plus the step as a replicated int32."""
+    return {"params": self.params, "opt_state": self.opt_state, "moe_bias": self.moe_bias,
+            "step": replicate(np.int32(step), self.shardings[2])}
+
+
+def init_state(run: RunConfig, mesh) -> TrainState:
+  """The model and optimizer state created directly with their shardings (seed `train.seed`)."""
+  with jax.set_mesh(mesh):
+    model = model_lib.init_model(run.model, run.train.seed, mesh)
+  graphdef, params = nnx.split(model)
+  params = nnx.as_pure(params)
+  tx = build_optimizer(run.optim, params, sub_tables=engram_sub_tables(model))
+  del model
+  param_shardings = jax.tree.map(lambda x: x.sharding, params)
+  opt_state = init_opt_state(tx, params, param_shardings)
+  replicated = NamedSharding(mesh, P())
+  moe_bias = replicate(model_lib.zero_moe_bias(run.model), replicated)
+  return TrainState(params, opt_state, moe_bias, graphdef, tx,
+                    (param_shardings, jax.tree.map(lambda x: x.sharding, opt_state), replicated))
+
+
+def abstract_state(run: RunConfig, mesh, rules=sharding.RULES) -> TrainState:
+  """The same state as ShapeDtypeStructs carrying their shardings under `rules` (no memory)."""
+  abs_model = model_lib.abstract_model(run.model)
+  graphdef, abs_vars = nnx.split(abs_model)
+  shard = nnx.as_pure(sharding.state_shardings(abs_vars, mesh, rules))
+  params = nnx.as_pure(abs_vars)
+  tx = build_optimizer(run.optim, params, sub_tables=engram_sub_tables(abs_model))
+  oshard = opt_state_shardings(tx, params, shard)
+  with_s = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+  replicated = NamedSharding(mesh, P())
+  bias = jax.eval_shape(lambda: model_lib.zero_moe_bias(run.model))
+  return TrainState(jax.tree.map(with_s, params, shard),
+                    jax.tree.map(with_s, jax.eval_shape(tx.init, params), oshard),
+                    jax.ShapeDtypeStruct(bias.shape, bias.dtype, sharding=replicated),
+                    graphdef, tx, (shard, oshard, replicated))
+
+
+# --- steps -------------------------------------------------------------------------------------
+
+def train_step_jit(run: RunConfig, state: TrainState) -> Callable:
+  """The jitted train step of `launch.step`: state donated, outputs on the state's shardings,
+  `train_vit` (the 5th argument) static, so each ViT phase is its own program."""
+  params_s, opt_s, replicated = state.shardings
+  return jax.jit(make_train_step(run.model, state.graphdef, state.tx, run.optim.moe_bias_gamma),
+                 donate_argnums=(0, 1, 2), static_argnums=(4,),
+                 out_shardings=(params_s, opt_s, replicated, replicated))
+
+
+def compile_train_steps(jitted, mesh, phases, args) -> dict[bool, Any]:
+  """AOT-compile the train step for each `train_vit` phase, concurrently (XLA compiles outside the
+  GIL; the main thread only waits, so a signal handler runs at once); with the persistent cache a
+  rerun loads them instead. The pool is not joined on the way out of an exception: an interrupted
+  compilation is abandoned, not awaited."""
+  def one(train_vit):
+    with jax.set_mesh(mesh):
+      return jitted.lower(*args, train_vit).compile()
+
+  pool = ThreadPoolExecutor(len(phases))
+  try:
+    futures = {tv: pool.submit(one, tv) for tv in phases}
+    return {tv: f.result() for tv, f in futures.items()}
+  finally:
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+def eval_step(run: RunConfig, state: TrainState, mesh) -> Callable:
+  """(params, moe_bias, batch, token_bytes) → (sum of nats, tokens, bytes), traced under the mesh
+  so the model's sharding constraints and parallel MoE / Engram paths apply."""
+  jitted = jax.jit(make_eval_step(run.model, state.graphdef), out_shardings=state.shardings[2])
+
+  def call(*args):
+    with jax.set_mesh(mesh):
+      return jitted(*args)
+  return call

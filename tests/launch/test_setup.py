@@ -1,0 +1,115 @@
+"""launch/setup.py: typed config sections whose errors name the key, the batch check against the
+mesh, and the abstract batch the adapter would make (issue 11 items 1-2)."""
+
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from configs import common, tiny
+from launch import metrics as metrics_lib, setup
+from tests.launch import micro_config
+
+
+def _cfg(**overrides):
+  cfg = micro_config.get_config()
+  for key, value in overrides.items():
+    section, name = key.split(".")
+    cfg[section][name] = value
+  return cfg
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("data.batch_size", 0, "config.data.batch_size=0 must be >= 1"),
+    ("data.max_record_bytes", -1, "config.data.max_record_bytes=-1"),
+    ("train.steps", 0, "config.train.steps=0 must be >= 1"),
+    ("train.eval_every", -5, "config.train.eval_every=-5"),
+    ("mesh.expert", 0, "config.mesh.expert=0"),
+    ("optim.lr", -1.0, "config.optim: lr must be positive"),
+    ("model.num_experts_per_tok", 9, "config.model: "),
+])
+def test_each_section_error_names_its_key(key, value, words):
+  with pytest.raises(setup.SetupError) as e:
+    setup.run_config(_cfg(**{key: value}), process_count=1)
+  assert words in str(e.value)
+  assert "tokens_per_step" not in str(e.value)
+
+
+def test_run_config_sections_and_tokens_per_step():
+  run = setup.run_config(_cfg(), process_count=2)
+  assert run.optim.tokens_per_step == 2 * 8 * 32 == run.tokens_per_step
+  assert run.train == common.TrainConfig(**dict(micro_config.get_config().train))
+  assert run.mesh == common.MeshConfig()
+  with pytest.raises(setup.SetupError, match="at most one axis"):
+    setup.run_config(_cfg(**{"mesh.expert": -1}), process_count=1)
+
+
+def test_global_batch_against_the_mesh():
+  run = setup.run_config(_cfg(**{"mesh.data": 8}), process_count=1)
+  mesh = setup.build_mesh(run.mesh)
+  assert setup.global_batch(run, mesh, process_count=1) == 8
+  run6 = setup.run_config(_cfg(**{"mesh.data": 8, "data.batch_size": 6}), process_count=1)
+  with pytest.raises(setup.SetupError, match=r"data.batch_size \(6\).*multiple of 8"):
+    setup.global_batch(run6, mesh, process_count=1)
+  with pytest.raises(setup.SetupError, match="config.mesh"):
+    setup.build_mesh(common.MeshConfig(data=3))
+
+
+def test_abstract_batch_matches_the_adapter():
+  """The abstract batch has the keys, shapes, dtypes and shardings of what the adapter makes
+  from pipeline-shaped rows (tiny: vision and two Engram layers)."""
+  from data import packing, pipeline
+  cfg = tiny.get_config()
+  cfg.data.batch_size = 8
+  run = setup.run_config(cfg, process_count=1)
+  mesh = setup.build_mesh(common.MeshConfig(data=8))
+  row = packing.empty_row(run.data.seq_len, pipeline.max_images_per_row(cfg), 168)
+  rows = packing.stack_rows([row] * 8)
+  cmap = np.arange(run.model.vocab_size) % run.model.engram_compressed_vocab_size
+  adapter = setup.BatchAdapter(run.model, run.data, mesh, cmap)
+  real, abstract = adapter(rows), adapter.abstract(8)
+  assert jax.tree.structure(real) == jax.tree.structure(abstract)
+  for x, a in zip(jax.tree.leaves(real), jax.tree.leaves(abstract)):
+    assert (x.shape, x.dtype) == (a.shape, a.dtype)
+    assert x.sharding.is_equivalent_to(a.sharding, x.ndim)
+  assert set(real["engram_ids"]) == set(run.model.engram_layer_ids)
+
+
+def test_wandb_writer_only_when_asked(tmp_path, monkeypatch):
+  """No project: no W&B. A project: the logged scalars go to wandb.log as well, under one run id
+  per work directory. A project without the package: one MetricsError naming the setting."""
+  calls = []
+  fake = types.SimpleNamespace(
+      init=lambda **kw: calls.append(("init", kw)) or types.SimpleNamespace(
+          log=lambda d, step: calls.append(("log", step, d)),
+          finish=lambda: calls.append(("finish",))))
+  monkeypatch.setitem(__import__("sys").modules, "wandb", fake)
+  w = metrics_lib.MetricWriter(str(tmp_path / "a"), True)
+  w.write(1, {"loss": 2.5})
+  w.close()
+  assert calls == []
+  w = metrics_lib.MetricWriter(str(tmp_path / "b"), True, "proj", {"x": 1})
+  w.write(3, {"loss": np.float32(2.5), "finite": np.bool_(True), "load": np.array([1.0, 2.0])})
+  w.close()
+  assert calls[0][0] == "init" and calls[0][1]["project"] == "proj"
+  assert calls[1] == ("log", 3, {"loss": 2.5, "load/0": 1.0, "load/1": 2.0})
+  assert calls[2] == ("finish",)
+  monkeypatch.setitem(__import__("sys").modules, "wandb", None)  # import fails
+  with pytest.raises(metrics_lib.MetricsError, match="train.wandb_project='proj'"):
+    metrics_lib.MetricWriter(str(tmp_path / "c"), True, "proj")
+
+
+def test_summary_reads_the_last_logged_figures(tmp_path):
+  """A finished run started again reports the loss metrics.jsonl holds, not nan."""
+  from launch import train
+  w = metrics_lib.MetricWriter(str(tmp_path), True)
+  w.write(4, {"loss": 3.25})
+  w.write(4, {"eval/loss": 3.5, "eval/bits_per_byte": 1.25, "eval/tokens": 10.0})
+  w.close()
+  s = {"start_step": 4, "end_step": 4, "steps": 4, "losses": {}, "eval": {}, "seconds": 10.0,
+       "compile_seconds": 0.0, "tokens_per_step": 256, "interrupted": None,
+       "median_tokens_per_second": None, "mfu": None}
+  text = train.format_summary(s, str(tmp_path))
+  assert "nothing to train" in text and "last logged loss 3.2500 at step 4" in text
+  assert "held-out     loss 3.5000, 1.2500 bits/byte" in text and "nan" not in text
