@@ -4,10 +4,11 @@ step goes (model forward+backward, optimizer, host batch preparation).
   PYTHONUNBUFFERED=1 python benchmarks/gpu_step.py --sizes s1 s3 --seq 4096 --batch 8 4
   python benchmarks/gpu_step.py --sizes s1 s1/noremat --batch 8   # remat on vs off
 
-Per size: the model and optimizer state are created with their shardings (`init_model`,
-`init_opt_state`: timed to ready), the jitted donated train step of `launch.step` is lowered and
+Per size: the model and optimizer state are created with their shardings (`launch.setup.init_state`,
+timed to ready), the jitted donated train step (`launch.setup.train_step_jit`) is lowered and
 compiled ahead of time (timed), then run `--steps` times on random packed rows (several documents
-per row, Engram ids hashed on the host as training does); the median step is reported. The split
+per row, Engram ids hashed on the host by the training batch adapter, `launch.setup.BatchAdapter`);
+the median step is reported. The split
 compiles two more programs from the same pieces: the model's forward+backward alone
 (`jax.value_and_grad` of the objective) and the optimizer update alone (`tx.update` +
 `apply_updates` on those gradients); "host" is the per-step batch preparation the train loop does
@@ -34,16 +35,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from configs import small  # noqa: E402
-from configs.common import model_config  # noqa: E402
-from dsv41_jax import flops, inputs, model as model_lib, sharding  # noqa: E402
+from configs.common import MeshConfig  # noqa: E402
+from dsv41_jax import flops, model as model_lib  # noqa: E402
 from dsv41_jax.loss import objective  # noqa: E402
-from launch import metrics as metrics_lib  # noqa: E402
-from launch.step import make_train_step, model_inputs  # noqa: E402
-from optim.chain import build_optimizer, init_opt_state  # noqa: E402
-from optim.config import optim_config  # noqa: E402
+from launch import metrics as metrics_lib, setup  # noqa: E402
+from launch.step import model_inputs  # noqa: E402
 
 
 def packed_rows(mcfg, B: int, T: int, seed: int) -> dict[str, np.ndarray]:
@@ -62,15 +60,6 @@ def packed_rows(mcfg, B: int, T: int, seed: int) -> dict[str, np.ndarray]:
   loss_mask[:, -1] = False
   return dict(tokens=tok, targets=np.roll(tok, -1, 1), loss_mask=loss_mask, segment_ids=seg,
               positions=pos, image_mask=np.zeros((B, T), bool))
-
-
-def prepare(mcfg, rows, put):
-  batch = dict(rows)
-  if mcfg.engram_layer_ids:
-    cmap = np.arange(mcfg.vocab_size) % mcfg.engram_compressed_vocab_size
-    batch["engram_ids"] = inputs.engram_ids(mcfg, rows["tokens"], rows["segment_ids"],
-                                            rows["image_mask"], cmap)
-  return jax.tree.map(put, batch)
 
 
 def _median_seconds(fn, args_fn, n: int) -> float:
@@ -94,37 +83,34 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool) -> dict:
   cfg.model.seq_len = T
   cfg.model.vision = None  # text rows: the ViT is frozen for most of a run (a separate program)
   cfg.optim.frozen, cfg.optim.unfreeze_at = (), "never"
-  mcfg = model_config(cfg)
+  run = setup.run_config(cfg, process_count=1)
+  mcfg = run.model
   dev = jax.devices()[0]
-  mesh = sharding.make_mesh({"data": 1}, [dev])
-  rep = NamedSharding(mesh, P())
-  put = lambda x: jax.device_put(x, rep)
+  mesh = setup.build_mesh(MeshConfig(data=1), [dev])
   out: dict = dict(size=spec, batch=B, seq=T, device=dev.device_kind, jax=jax.__version__,
                    dispatch=mcfg.moe_dispatch, remat=mcfg.remat, dtype=mcfg.dtype)
 
   t0 = time.perf_counter()
-  with jax.set_mesh(mesh):
-    model = model_lib.init_model(mcfg, 0, mesh)
-  graphdef, params = nnx.split(model)
-  params = nnx.as_pure(params)
-  ocfg = optim_config({**dict(cfg.optim), "tokens_per_step": B * T})
-  tx = build_optimizer(ocfg, params)
-  opt_state = init_opt_state(tx, params, jax.tree.map(lambda x: x.sharding, params))
-  jax.block_until_ready((params, opt_state))
+  train_state = setup.init_state(run, mesh)
+  jax.block_until_ready(train_state.arrays())
   out["init_s"] = time.perf_counter() - t0
+  params, opt_state, bias = train_state.arrays()
+  graphdef, tx = train_state.graphdef, train_state.tx
   out["params"] = model_lib.param_count(params)
-  bias = put(model_lib.zero_moe_bias(mcfg))
   print(f"[{spec}] {out['params'] / 1e9:.2f} B params, init {out['init_s']:.1f} s", flush=True)
 
+  # The training batch adapter, with a stand-in compression map (ids modulo the table).
+  adapter = setup.BatchAdapter(mcfg, run.data, mesh,
+                               np.arange(mcfg.vocab_size) % mcfg.engram_compressed_vocab_size)
   t0 = time.perf_counter()
-  batch = prepare(mcfg, packed_rows(mcfg, B, T, 0), put)
+  batch = adapter(packed_rows(mcfg, B, T, 0))
   jax.block_until_ready(batch)
   out["host_prepare_s"] = time.perf_counter() - t0
 
-  step = jax.jit(make_train_step(mcfg, graphdef, tx, ocfg.moe_bias_gamma), donate_argnums=(0, 1, 2))
+  step = setup.train_step_jit(run, train_state)
   t0 = time.perf_counter()
   with jax.set_mesh(mesh):
-    lowered = step.lower(params, opt_state, bias, batch)
+    lowered = step.lower(params, opt_state, bias, batch, True)
     out["lower_s"] = time.perf_counter() - t0
     compiled = lowered.compile()
   out["compile_s"] = time.perf_counter() - t0 - out["lower_s"]
@@ -169,7 +155,7 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool) -> dict:
     out["fwd_bwd_s"] = _median_seconds(fb, lambda: (params, batch), steps)
     out["optimizer_s"] = _median_seconds(upd, lambda: (grads, opt_state, params), steps)
     out["host_s"] = _median_seconds(
-        lambda b: b, lambda: (prepare(mcfg, packed_rows(mcfg, B, T, 1), put),), 3)
+        lambda b: b, lambda: (adapter(packed_rows(mcfg, B, T, 1)),), 3)
     print(f"[{spec}] split: forward+backward {out['fwd_bwd_s'] * 1e3:.1f} ms, optimizer "
           f"{out['optimizer_s'] * 1e3:.1f} ms, host batch preparation {out['host_s'] * 1e3:.1f} ms",
           flush=True)

@@ -24,61 +24,48 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # JAX_PLATFORMS=cuda for a GPU
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from configs import flash, small, tiny  # noqa: E402
-from configs.common import model_config  # noqa: E402
-from dsv41_jax import flops, inputs, model as model_lib, sharding  # noqa: E402
-from launch import aot, metrics as metrics_lib  # noqa: E402
-from launch.step import make_train_step  # noqa: E402
-from optim.chain import build_optimizer, init_opt_state  # noqa: E402
-from optim.config import optim_config  # noqa: E402
+from configs.common import MeshConfig  # noqa: E402
+from dsv41_jax import flops, model as model_lib  # noqa: E402
+from launch import aot, metrics as metrics_lib, setup  # noqa: E402
 
 
-def random_batch(cfg: ml_collections.ConfigDict, mcfg, B: int, seed: int = 0,
-                 images: bool = False) -> dict:
-  T = cfg.data.seq_len
+def random_batch(run: setup.RunConfig, B: int, seed: int = 0, images: bool = False) -> dict:
+  """Host rows of one document each (no Engram ids: the batch adapter adds them)."""
+  T = run.data.seq_len
   rng = np.random.default_rng(seed)
-  tok = rng.integers(3, mcfg.vocab_size, (B, T)).astype(np.int32)
+  tok = rng.integers(3, run.model.vocab_size, (B, T)).astype(np.int32)
   seg = np.ones((B, T), np.int32)
   batch = {"image_mask": np.zeros((B, T), bool)}
   if images:
-    shapes = aot.abstract_batch(cfg, mcfg, B)
+    shapes = setup.abstract_batch(run.model, run.data, B)
     batch = {k: np.zeros(v.shape, v.dtype) for k, v in shapes.items() if k != "engram_ids"}
   batch.update(tokens=tok, targets=np.roll(tok, -1, 1), loss_mask=np.ones((B, T), bool),
                segment_ids=seg, positions=np.tile(np.arange(T, dtype=np.int32), (B, 1)))
   if "image_starts" in batch:
     batch["image_starts"][:] = -1
-  if mcfg.engram_layer_ids:
-    cmap = np.arange(mcfg.vocab_size) % mcfg.engram_compressed_vocab_size
-    batch["engram_ids"] = inputs.engram_ids(mcfg, tok, seg, batch["image_mask"], cmap)
   return batch
 
 
 def step_time(name: str, cfg: ml_collections.ConfigDict, steps: int, images: bool = False) -> dict:
-  mcfg = model_config(cfg)
-  B, T = cfg.data.batch_size, cfg.data.seq_len
-  mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
-  with jax.set_mesh(mesh):
-    model = model_lib.init_model(mcfg, 0, mesh)
-  graphdef, params = nnx.split(model)
-  params = nnx.as_pure(params)
-  ocfg = optim_config({**dict(cfg.optim), "tokens_per_step": B * T})
-  tx = build_optimizer(ocfg, params)
-  shard = jax.tree.map(lambda x: x.sharding, params)
-  opt_state = init_opt_state(tx, params, shard)
-  rep = NamedSharding(mesh, P())
-  bias = jax.device_put(model_lib.zero_moe_bias(mcfg), rep)
-  batch = jax.device_put(random_batch(cfg, mcfg, B, images=images), rep)
-  fn = jax.jit(make_train_step(mcfg, graphdef, tx, ocfg.moe_bias_gamma), donate_argnums=(0, 1, 2))
+  """The train step of `launch.setup` (state, adapter, jit) on one device."""
+  run = setup.run_config(cfg, process_count=1)
+  mcfg = run.model
+  B, T = run.data.batch_size, run.data.seq_len
+  mesh = setup.build_mesh(MeshConfig(data=1), jax.devices()[:1])
+  state = setup.init_state(run, mesh)
+  # A stand-in compression map (ids modulo the table): the cost is the same as the tokenizer's.
+  cmap = np.arange(mcfg.vocab_size) % mcfg.engram_compressed_vocab_size
+  batch = setup.BatchAdapter(mcfg, run.data, mesh, cmap)(random_batch(run, B, images=images))
+  train_vit = True  # the ViT-trainable program (the larger one; what this benchmark always timed)
   t0 = time.perf_counter()
-  with jax.set_mesh(mesh):
-    compiled = fn.lower(params, opt_state, bias, batch).compile()
+  compiled = setup.compile_train_steps(setup.train_step_jit(run, state), mesh, [train_vit],
+                                       (*state.arrays(), batch))[train_vit]
   compile_s = time.perf_counter() - t0
+  params, opt_state, bias = state.arrays()
   params, opt_state, bias, m = compiled(params, opt_state, bias, batch)  # warm-up
   jax.block_until_ready(m["loss"])
   t0 = time.perf_counter()

@@ -183,6 +183,30 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, profile_steps: str | None 
     stop.restore()
 
 
+class _Profiler:
+  """A jax.profiler trace of steps first..last (1-based, inclusive) into WORKDIR/profile; on a
+  resumed run, of the part of that range still to run."""
+
+  def __init__(self, steps: tuple[int, int] | None, workdir: str):
+    self.steps, self.directory, self.on = steps, os.path.join(workdir, "profile"), False
+
+  def before(self, step: int) -> None:
+    if self.steps and not self.on and self.steps[0] <= step <= self.steps[1]:
+      jax.profiler.start_trace(self.directory)
+      self.on, self.first = True, step
+
+  def after(self, step: int, outputs) -> None:
+    if self.on and step >= self.steps[1]:
+      jax.block_until_ready(outputs)
+      self.close()
+      log.info("profile of steps %d-%d written to %s", self.first, step, self.directory)
+
+  def close(self) -> None:
+    if self.on:
+      jax.profiler.stop_trace()
+      self.on = False
+
+
 class _Progress:
   """Per-step timing, the logged records (metrics.jsonl, TensorBoard, W&B), the log line or the
   progress bar, and the figures of the end-of-run summary."""
@@ -344,6 +368,8 @@ def _train(cfg, run, workdir, stop, profile, mesh, tok, adapter, train_it, prima
   if progress.bar is not None:  # log lines go above the bar, not into it
     from tqdm.contrib.logging import logging_redirect_tqdm
     cleanup.enter_context(logging_redirect_tqdm([logging.getLogger("dsv41")]))
+  profiler = _Profiler(profile, workdir)
+  cleanup.callback(profiler.close)
   last_eval: dict[str, float] = {}
   bad_in_a_row, step = 0, start
   saved = start if restored is not None else None
@@ -353,15 +379,11 @@ def _train(cfg, run, workdir, stop, profile, mesh, tok, adapter, train_it, prima
     if batch is None:
       batch = adapter(next(train_it))
     t1 = time.perf_counter()
-    if profile and step + 1 == profile[0]:
-      jax.profiler.start_trace(os.path.join(workdir, "profile"))
+    profiler.before(step + 1)
     state.params, state.opt_state, state.moe_bias, m = train_steps[train_vit_at(step)](
         *state.arrays(), batch)
     finite, batch, step = bool(m["finite"]), None, step + 1
-    if profile and step == profile[1]:
-      jax.block_until_ready(m)
-      jax.profiler.stop_trace()
-      log.info("profile of steps %d-%d written to %s", *profile, os.path.join(workdir, "profile"))
+    profiler.after(step, m)
     progress.step(step, m, time.perf_counter() - t0, t1 - t0)
     bad_in_a_row = 0 if finite else bad_in_a_row + 1
     if not finite:
