@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsv41_jax import sharding
+from dsv41_jax import testing
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layers import moe_dispatch
 from dsv41_jax.layers.moe import MoE, route
@@ -231,13 +231,15 @@ def test_padding_load_and_balance_loss():
   np.testing.assert_allclose(np.asarray(y2)[~valid], shared_only[~valid], rtol=1e-5, atol=2e-6)
 
 
-def _loss_and_grads(graphdef, state, x, seg, image, bias, r):
-  def loss(state, x):
-    y, aux = nnx.merge(graphdef, state)(x, segment_ids_BxT=seg, image_mask_BxT=image,
-                                        bias_2xE=bias)
-    return (y * r).sum() + aux["balance_loss"], (y, aux)
-  (_, (y, aux)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(state, x)
-  return y, aux, grads
+AUX_KEYS = ("balance_loss", "load_2xE", "dropped_fraction")
+
+
+def _with_grads(loss):
+  """Values and gradients w.r.t. (params, x) of `loss(state, x, ...) -> (scalar, (y, aux))`."""
+  def fn(state, x, *rest):
+    (_, (y, aux)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(state, x, *rest)
+    return {"y": y, "aux": {k: aux[k] for k in AUX_KEYS}, "grads": grads}
+  return fn
 
 
 @pytest.mark.parametrize("mode,mesh_shape", [
@@ -259,38 +261,39 @@ def test_expert_parallel_equals_single_device(mode, mesh_shape):
   seg[3, 1] = 0
   r = np.random.default_rng(5).normal(size=x.shape).astype(np.float32)
   graphdef, state = nnx.split(model)
-  args = [jnp.asarray(a) for a in (x, seg, image, bias, r)]
 
-  mesh = sharding.make_mesh(mesh_shape)
-  with jax.set_mesh(mesh):
-    y_ep, aux_ep, g_ep = _loss_and_grads(graphdef, state, *args)
+  def loss(state, x, seg, image, bias, r):
+    y, aux = nnx.merge(graphdef, state)(x, segment_ids_BxT=seg, image_mask_BxT=image,
+                                        bias_2xE=bias)
+    return (y * r).sum() + aux["balance_loss"], (y, aux)
 
-  if mode == "dropless":
-    y_1, aux_1, g_1 = _loss_and_grads(graphdef, state, *args)
-  else:
+  reference = None
+  if mode == "capacity":
     # same per-shard rule, computed shard by shard on one device
-    def loss(state, x):
+    def reference_loss(state, x, seg, image, bias, r):
       m = nnx.merge(graphdef, state)
       def one_row(row):
         x_r, seg_r, image_r = (a[None] for a in row)
-        y, aux = m(x_r, segment_ids_BxT=seg_r, image_mask_BxT=image_r, bias_2xE=args[3])
+        y, aux = m(x_r, segment_ids_BxT=seg_r, image_mask_BxT=image_r, bias_2xE=bias)
         return y[0], aux["dropped_fraction"] * (seg_r != 0).sum() * K
-      y, drops = jax.lax.map(one_row, (x, args[1], args[2]))
-      _, aux = m(x, segment_ids_BxT=args[1], image_mask_BxT=args[2], bias_2xE=args[3])
-      aux = dict(aux, dropped_fraction=drops.sum() / ((args[1] != 0).sum() * K))
-      return (y * args[4]).sum() + aux["balance_loss"], (y, aux)
-    (_, (y_1, aux_1)), g_1 = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
-        state, args[0])
-    assert float(aux_1["dropped_fraction"]) > 0.05
+      y, drops = jax.lax.map(one_row, (x, seg, image))
+      _, aux = m(x, segment_ids_BxT=seg, image_mask_BxT=image, bias_2xE=bias)
+      aux = dict(aux, dropped_fraction=drops.sum() / ((seg != 0).sum() * K))
+      return (y * r).sum() + aux["balance_loss"], (y, aux)
+    reference = _with_grads(reference_loss)
 
-  np.testing.assert_allclose(np.asarray(y_ep), np.asarray(y_1), rtol=1e-6, atol=1e-6)
-  for key in ("balance_loss", "load_2xE", "dropped_fraction"):
-    np.testing.assert_allclose(np.asarray(aux_ep[key]), np.asarray(aux_1[key]), rtol=1e-6)
-  flat_ep, flat_1 = jax.tree.leaves(g_ep), jax.tree.leaves(g_1)
-  assert len(flat_ep) == len(flat_1) == 8  # 7 parameters and x
-  for a, b in zip(flat_ep, flat_1):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-    assert np.abs(np.asarray(b)).max() > 0
+  grads = lambda path: path.startswith("['grads']")
+  result = testing.assert_sharded_matches(
+      _with_grads(loss), (state, x, seg, image, bias, r), testing.cpu_mesh(mesh_shape),
+      in_specs=("params", "batch", "batch", "batch", None, "batch"), reference_fn=reference,
+      rtol=lambda path, _: 1e-5 if grads(path) else 1e-6,
+      atol=lambda path, _: 0.0 if path.startswith("['aux']") else 1e-6)
+
+  if mode == "capacity":
+    assert float(result.single["aux"]["dropped_fraction"]) > 0.05
+  flat_1 = jax.tree.leaves(result.single["grads"])
+  assert len(flat_1) == 8  # 7 parameters and x
+  assert all(np.abs(np.asarray(b)).max() > 0 for b in flat_1)
 
 
 @pytest.mark.parametrize("mode", ["dropless", "capacity"])

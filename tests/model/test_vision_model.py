@@ -8,45 +8,32 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from data.packing import assemble_row, stack_rows
-from dsv41_jax import inputs, model as M, sharding
+from dsv41_jax import model as M, testing
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.loss import objective
-from dsv41_jax.vision.config import VisionConfig
 from dsv41_jax.vision.merge import check_image_batch
 from dsv41_jax.vision.pathway import embed_with_images, image_embeddings
 from optim import OptimConfig, build_optimizer
 from optim.chain import frozen_trainable
-from tests.model.test_vision_merge import piece
 
 PAD, IMG = 0, 3
-T, MAX_IMG, CANVAS = 32, 2, 84
+T, CANVAS = 32, 84
 
 
 def micro_config() -> ModelConfig:
   """Two SWA layers (Engram on the second) and a one-layer ViT on an 84-px canvas (2 × 2 cells)."""
-  return ModelConfig(
-      vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, head_dim=32,
-      qk_rope_head_dim=16, q_lora_rank=16, o_groups=2, o_lora_rank=16, sliding_window=8,
-      compress_ratios=(0, 0), kv_source_layer_ids=(), index_source_layer_ids=(), index_n_heads=2,
-      index_head_dim=16, index_topk=4, yarn_enabled=False, n_routed_experts=4,
-      num_experts_per_tok=2, moe_intermediate_size=16, engram_layer_ids=(1,), engram_n_heads=2,
-      engram_head_dim=8, engram_vocab_size=211, engram_compressed_vocab_size=128, seq_len=T,
-      dtype="float32", hc_init_fn_std=0.02, remat=False,
-      vision=VisionConfig(num_layers=1, hidden_size=16, num_heads=2, intermediate_size=24,
-                          projector_hidden=24, max_image_size=CANVAS, remat=False))
+  return testing.tiny_config(
+      num_hidden_layers=2, compress_ratios=(0, 0), kv_source_layer_ids=(),
+      index_source_layer_ids=(), engram_layer_ids=(1,), seq_len=T,
+      vision=testing.tiny_vision_config(max_image_size=CANVAS))
 
 
 def make_batch(cfg, seed=0, rows=4):
-  rng = np.random.default_rng(seed)
-  layouts = [[[2, (1, 2), 3], [1, (2, 2), 2]], [[4, (2, 1), 9]], [[12]], [[1, (1, 1), 2, (2, 2), 3]]]
-  b = stack_rows([assemble_row([piece(p, rng) for p in layouts[r % 4]], T, MAX_IMG, CANVAS, PAD, IMG)
-                  for r in range(rows)])
+  """Rows with two, one, no and two images (row 0: two documents), as jnp arrays."""
+  b = testing.packed_batch(cfg, seed, batch_size=rows, image_spans=(2, 1, 0, 2)[:rows],
+                           pad_id=PAD, image_token_id=IMG)
   check_image_batch(b, cell_px=42, max_image_size=CANVAS)
-  out = {k: jnp.asarray(v) for k, v in b.items()}
-  out["engram_ids"] = {k: jnp.asarray(v) for k, v in inputs.engram_ids(
-      cfg, b["tokens"], b["segment_ids"], b["image_mask"]).items()}
-  return out
+  return jax.tree.map(jnp.asarray, b)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +82,7 @@ def test_images_reach_only_later_positions_of_their_document(cfg, split_model, v
   fwd = lambda b: value_and_grad[True](state, b)[0][1]   # the logits (reuses the compiled step)
   batch = make_batch(cfg)
   base = np.asarray(fwd(batch))
-  # Row 0 holds two documents; change the pixels of its second image (document 2).
+  # Row 0 holds two documents and two images; change the pixels of its second image.
   px = np.asarray(batch["images"]).copy()
   px[0, 1] = np.random.default_rng(9).integers(0, 256, px[0, 1].shape)
   changed = np.abs(np.asarray(fwd(dict(batch, images=jnp.asarray(px)))) - base).max(-1)
@@ -174,19 +161,11 @@ def test_sharded_pathway_and_gradients_equal_single_device(cfg, split_model):
     vit, proj = nnx.merge(graphdef, s)
     return jnp.sum(embed_with_images(vit, proj, h, batch, train_vit=True) * w)
 
-  l1, g1 = fn(state, h, batch)
-  mesh = sharding.make_mesh({"data": 2, "expert": 2, "tensor": 2})
-  shard = sharding.state_shardings(state, mesh)
-  lead = sharding.logical_to_mesh(("batch",))[0]
-  put = lambda x: jax.device_put(x, jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec(lead, *([None] * (x.ndim - 1)))))
-  with jax.set_mesh(mesh):
-    l2, g2 = fn(jax.device_put(state, shard), put(h), jax.tree.map(put, batch))
-  np.testing.assert_allclose(float(l2), float(l1), rtol=1e-5)
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree.leaves(g2)):
-    scale = max(float(np.abs(np.asarray(a)).max()), 1e-6)
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5 * scale,
-                               err_msg=jax.tree_util.keystr(path))
+  scale = lambda a: max(float(np.abs(np.asarray(a)).max()), 1e-6)
+  testing.assert_sharded_matches(
+      fn, (state, h, batch), testing.cpu_mesh({"data": 2, "expert": 2, "tensor": 2}),
+      rtol=lambda path, _: 1e-5 if path == "[0]" else 1e-4,
+      atol=lambda path, a: 0.0 if path == "[0]" else 1e-5 * scale(a))
 
 
 def test_eager_call_checks_the_rows(cfg, split_model):
@@ -194,5 +173,6 @@ def test_eager_call_checks_the_rows(cfg, split_model):
   batch = make_batch(cfg, seed=6)
   mask = np.asarray(batch["image_mask"]).copy()
   mask[3, int(batch["image_starts"][3, 1])] = False
-  with pytest.raises(ValueError, match=r"row 3: 4 placeholder tokens do not match its 2 images"):
+  with pytest.raises(ValueError, match=rf"row 3: {mask[3].sum()} placeholder tokens do not match "
+                                       r"its 2 images"):
     model(dict(batch, image_mask=jnp.asarray(mask)), M.zero_moe_bias(cfg))

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from dsv41_jax import sharding
+from dsv41_jax import sharding, testing
 from optim import chain, table
 from optim.config import OptimConfig
 
@@ -44,7 +44,7 @@ def _assert_like_params(state, shardings):
 
 
 def test_state_sharded_like_params_at_init_and_after_update():
-  mesh = sharding.make_mesh({"fsdp": 2, "expert": 2, "tensor": 2})
+  mesh = testing.cpu_mesh({"fsdp": 2, "expert": 2, "tensor": 2})
   rng = np.random.default_rng(0)
   shardings = _nest({p: NamedSharding(mesh, sharding._fit(sharding.logical_to_mesh(ax, len(s)), mesh))
                      for p, s, ax in PARAMS})
