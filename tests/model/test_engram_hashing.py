@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from configs import common, tiny
+from dsv41_jax import testing
 from dsv41_jax.config import ConfigError, ModelConfig
 from dsv41_jax.engram import hashing
 
@@ -51,18 +52,14 @@ def _reference_hash(x, seg, dead, p: hashing.EngramHashParams):
 
 
 def _packed_batch(rng, B, T, vocab):
-  x = rng.integers(0, vocab, size=(B, T))
-  seg = np.zeros((B, T), np.int32)
-  for b in range(B):
-    cuts = np.sort(rng.choice(np.arange(1, T - 3), size=3, replace=False))
-    bounds = [0, *cuts, T - 3]
-    for d, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
-      seg[b, s:e] = d + 1 + b          # the last 3 tokens stay padding (segment 0)
-  dead = np.zeros((B, T), bool)
-  dead[0, 5:9] = True                  # an image span inside a document
+  """Packed rows (documents, trailing padding, image spans) from `testing.packed_batch`, plus
+  a dead span at a row start and scattered dead tokens."""
+  cfg = testing.tiny_config(vocab_size=vocab, seq_len=T, engram_layer_ids=())
+  b = testing.packed_batch(cfg, rng, batch_size=B, max_docs=4, image_spans=2)
+  dead = b["image_mask"].copy()
   dead[1, 0:2] = True                  # a span at the row start
   dead |= rng.random((B, T)) < 0.05
-  return x, seg, dead
+  return b["tokens"], b["segment_ids"], dead
 
 
 def test_hash_ids_match_loop_reference():
