@@ -18,7 +18,8 @@ the CPU, and a sharded program can be compared with its single-device run. The p
 * `count_collectives(compiled)`: all-reduce, all-gather, reduce-scatter, all-to-all and
   collective-permute in a compiled program's HLO, so a sharding regression fails loudly.
 
-Worked example: docs/testing.md. The sharding rules come from `dsv41_jax.sharding`.
+Worked example: docs/testing.md. Batches follow the packed-row layout of docs/design.md §14;
+meshes and logical-axis rules are `dsv41_jax.sharding`'s (docs/design.md §T1).
 """
 
 from __future__ import annotations
@@ -88,12 +89,17 @@ def pytest_configure(config) -> None:
   del config
   if _COUNT_FLAG not in os.environ.get("XLA_FLAGS", ""):
     force_cpu_devices(DEFAULT_CPU_DEVICES)
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  elif "JAX_PLATFORMS" not in os.environ and not _backends_started():
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    jax.config.update("jax_platforms", "cpu")   # jax read the environment when it was imported
 
 
 def cpu_devices(n: int) -> list[jax.Device]:
   """The first `n` CPU devices, or a ValueError naming the environment variables to set."""
-  have = jax.devices("cpu")
+  try:
+    have = jax.devices("cpu")
+  except RuntimeError:   # JAX_PLATFORMS excludes the CPU
+    have = []
   if n > len(have):
     raise ValueError(f"asked for {n} CPU devices but jax has {len(have)}: {_env_recipe(n)}")
   return list(have[:n])
