@@ -11,9 +11,10 @@ per row, Engram ids hashed on the host by the training batch adapter, `launch.se
 the median step is reported. The split
 compiles two more programs from the same pieces: the model's forward+backward alone
 (`jax.value_and_grad` of the objective) and the optimizer update alone (`tx.update` +
-`apply_updates` on those gradients); "host" is the per-step batch preparation the train loop does
-(Engram hashing, device transfer). MFU = tokens/s × `dsv41_jax.flops.train_flops_per_token` /
-989 TFLOP/s (H200 dense bf16, `launch.metrics`). Peak memory is the device allocator's peak.
+`apply_updates` on those gradients); "host" is the batch adapter's work on rows without Engram ids
+(hashing, device transfer; in training the hashing runs in the data pipeline, per piece).
+MFU = tokens/s × `dsv41_jax.flops.train_flops_per_token` / 989 TFLOP/s (H200 dense bf16,
+`launch.metrics`). Peak memory is the device allocator's peak.
 Prints one line per size as it goes and a markdown table at the end; `--json PATH` saves them.
 """
 

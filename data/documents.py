@@ -92,11 +92,14 @@ def split_points(doc: Document, seq_len: int, max_images: int) -> list[int]:
 
 @dataclasses.dataclass
 class Piece:
-  """Tokens [start, stop) of a document, with the images whose spans lie inside."""
+  """Tokens [start, stop) of a document, with the images whose spans lie inside, and optional
+  per-token features (`pipeline.py`'s token features: name -> [len, C] arrays)."""
   tokens: np.ndarray
   image_starts: np.ndarray  # relative to the piece
   image_cells: np.ndarray
   images: list
+  features: dict = dataclasses.field(default_factory=dict)
+  continued: bool = False  # a slice that starts inside the piece (its first tokens lost context)
 
   def __len__(self) -> int:
     return len(self.tokens)
@@ -107,7 +110,8 @@ class Piece:
       return self
     inside = [k for k, s in enumerate(self.image_starts) if a <= s < b]
     return Piece(self.tokens[a:b], self.image_starts[inside] - a, self.image_cells[inside],
-                 [self.images[k] for k in inside])
+                 [self.images[k] for k in inside],
+                 {k: v[a:b] for k, v in self.features.items()}, self.continued or a > 0)
 
 
 def pieces(doc: Document, seq_len: int, max_images: int) -> list[Piece]:

@@ -209,8 +209,13 @@ def empty_row(seq_len: int, max_images: int, max_px: int) -> dict:
 
 
 def assemble_row(pieces, seq_len: int, max_images: int, max_px: int, pad_id: int,
-                 image_pad_id: int) -> dict:
-  """One packed row from `documents.Piece`s (see the module docstring)."""
+                 image_pad_id: int, features=None, pad_features: dict | None = None) -> dict:
+  """One packed row from `documents.Piece`s (see the module docstring).
+
+  With token `features` (`pipeline.py`), `row[features.name]` holds each piece's precomputed
+  features, the first `features.lookback` positions of a continued slice recomputed (its context
+  was cut away), and the padding's from `pad_features` (features of a run of seq_len pad tokens
+  in segment 0: a shorter run's are its prefix)."""
   row = empty_row(seq_len, max_images, max_px)
   row["tokens"][:] = pad_id
   row["targets"][:] = pad_id
@@ -231,8 +236,34 @@ def assemble_row(pieces, seq_len: int, max_images: int, max_px: int, pad_id: int
       k += 1
     at += n
   row["image_count"][...] = k
+  if features is not None:
+    row[features.name] = _row_features(pieces, seq_len, image_pad_id, features, pad_features)
   return row
 
 
+def _row_features(pieces, seq_len: int, image_pad_id: int, features, pad_features) -> dict:
+  out = {key: np.empty_like(v) for key, v in pad_features.items()}  # [seq_len, C] each
+  at = 0
+  for p in pieces:
+    n = len(p)
+    for key, v in p.features.items():
+      out[key][at:at + n] = v
+    if p.continued:  # recompute the positions whose look-back crossed the cut
+      m = min(features.lookback, n)
+      head = p.tokens[None, :m]
+      fixed = features(head, np.ones_like(head), head == image_pad_id)
+      for key, v in fixed.items():
+        out[key][at:at + m] = v[0]
+    at += n
+  for key, v in pad_features.items():  # the padding run starts at `at`: the run's prefix
+    out[key][at:] = v[:seq_len - at]
+  return out
+
+
 def stack_rows(rows: list[dict]) -> dict:
-  return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+  """Rows stacked along a new leading axis; dict values (token features) key by key."""
+  def stack(values):
+    if isinstance(values[0], dict):
+      return {k: np.stack([v[k] for v in values]) for k in values[0]}
+    return np.stack(values)
+  return {k: stack([r[k] for r in rows]) for k in rows[0]}

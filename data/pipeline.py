@@ -18,6 +18,17 @@ index, so the state stays small (no token ids, no pixels) while resume stays exa
 restored by an iterator built from the same config (same sources, seed, seq_len, pool_bins,
 packer_cuts and worker_count: grain's worker state is per worker).
 
+Token features (optional, `token_features=`): a picklable callable
+`f(tokens_1xL, segment_ids_1xL, dead_1xL) -> {key: int32 [1, L, C]}` with attributes `name` (its
+batch key) and `lookback` (a position's value depends on its own token and at most `lookback`
+tokens before it in the same run of segment id, a dead token -- an image placeholder -- cutting
+the run). The pipeline computes them for each piece where the pieces are made (in the grain
+workers when `data.worker_count > 0`, so the main process does not), recomputes only the first
+`lookback` positions of a piece the packer cut, and fills padding from one precomputed run; the
+batch then carries `batch[f.name]`, equal to f computed over the whole rows. Knowing no model, the
+pipeline takes f from the launcher (`launch.setup.EngramFeatures`: the Engram hash ids, with the
+tokenizer's compression map built once).
+
 Batch keys (numpy, leading dim `batch_size`): `tokens`, `targets`, `loss_mask`, `segment_ids`,
 `positions`, `image_mask` [B, seq_len]; `images` uint8 [B, M, P, P, 3], `image_count` [B],
 `image_cells` [B, M, 2], `image_starts` [B, M] with M = max images per row and P the largest
@@ -29,6 +40,7 @@ from __future__ import annotations
 import collections
 
 import grain
+import numpy as np
 
 from data import corpus, documents, images, packing
 from data.config import data_config, images_per_row
@@ -97,10 +109,11 @@ class ToPieces:
   """
 
   def __init__(self, tok: TokenizerHandle, seq_len: int, max_images: int, max_image_size: int,
-               max_record_bytes: int, max_image_pixels: int):
+               max_record_bytes: int, max_image_pixels: int, features=None):
     self.tok, self.seq_len, self.max_images = tok, seq_len, max_images
     self.max_image_size = max_image_size
     self.max_record_bytes, self.max_image_pixels = max_record_bytes, max_image_pixels
+    self.features = features
 
   def __call__(self, index: int, payload):
     try:
@@ -109,7 +122,13 @@ class ToPieces:
                                      self.max_record_bytes)
     except RecordSkipped as e:
       return ("skip", index, e.reason, payload[3] if len(payload) > 3 else f"record {index}")
-    return ("doc", index, documents.pieces(doc, self.seq_len, self.max_images), len(doc))
+    pieces = documents.pieces(doc, self.seq_len, self.max_images)
+    if self.features is not None:
+      for p in pieces:
+        tokens = p.tokens[None]
+        out = self.features(tokens, np.ones_like(tokens), tokens == self.tok.image_pad_id)
+        p.features = {k: v[0] for k, v in out.items()}
+    return ("doc", index, pieces, len(doc))
 
 
 def stream_dataset(source, stream: int, fn: ToPieces, cfg, process_index: int,
@@ -129,8 +148,13 @@ class PackedIterator(grain.DatasetIterator):
   """Batches of packed rows; grain-checkpointable (get_state/set_state are JSON-able)."""
 
   def __init__(self, datasets: list[tuple[grain.MapDataset, int]], weights: list[float], cfg,
-               tok: TokenizerHandle, train: bool):
+               tok: TokenizerHandle, train: bool, features=None):
     d = cfg.data
+    self.features, self._pad_features = features, None
+    if features is not None:  # a run of seq_len pad tokens in segment 0: padding's features
+      pad = np.full((1, d.seq_len), tok.pad_id, np.int32)
+      self._pad_features = {k: v[0] for k, v in features(
+          pad, np.zeros_like(pad), np.zeros(pad.shape, bool)).items()}
     self.datasets = [ds for ds, _ in datasets]
     self.epoch_len = [n for _, n in datasets]
     self.train, self.tok = train, tok
@@ -217,7 +241,8 @@ class PackedIterator(grain.DatasetIterator):
       pieces.append(self._pieces[(s, index)][k].slice(a, b))
       self._counters[f"row_tokens/{STREAMS[s]}"] += b - a
     row = packing.assemble_row(pieces, self.seq_len, self.max_images, self.max_px,
-                               self.tok.pad_id, self.tok.image_pad_id)
+                               self.tok.pad_id, self.tok.image_pad_id, self.features,
+                               self._pad_features)
     self._counters["rows"] += 1
     if self._counters["rows"] % 64 == 0:  # forget documents the packer no longer refers to
       live = {(r[0], r[1]) for r in self.packer.refs()}
@@ -240,6 +265,8 @@ class PackedIterator(grain.DatasetIterator):
           rows.append(packing.empty_row(self.seq_len, self.max_images, self.max_px))
           rows[-1]["tokens"][:] = self.tok.pad_id
           rows[-1]["targets"][:] = self.tok.pad_id
+          if self.features is not None:
+            rows[-1][self.features.name] = {k: v.copy() for k, v in self._pad_features.items()}
         break
       rows.append(row)
     return packing.stack_rows(rows)
@@ -311,7 +338,8 @@ def _sources(cfg, split: str):
   return tuple(out)
 
 
-def _make(cfg, process_index: int, process_count: int, split: str, tok=None) -> PackedIterator:
+def _make(cfg, process_index: int, process_count: int, split: str, tok=None,
+          features=None) -> PackedIterator:
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index={process_index} outside process_count={process_count}")
   tok = tok or make_tokenizer(cfg)
@@ -319,21 +347,24 @@ def _make(cfg, process_index: int, process_count: int, split: str, tok=None) -> 
   d = cfg.data
   weights = normalized_weights({"text": d.text_weight, "multimodal": d.multimodal_weight})
   fn = ToPieces(tok, d.seq_len, max_images_per_row(cfg), d.max_image_size, d.max_record_bytes,
-                d.max_image_pixels)
+                d.max_image_pixels, features)
   train = split == "train"
   datasets = [stream_dataset(src, s, fn, cfg, process_index, process_count, train)
               for s, src in enumerate(_sources(cfg, split))]
-  return PackedIterator(datasets, [weights[s] for s in STREAMS], cfg, tok, train)
+  return PackedIterator(datasets, [weights[s] for s in STREAMS], cfg, tok, train, features)
 
 
 def make_train_iterator(cfg, process_index: int = 0, process_count: int = 1,
-                        tokenizer: TokenizerHandle | None = None) -> PackedIterator:
-  """Endless training batches for this process (its shard of every stream)."""
-  return _make(cfg, process_index, process_count, "train", tokenizer)
+                        tokenizer: TokenizerHandle | None = None,
+                        token_features=None) -> PackedIterator:
+  """Endless training batches for this process (its shard of every stream), with the optional
+  token features (module docstring) under their batch key."""
+  return _make(cfg, process_index, process_count, "train", tokenizer, token_features)
 
 
 def make_eval_iterator(cfg, process_index: int = 0, process_count: int = 1,
-                       tokenizer: TokenizerHandle | None = None) -> PackedIterator:
+                       tokenizer: TokenizerHandle | None = None,
+                       token_features=None) -> PackedIterator:
   """One pass over the held-out records of this process; the last batch is padded with empty
   rows (segment_ids 0), then StopIteration."""
-  return _make(cfg, process_index, process_count, "eval", tokenizer)
+  return _make(cfg, process_index, process_count, "eval", tokenizer, token_features)

@@ -5,6 +5,8 @@ train step, and the batch adapter that turns a process's host rows into the glob
     run = setup.run_config(cfg)                  # every section typed and checked once
     mesh = setup.build_mesh(run.mesh)
     rows = setup.global_batch(run, mesh)         # rows per step, checked against the batch axes
+    cmap = setup.compression_map(run.model, tok) # the tokenizer's Engram map, built once
+    features = setup.EngramFeatures(run.model, cmap)  # hash ids made in the data pipeline
     state = setup.init_state(run, mesh)          # or setup.abstract_state(run, mesh) to plan
     adapter = setup.BatchAdapter(run.model, run.data, mesh, cmap)
     step = setup.train_step_jit(run, state)      # donated, sharded, traced under the mesh
@@ -138,6 +140,22 @@ def compression_map(model: ModelConfig, tok) -> np.ndarray | None:
   return cmap
 
 
+class EngramFeatures:
+  """The Engram hash ids as the data pipeline's token features (`data/pipeline.py`): computed per
+  document piece where the pieces are made (grain workers), so they travel with the batch under
+  "engram_ids" and the train loop does no hashing. Picklable (a model config and the tokenizer's
+  compression map, built once by `compression_map`)."""
+
+  name = "engram_ids"
+
+  def __init__(self, model: ModelConfig, cmap: np.ndarray):
+    self.model, self.cmap = model, cmap
+    self.lookback = model.engram_max_ngram_size - 1  # an n-gram reads n - 1 tokens back
+
+  def __call__(self, tokens_1xL, segment_ids_1xL, dead_1xL) -> dict[int, np.ndarray]:
+    return inputs.engram_ids(self.model, tokens_1xL, segment_ids_1xL, dead_1xL, self.cmap)
+
+
 def _rows_spec(ndim: int, mesh, rules) -> NamedSharding:
   spec = sharding._fit(sharding.logical_to_mesh(BATCH_AXES, rules=rules), mesh)
   return NamedSharding(mesh, P(spec[0], *([None] * (ndim - 1))))
@@ -147,7 +165,8 @@ class BatchAdapter:
   """A process's host rows (numpy, `data/packing.py` keys) → the global batch the step takes.
 
   One place for: the image-layout check (the model cannot raise inside jit), the Engram hash ids
-  per Engram layer (`dsv41_jax.inputs.engram_ids`, with the tokenizer's compression map), and the
+  per Engram layer when the rows do not carry them already (`EngramFeatures` puts them in the data
+  pipeline; else `dsv41_jax.inputs.engram_ids` here, with the tokenizer's compression map), and the
   placement of every array over the batch's mesh axes (`make_array_from_process_local_data`:
   valid with several processes). `abstract(rows)` gives the same batch as ShapeDtypeStructs, for
   compiling without data."""
@@ -161,7 +180,7 @@ class BatchAdapter:
     batch = dict(rows)
     if self.model.vision is not None and "images" in batch:  # the pipeline's rows always do
       check_image_batch(batch, cell_px=images.CELL_PX, max_image_size=self.data.max_image_size)
-    if self.model.engram_layer_ids:
+    if self.model.engram_layer_ids and "engram_ids" not in batch:  # not from the pipeline
       batch["engram_ids"] = inputs.engram_ids(self.model, batch["tokens"], batch["segment_ids"],
                                               batch["image_mask"], self.cmap)
     return batch

@@ -303,20 +303,22 @@ def _run(cfg: ml_collections.ConfigDict, workdir: str, stop: _Stop,
   except (KeyError, ValueError, OSError) as e:  # the message names data.tokenizer_path
     raise SetupError(_data_error(e)) from None
   cmap = setup.compression_map(run.model, tok)
+  features = setup.EngramFeatures(run.model, cmap) if cmap is not None else None
   try:
-    train_it = make_train_iterator(cfg, jax.process_index(), jax.process_count(), tokenizer=tok)
+    train_it = make_train_iterator(cfg, jax.process_index(), jax.process_count(), tokenizer=tok,
+                                   token_features=features)
   except (KeyError, ValueError, OSError) as e:  # the messages name the data key or path
     raise SetupError(_data_error(e)) from None
   t_data = time.time()
   adapter = setup.BatchAdapter(run.model, run.data, mesh, cmap)
   with contextlib.ExitStack() as cleanup:
     cleanup.callback(train_it.close)
-    return _train(cfg, run, workdir, stop, profile, mesh, tok, adapter, train_it, primary,
-                  cleanup, dict(t_start=t_start, t_data=t_data, cache_dir=cache_dir))
+    return _train(cfg, run, workdir, stop, profile, mesh, tok, features, adapter, train_it,
+                  primary, cleanup, dict(t_start=t_start, t_data=t_data, cache_dir=cache_dir))
 
 
-def _train(cfg, run, workdir, stop, profile, mesh, tok, adapter, train_it, primary, cleanup,
-           times) -> dict[str, Any]:
+def _train(cfg, run, workdir, stop, profile, mesh, tok, features, adapter, train_it, primary,
+           cleanup, times) -> dict[str, Any]:
   tcfg = run.train
   # --- model and optimizer, created directly with their shardings, or restored ---
   state = setup.init_state(run, mesh)
@@ -360,7 +362,8 @@ def _train(cfg, run, workdir, stop, profile, mesh, tok, adapter, train_it, prima
   def evaluate() -> dict[str, float]:
     return evaluation.evaluate(
         lambda b: eval_step(state.params, state.moe_bias, adapter(b), token_bytes),
-        make_eval_iterator(cfg, jax.process_index(), jax.process_count(), tokenizer=tok),
+        make_eval_iterator(cfg, jax.process_index(), jax.process_count(), tokenizer=tok,
+                           token_features=features),
         tcfg.eval_batches)
 
   progress = _Progress(run, workdir, start, primary, cfg.to_dict(), train_it)
