@@ -75,17 +75,16 @@ from typing import Any, Mapping  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
-import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from configs.common import model_config  # noqa: E402
-from dsv41_jax import flops, inputs, model as model_lib, sharding  # noqa: E402
+from data.config import data_config  # noqa: E402
+from dsv41_jax import flops, model as model_lib, sharding  # noqa: E402
 from dsv41_jax.config import ConfigError, ModelConfig  # noqa: E402
 from dsv41_jax.layer_plan import build_layer_plan  # noqa: E402
+from launch import setup  # noqa: E402
 from optim import table as table_lib  # noqa: E402
-from optim.chain import build_optimizer, opt_state_shardings  # noqa: E402
-from optim.config import optim_config  # noqa: E402
 
 GiB = 1024 ** 3
 # Above this many parameters the tool does not try to compile on this host (auto analytic plan).
@@ -240,6 +239,15 @@ def _keep_axes(entry, names):
   return kept if len(kept) > 1 else (kept[0] if kept else None)
 
 
+# Live float32 buffers of a layer's score size ([b, H, T, N] global scores, [b, 512, H_I, N]
+# indexer logits) while the recomputed layer runs its backward: scores, mask, probabilities and
+# their cotangents. Measured, not derived: XLA's memory analysis of the micro model's gradient
+# step (tests/launch/micro_config.py, data 2 × fsdp 2, batch 8, remat) at T = 128, 256, 512 fits
+# peak ≈ 0.028·T + 5.3·(score bytes of the largest layer) + 0.4 MiB; checked at other shapes by
+# tests/launch/test_memory_plan.py.
+SCORE_COPIES = 5
+
+
 def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int]) -> dict[str, float]:
   """Estimated activation bytes per device for b rows of T tokens (an estimate, not a measurement).
 
@@ -248,10 +256,11 @@ def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int])
   both. Terms (a = itemsize of cfg.dtype, tp = the tensor axis size, N = hc_mult):
     carries      (L + 1) · b·T·N·D·4                      f32 residual streams saved per layer
                  (without remat: every layer's working set below is kept instead)
-    layer work   2 · max over layers of (attention + moe + mhc), with per layer
+    layer work   max over layers of 2·(attention + moe + mhc) + SCORE_COPIES·scores, per layer
       attention  b·T·(H/tp)·Dh·a  (q)  +  b·(H/tp)·T·(P+1)·S·4  (window scores, S = min(W, T),
-                 P = ⌈(W−1)/S⌉ previous blocks)  +  global scores: "masked" b·(H/tp)·T·⌈T/m⌉·4,
-                 "gather" b·T·K·Dh·a + b·(H/tp)·T·K·4  +  indexer b·min(512, T)·H_I·⌈T/m⌉·4
+                 P = ⌈(W−1)/S⌉ previous blocks)  +  "gather" global branch b·T·K·Dh·a + b·(H/tp)·T·K·4
+      scores     "masked" global scores b·(H/tp)·T·⌈T/m⌉·4  +  indexer b·min(512, T)·H_I·⌈T/m⌉·4
+                 (SCORE_COPIES live copies: measured, see the constant)
       moe        b·T·k·(D + 3·I/tp)·a + b·T·k·D·4     (sorted pairs, gate/up/act, f32 outputs)
       mhc        4 · b·T·N·D·4                         (pre/post mixes of the streams, f32)
     logits       3 · b·T·(V/tp)·4                      (f32 logits, softmax, their gradient)
@@ -265,28 +274,29 @@ def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int])
   S = min(cfg.sliding_window, T)
   prev = -(-(cfg.sliding_window - 1) // S)
 
-  def layer(spec) -> float:
+  def layer(spec) -> tuple[float, float]:
     att = b * T * Ht * Dh * a + b * Ht * T * (prev + 1) * S * 4
+    scores = 0.0
     if spec.compress_ratio:
       n_ent = -(-T // spec.compress_ratio)
       K = min(cfg.index_topk, n_ent)
       if cfg.global_attn_impl == "masked":
-        att += b * Ht * T * n_ent * 4
+        scores += b * Ht * T * n_ent * 4
       else:
         att += b * T * K * Dh * a + b * Ht * T * K * 4
       if spec.owns_indexer:
-        att += b * min(512, T) * cfg.index_n_heads * n_ent * 4
+        scores += b * min(512, T) * cfg.index_n_heads * n_ent * 4
     k, I = cfg.num_experts_per_tok, cfg.moe_intermediate_size
     moe = b * T * k * (D + 3 * -(-I // tp)) * a + b * T * k * D * 4
-    return att + moe + 4 * stream
+    return att + moe + 4 * stream, scores
 
-  per_layer = [layer(s) for s in plan.layers]
+  per_layer = [2 * lin + SCORE_COPIES * sc for lin, sc in map(layer, plan.layers)]
   if cfg.remat:
     carries = (len(per_layer) + 1) * stream
-    work = 2 * max(per_layer)
+    work = max(per_layer)
   else:
     carries = 0.0
-    work = 2 * sum(per_layer)
+    work = sum(per_layer)
   logits = 3 * b * T * -(-cfg.vocab_size // tp) * 4
   return {"carries": float(carries), "layer_work": float(work), "logits": float(logits),
           "total": float(carries + work + logits)}
@@ -352,31 +362,10 @@ def _family(path: str) -> str:
 
 def abstract_batch(cfg: ml_collections.ConfigDict, mcfg: ModelConfig, global_batch: int,
                    sharding_: NamedSharding | None = None) -> dict[str, Any]:
-  """ShapeDtypeStructs of one global batch as `launch.train` feeds it (data/packing.py rows, plus
-  Engram rows per Engram layer), each sharded over the batch axes."""
-  from data import images as images_lib, pipeline, packing
-  T = cfg.data.seq_len
-  row = packing.empty_row(T, pipeline.max_images_per_row(cfg),
-                          images_lib.max_cells(cfg.data.max_image_size) * images_lib.CELL_PX)
-  if mcfg.vision is None:
-    row = {k: v for k, v in row.items() if not k.startswith("image") or k == "image_mask"}
-  shapes = {k: ((global_batch, *np.shape(v)), np.asarray(v).dtype) for k, v in row.items()}
-  if mcfg.engram_layer_ids:
-    cmap = np.arange(mcfg.vocab_size) % mcfg.engram_compressed_vocab_size
-    probe = inputs.engram_ids(mcfg, np.zeros((1, 8), np.int32), np.ones((1, 8), np.int32),
-                              None, cmap)
-    shapes["engram_ids"] = {l: ((global_batch, T, v.shape[-1]), np.dtype(np.int32))
-                            for l, v in probe.items()}
-
-  def sds(sd):
-    shape, dt = sd
-    s = None
-    if sharding_ is not None:
-      s = NamedSharding(sharding_.mesh, P(sharding_.spec[0], *([None] * (len(shape) - 1))))
-    return jax.ShapeDtypeStruct(shape, dt, sharding=s)
-
-  return jax.tree.map(sds, shapes, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2
-                      and isinstance(x[0], tuple))
+  """ShapeDtypeStructs of one global batch as `launch.train` feeds it (`launch.setup`'s batch
+  adapter: data/packing.py rows plus Engram rows per Engram layer), each split over the batch
+  axes like `sharding_`."""
+  return setup.abstract_batch(mcfg, data_config(cfg.data), global_batch, sharding_)
 
 
 @dataclasses.dataclass
@@ -386,38 +375,31 @@ class Lowered:
   out_shardings: tuple
   mesh: jax.sharding.Mesh
   rules: Mapping[str, Any] = dataclasses.field(default_factory=lambda: dict(sharding.RULES))
+  graphdef: Any = None      # the model's nnx.GraphDef
+  model_cfg: Any = None     # its ModelConfig
 
 
 def lower_args(cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, global_batch: int,
                rules=None) -> Lowered:
   """The train step and its abstract, sharded arguments, built as `launch.train.run` builds them,
   under `rules` (default: the active table)."""
-  from launch.step import engram_sub_tables, make_train_step
+  from launch.step import make_train_step
 
   rules = dict(sharding.active_rules() if rules is None else rules)
   with sharding.use_rules(rules):
-    return _lower_args(cfg, mesh, global_batch, rules, engram_sub_tables, make_train_step)
+    return _lower_args(cfg, mesh, global_batch, rules, make_train_step)
 
 
-def _lower_args(cfg, mesh, global_batch, rules, engram_sub_tables, make_train_step) -> Lowered:
-  mcfg = model_config(cfg)
-  abs_model = model_lib.abstract_model(mcfg)
-  gdef, abs_state = nnx.split(abs_model)
-  shard = nnx.as_pure(sharding.state_shardings(abs_state, mesh, rules))
-  params = nnx.as_pure(abs_state)
-  ocfg = optim_config({**dict(cfg.optim), "tokens_per_step": global_batch * cfg.data.seq_len})
-  tx = build_optimizer(ocfg, params, sub_tables=engram_sub_tables(abs_model))
-  oshard = opt_state_shardings(tx, params, shard)
-  with_s = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-  a_params = jax.tree.map(with_s, params, shard)
-  a_opt = jax.tree.map(with_s, jax.eval_shape(tx.init, params), oshard)
-  replicated = NamedSharding(mesh, P())
-  a_bias = jax.ShapeDtypeStruct((mcfg.num_hidden_layers, 2, mcfg.n_routed_experts), jnp.float32,
-                                sharding=replicated)
-  a_batch = abstract_batch(cfg, mcfg, global_batch, sharding.batch_sharding(mesh, 1, rules))
-  step = make_train_step(mcfg, gdef, tx, ocfg.moe_bias_gamma)
-  return Lowered(step, (a_params, a_opt, a_bias, a_batch), (shard, oshard, replicated, replicated),
-                 mesh, rules)
+def _lower_args(cfg, mesh, global_batch, rules, make_train_step) -> Lowered:
+  run = setup.run_config(cfg, process_count=1)
+  run = dataclasses.replace(run, optim=dataclasses.replace(
+      run.optim, tokens_per_step=global_batch * run.data.seq_len))
+  state = setup.abstract_state(run, mesh, rules)
+  params_s, opt_s, replicated = state.shardings
+  batch = abstract_batch(cfg, run.model, global_batch, sharding.batch_sharding(mesh, 1, rules))
+  step = make_train_step(run.model, state.graphdef, state.tx, run.optim.moe_bias_gamma)
+  return Lowered(step, (*state.arrays(), batch), (params_s, opt_s, replicated, replicated),
+                 mesh, rules, state.graphdef, run.model)
 
 
 def compile_train_step(low: Lowered):
@@ -426,6 +408,28 @@ def compile_train_step(low: Lowered):
   with jax.set_mesh(low.mesh), sharding.use_rules(low.rules):
     compiled = jax.jit(low.step, donate_argnums=(0, 1, 2),
                        out_shardings=low.out_shardings).lower(*low.args).compile()
+  return compiled, time.perf_counter() - t0
+
+
+def compile_grad_step(low: Lowered):
+  """Lower and compile (never run) the gradient of the training objective alone, parameters and
+  batch sharded as in `low`: XLA's memory analysis of it is parameters + gradients + activations,
+  the part of the plan that `activation_bytes` estimates (the optimizer state is exact by
+  construction). (compiled, seconds)."""
+  from dsv41_jax.loss import objective
+  from launch.step import model_inputs
+
+  params, _, bias, batch = low.args
+  gdef, mcfg = low.graphdef, low.model_cfg
+
+  def loss(params, bias, batch):
+    logits, aux = nnx.merge(gdef, params)(model_inputs(batch), bias)
+    return objective(mcfg, logits, aux, batch)[0]
+
+  t0 = time.perf_counter()
+  with jax.set_mesh(low.mesh), sharding.use_rules(low.rules):
+    compiled = jax.jit(jax.grad(loss), out_shardings=low.out_shardings[0]).lower(
+        params, bias, batch).compile()
   return compiled, time.perf_counter() - t0
 
 
@@ -555,7 +559,7 @@ def main(argv):
                       analytic=F.analytic, rules_text=F.rules,
                       max_compile_params=F.max_compile_params,
                       name=_flag(sys.argv, "config") or "config")
-  except (PlanError, ConfigError, sharding.ShardingError) as e:
+  except (PlanError, ConfigError, sharding.ShardingError, setup.SetupError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   print(text)

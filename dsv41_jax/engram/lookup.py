@@ -1,11 +1,31 @@
 """Engram table lookup, gate and injection as pure functions (MODEL.md §7.3, V4.1 form).
 
-The table of one Engram layer holds all (order, head) sub-tables concatenated by row offset and is
-row-partitioned over the mesh's `engram` axis ("engram-parallel", §7.4). `engram_lookup` runs in a
-`shard_map`: every shard sees all row ids of its engram group, gathers the rows it owns (zeros for
-the others) and the partial results are summed over the axis (reduce-scatter back onto the batch
-sharding, or `psum`). The gradient is the gather's own transpose, a row scatter-add into the owning
-shard; no dense one-hot over rows is formed.
+The table of one Engram layer holds all (order, head) sub-tables concatenated by row offset. Its
+rows are split over the mesh axes of the logical axis "engram_rows" (`sharding.RULES`: `engram`
+and the batch axes, so every device owns distinct rows, §7.4 "engram-parallel"), in contiguous
+blocks: device g of that group (linear index over the axes in rule order) owns rows
+[g·R/G, (g+1)·R/G).
+
+`engram_lookup` is a row exchange with the owners inside one `shard_map`, per device:
+  ids [n = b·T·H] → unique sorted ids u (dedup: a row is asked for once however often it repeats)
+  → owner(u) = u // (R/G), rank within its owner → rounds of at most C ids per owner:
+     send ids [G, C] ─all_to_all→ owners gather their rows [G, C, D] ─all_to_all→ back
+  → rows of u [n, D] → rows[inverse] [b, T, H, D].
+C = ceil(EXCHANGE_FACTOR · n / G) (an owner's expected share of the ids, with slack for the
+hash's unevenness); the number of rounds, ceil(max ids any device sends one owner / C), is
+agreed with a `pmax` over the group, so the exchange is exact for any ids (repeated or
+adversarial ones only cost more rounds) and its buffers stay O(n·D) per device at any G.
+
+Backward (a custom VJP, "Engram gradients as rows"): the float32 row gradients of the unique ids
+(a segment sum over the inverse) travel the same rounds to their owners as (row id, row
+gradient) pairs, and each owner scatter-adds them into its own rows. The table gradient is
+therefore sharded exactly like the table; nothing table-shaped is formed beyond the owner's
+shard, and no collective moves a table-sized buffer. Of the devices that hold the same ids
+(replicas over an axis that does not split the batch) one sends; a table replicated over an axis
+outside the row group (`tensor`) has its shard's gradient summed over that axis by shard_map's
+transpose (a shard-sized all-reduce: keep `tensor` out of such meshes or in the row rule).
+
+Without a mesh the gather runs locally (its transpose is the same scatter-add into one table).
 
 Gate (per token and mHC stream i, ε = rms_norm_eps):
   dot_i = Σ_d X_i,d·w_i,d·k_i,d · rsqrt(mean_d X_i² + ε) · rsqrt(mean_d k_i² + ε) · d^{-1/2}
@@ -15,17 +35,24 @@ Gate (per token and mHC stream i, ε = rms_norm_eps):
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from dsv41_jax import quant, sharding
 
-ENGRAM_AXIS = "engram"
-# Table rows are padded to a multiple of this, so they split evenly over any power-of-two engram
-# axis up to this size. Padded rows are never addressed by a hash id.
+# Table rows are padded to a multiple of this, so they split evenly over any power-of-two row
+# group up to this size. Padded rows are never addressed by a hash id.
 ROW_PAD_MULTIPLE = 1024
 FP8_BLOCK = quant.FP8_SWA_BLOCK   # columns per FP8 scale (MODEL.md §1: one scale per 32 columns)
+# Per-owner slots of one exchange round, as a multiple of an owner's mean share n / G. With
+# hashed rows a device's distinct ids spread over owners nearly uniformly (binomial: at Flash
+# size, n = 98,304 ids over G = 512 owners, mean 192, σ ≈ 14), so 2× the mean makes one round
+# the rule; more rounds are exact, only slower.
+EXCHANGE_FACTOR = 2.0
 
 
 def padded_rows(num_rows: int, multiple: int = ROW_PAD_MULTIPLE) -> int:
@@ -33,65 +60,168 @@ def padded_rows(num_rows: int, multiple: int = ROW_PAD_MULTIPLE) -> int:
 
 
 def _gather_owned(table_RxD: jax.Array, ids: jax.Array, row_start) -> jax.Array:
-  """Rows `ids − row_start` of a table slice; ids the slice does not own give zero rows.
-
-  Unowned ids are sent out of range and filled with zeros, so the transpose (a scatter-add in
-  'drop' mode) touches only owned rows.
-  """
+  """Rows `ids − row_start` of a table slice; ids the slice does not own give zero rows."""
   rows = table_RxD.shape[0]
   local = ids - row_start
   local = jnp.where((local >= 0) & (local < rows), local, rows)
   return table_RxD.at[local].get(mode="fill", fill_value=0)
 
 
-def _batch_axes(mesh, batch: int) -> tuple[str, ...]:
-  """Mesh axes (size > 1) splitting the batch under the "batch" rule, if together they divide it."""
-  entry = sharding.RULES["batch"]
-  names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-  axes = tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1)
-  size = 1
-  for a in axes:
-    size *= mesh.shape[a]
-  return axes if axes and batch % size == 0 else ()
+def exchange_capacity(n_ids: int, n_owners: int, factor: float = EXCHANGE_FACTOR) -> int:
+  """Slots per owner per round, C = min(n, ceil(factor · n / G))."""
+  return int(max(1, min(n_ids, math.ceil(factor * n_ids / n_owners))))
+
+
+class _Plan:
+  """Where each unique id of one device goes: owner, rank among that owner's ids, rounds."""
+
+  def __init__(self, ids_n, rows_local: int, n_owners: int, capacity: int, row_axes):
+    n = ids_n.shape[0]
+    sentinel = rows_local * n_owners            # sorts last, owner == n_owners: never sent
+    u, inv = jnp.unique(ids_n, size=n, fill_value=sentinel, return_inverse=True)
+    self.inv = inv.reshape(-1)
+    self.owner = jnp.minimum(u // rows_local, n_owners)
+    self.row = u - self.owner * rows_local       # row within the owner's block
+    cnt = jnp.zeros((n_owners + 1,), jnp.int32).at[self.owner].add(1)[:n_owners]
+    start = jnp.cumsum(cnt) - cnt
+    self.rank = jnp.arange(n) - jnp.concatenate([start, jnp.array([n], jnp.int32)])[self.owner]
+    self.live = self.owner < n_owners
+    most = jax.lax.pmax(jnp.max(cnt), row_axes)
+    self.rounds = (most + capacity - 1) // capacity
+    self.n_owners, self.capacity, self.row_axes = n_owners, capacity, row_axes
+
+  @classmethod
+  def restore(cls, inv, owner, row, rank, rounds, *, sender, n_owners, capacity, row_axes):
+    """The plan of the forward pass, from its residuals; only a `sender` device sends."""
+    plan = object.__new__(cls)
+    plan.inv, plan.owner, plan.row, plan.rank, plan.rounds = inv, owner, row, rank, rounds
+    plan.live = (owner < n_owners) & sender
+    plan.n_owners, plan.capacity, plan.row_axes = n_owners, capacity, row_axes
+    return plan
+
+  def slot(self, r):
+    """(in this round, flat slot owner·C + rank − r·C) of every unique id."""
+    pos = self.rank - r * self.capacity
+    now = self.live & (pos >= 0) & (pos < self.capacity)
+    return now, jnp.where(now, self.owner * self.capacity + pos, self.n_owners * self.capacity)
+
+  def send(self, now_slot, values, fill):
+    """[G, C, ...] buffer of `values` at their slots (`fill` elsewhere), exchanged with owners."""
+    buf = jnp.full((self.n_owners * self.capacity,) + values.shape[1:], fill, values.dtype)
+    buf = buf.at[now_slot].set(values, mode="drop")
+    buf = buf.reshape((self.n_owners, self.capacity) + values.shape[1:])
+    return jax.lax.all_to_all(buf, self.row_axes, 0, 0, tiled=True)
+
+
+def _exchange_lookup(table_local, ids_n, *, n_owners, capacity, row_axes, dtype):
+  """(rows of ids_n [n, D] in float32, via the owners) and the plan, for the backward."""
+  rows_local, d = table_local.shape
+  plan = _Plan(ids_n, rows_local, n_owners, capacity, row_axes)
+
+  def one_round(r, acc):
+    now, slot = plan.slot(r)
+    recv = plan.send(slot, plan.row, -1).reshape(-1)                     # ids others ask of me
+    got = table_local.at[jnp.where(recv >= 0, recv, rows_local)].get(mode="fill", fill_value=0)
+    got = got.astype(dtype).reshape(n_owners, capacity, d)
+    back = jax.lax.all_to_all(got, row_axes, 0, 0, tiled=True).reshape(-1, d)
+    mine = jnp.concatenate([back, jnp.zeros((1, d), back.dtype)])[slot]
+    return acc + jnp.where(now[:, None], mine.astype(jnp.float32), 0.0)
+
+  rows_u = jax.lax.fori_loop(0, plan.rounds, one_round,
+                             jnp.zeros((ids_n.shape[0], d), jnp.float32))
+  return rows_u[plan.inv], plan
+
+
+def _exchange_grad(g_nxD, plan, rows_local, table_dtype):
+  """Row gradients of the unique ids (float32 sums over repeats), sent to their owners in float32
+  and scatter-added there."""
+  n, d = g_nxD.shape
+  g_u = jax.ops.segment_sum(g_nxD.astype(jnp.float32), plan.inv, num_segments=n)
+
+  def one_round(r, acc):
+    now, slot = plan.slot(r)
+    recv_id = plan.send(slot, jnp.where(now, plan.row, -1), -1).reshape(-1)
+    recv_g = plan.send(slot, g_u, 0).reshape(-1, d)
+    at = jnp.where(recv_id >= 0, recv_id, rows_local)
+    return acc.at[at].add(recv_g, mode="drop")
+
+  g_tab = jax.lax.fori_loop(0, plan.rounds, one_round, jnp.zeros((rows_local, d), jnp.float32))
+  return g_tab.astype(table_dtype)
+
+
+def _row_group(mesh, n_rows: int):
+  """The mesh axes the rows split over (present in the mesh, any size) and their product."""
+  axes = tuple(a for a in sharding.mesh_axes(mesh, "engram_rows", min_size=1))
+  g = sharding.axes_size(mesh, axes)
+  if n_rows % g:
+    raise sharding.ShardingError(
+        f"Engram table rows ({n_rows}) do not split over the mesh axes {axes} of 'engram_rows' "
+        f"({g} ways); pad the rows (padded_rows) or change the mesh")
+  return axes, g
+
+
+def _ids_axes(mesh, batch: int) -> tuple[str, ...]:
+  """Batch mesh axes (size > 1) whose product divides `batch`, dropping from the end."""
+  axes = sharding.batch_axes(mesh)
+  while axes and batch % sharding.axes_size(mesh, axes):
+    axes = axes[:-1]
+  return axes
 
 
 def engram_lookup(table_RxD: jax.Array, ids: jax.Array, dtype=None) -> jax.Array:
-  """table[ids].astype(dtype), shape ids.shape + (D,); row-sharded over `engram` if present.
+  """table[ids].astype(dtype), shape ids.shape + (D,), ids leading with the batch axis.
 
-  Without a mesh in context, or with an `engram` axis of size 1, the gather runs locally. With one,
-  the table must be split over `engram` on its rows (logical axis "engram_rows"; the row count
-  divides by the axis size, see `padded_rows`) and ids lead with the batch axis:
-  - batch split over `engram` (the "batch" rule, when it divides the batch): each device's ids are
-    all-gathered over its engram group, every shard gathers the rows it owns, and a reduce-scatter
-    (`psum_scatter`) returns each token's rows to the device that holds the token;
-  - otherwise (ids replicated over `engram`): every shard gathers its rows and `psum` sums them.
-  Exactly one shard contributes a non-zero to each output element, so casting to `dtype` (e.g.
-  bfloat16) before the collective is exact and halves its bytes.
+  With a mesh in context: the row exchange of the module docstring (the table split over the
+  "engram_rows" mesh axes, ids over the batch axes that divide the batch). The rows travel in
+  `dtype` (e.g. bfloat16: exact, it is the output's dtype); the row gradients, summed over
+  repeats, in float32 (what the local scatter-add accumulates, no extra rounding). Without a mesh:
+  a local gather.
   """
   dtype = table_RxD.dtype if dtype is None else jnp.dtype(dtype)
-  mesh = jax.sharding.get_abstract_mesh()
-  n_shards = 1
-  if mesh is not None and not mesh.empty and ENGRAM_AXIS in mesh.axis_names:
-    n_shards = int(mesh.shape[ENGRAM_AXIS])
-  if n_shards == 1:
+  mesh = sharding.context_mesh()
+  if mesh is None:
     return _gather_owned(table_RxD, ids, 0).astype(dtype)
-  if table_RxD.shape[0] % n_shards:
-    raise ValueError(f"table rows ({table_RxD.shape[0]}) do not split over the {n_shards} "
-                     f"shards of the '{ENGRAM_AXIS}' mesh axis")
-  batch_axes = _batch_axes(mesh, ids.shape[0])
-  scatter_back = ENGRAM_AXIS in batch_axes
+  row_axes, n_owners = _row_group(mesh, table_RxD.shape[0])
+  if not row_axes:
+    return _gather_owned(table_RxD, ids, 0).astype(dtype)
+  id_axes = _ids_axes(mesh, ids.shape[0])
+  n = math.prod(ids.shape) // sharding.axes_size(mesh, id_axes)
+  rows_local, table_dtype = table_RxD.shape[0] // n_owners, table_RxD.dtype
+  kw = dict(n_owners=n_owners, capacity=exchange_capacity(n, n_owners), row_axes=row_axes)
+  # Devices holding the same ids: the replicas over every mesh axis that does not split them.
+  # shard_map's transpose hands each replica 1/copies of the output cotangent; the first replica
+  # sends copies × its share (exact for power-of-two meshes) and the others nothing, so a row's
+  # gradient is summed in the same order as the local scatter-add.
+  dup_axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in id_axes)
+  copies = sharding.axes_size(mesh, dup_axes)
+  spec = lambda axes: None if not axes else (axes[0] if len(axes) == 1 else axes)
 
-  def shard(table_local, ids_local):
-    start = jax.lax.axis_index(ENGRAM_AXIS) * table_local.shape[0]
-    if scatter_back:
-      ids_group = jax.lax.all_gather(ids_local, ENGRAM_AXIS, axis=0, tiled=True)
-      rows = _gather_owned(table_local, ids_group, start).astype(dtype)
-      return jax.lax.psum_scatter(rows, ENGRAM_AXIS, scatter_dimension=0, tiled=True)
-    return jax.lax.psum(_gather_owned(table_local, ids_local, start).astype(dtype), ENGRAM_AXIS)
+  @jax.custom_vjp
+  def local(table_local, ids_local):
+    return _exchange_lookup(table_local, ids_local.reshape(-1), dtype=dtype, **kw)[0]
 
-  ids_spec = P(batch_axes) if batch_axes else P()
-  return jax.shard_map(shard, in_specs=(P(ENGRAM_AXIS, None), ids_spec), out_specs=ids_spec)(
-      table_RxD, ids)
+  def fwd(table_local, ids_local):
+    rows, plan = _exchange_lookup(table_local, ids_local.reshape(-1), dtype=dtype, **kw)
+    return rows, (plan.inv, plan.owner, plan.row, plan.rank, plan.rounds, ids_local)
+
+  def bwd(res, g):
+    *parts, ids_local = res
+    sender = jnp.bool_(True)
+    for a in dup_axes:
+      sender = sender & (jax.lax.axis_index(a) == 0)
+    plan = _Plan.restore(*parts, sender=sender, **kw)
+    g_tab = _exchange_grad(g * copies, plan, rows_local, table_dtype)
+    return g_tab, np.zeros(ids_local.shape, jax.dtypes.float0)
+
+  local.defvjp(fwd, bwd)
+
+  def body(table_local, ids_local):
+    out = local(table_local, ids_local)
+    return out.astype(dtype).reshape(ids_local.shape + (table_local.shape[1],))
+
+  ids_spec = P(spec(id_axes))
+  return jax.shard_map(body, mesh=mesh, in_specs=(P(spec(row_axes), None), ids_spec),
+                       out_specs=ids_spec, check_vma=False)(table_RxD, ids)
 
 
 # --- FP8 storage (E4M3 values, one power-of-two scale per 32 columns) ---------------------------

@@ -21,9 +21,11 @@ Modes (`cfg.moe_dispatch`):
   experts of the token keep their unrenormalised weights). Expert math is a batched matmul
   `"ecd,edf->ecf"` over an [E, C, D] buffer. With `capacity_factor ≥ E/K`, C = n and nothing drops.
 
-Expert parallelism: when the mesh has an `expert` axis of size G > 1 the dispatch runs inside
-`jax.shard_map` (batch split over the batch axes, expert weights over `expert`, the MLP width over
-`tensor` with a psum) and exchanges tokens with the experts' owners by `all_to_all`:
+Expert parallelism: when the logical axis "expert" maps to mesh axes of G > 1 devices in all
+(`sharding.RULES`: `expert` × `engram`, the axes of size > 1 of the mesh) the dispatch
+runs inside `jax.shard_map` (batch split over the batch axes, expert weights over those axes, the
+MLP width over `tensor` with a psum; specs from `dsv41_jax.sharding`) and exchanges tokens with the
+experts' owners by `all_to_all` over those axes:
 - `dropless`: each device sends every destination a static buffer of S = n·min(K, E/G) rows (the
   worst case: a token picks an expert at most once, so at most min(K, E/G) of its pairs go to one
   owner). Exact, nothing dropped; the cost is G·S ≥ n·K rows of exchange buffer.
@@ -46,7 +48,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from dsv41_jax import sharding
@@ -203,7 +204,7 @@ def _capacity_local(x_NxD, weights_NxK, experts_NxK, valid_N, n_experts: int, ca
 # --- expert-parallel exchanges (run inside shard_map) -------------------------------------------
 
 def _ep_sorted_ffn(w1, w3, w2, *, n_experts: int, n_tokens: int, k: int, limit: float, impl: str,
-                   expert_axis: str, n_shards: int, tensor_axis: str | None):
+                   expert_axis, n_shards: int, tensor_axis):
   """`sorted_ffn` that ships sorted rows to the experts' owners and back (dropless, exact)."""
   e_loc = n_experts // n_shards
   s = n_tokens * min(k, e_loc)  # worst case rows from one device to one owner
@@ -238,8 +239,8 @@ def _ep_sorted_ffn(w1, w3, w2, *, n_experts: int, n_tokens: int, k: int, limit: 
   return sorted_ffn
 
 
-def _ep_buffer_ffn(w1, w3, w2, *, n_experts: int, limit: float, expert_axis: str, n_shards: int,
-                   tensor_axis: str | None):
+def _ep_buffer_ffn(w1, w3, w2, *, n_experts: int, limit: float, expert_axis, n_shards: int,
+                   tensor_axis):
   """`buffer_ffn` that ships each owner its [E/G, C, D] slice of the capacity buffer and back."""
   e_loc = n_experts // n_shards
 
@@ -264,8 +265,8 @@ def _ep_buffer_ffn(w1, w3, w2, *, n_experts: int, limit: float, expert_axis: str
 # --- entry point --------------------------------------------------------------------------------
 
 def _dispatch_shard(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1, w3, w2, *, mode: str,
-                    capacity_factor: float, limit: float, impl: str, expert_axis: str | None,
-                    n_shards: int, tensor_axis: str | None):
+                    capacity_factor: float, limit: float, impl: str, expert_axis,
+                    n_shards: int, tensor_axis):
   b, t, d = x_BxTxD.shape
   k = experts_BxTxK.shape[-1]
   n = b * t
@@ -303,22 +304,10 @@ def _dispatch_shard(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1, w3, w2
   return y.reshape(b, t, d), dropped.reshape(b, t, k)
 
 
-def _spec(mesh, logical_axes) -> P:
-  """PartitionSpec of logical axes on this mesh, keeping only mesh axes of size > 1."""
-  def keep(entry):
-    names = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-    names = tuple(a for a in names if mesh.shape[a] > 1)
-    return names[0] if len(names) == 1 else (names or None)
-  return P(*(keep(e) for e in sharding._fit(sharding.logical_to_mesh(logical_axes), mesh)))
-
-
-def _mesh_axis(mesh, logical: str) -> str | None:
-  """The single mesh axis a logical axis maps to in this mesh when its size is > 1, else None."""
-  spec = _spec(mesh, (logical,))[0]
-  if spec is not None and not isinstance(spec, str):
-    raise ValueError(f"logical axis {logical!r} maps to several mesh axes {spec}; the MoE dispatch "
-                     "needs exactly one")
-  return spec
+def _mesh_axes(mesh, logical: str) -> tuple[str, ...] | None:
+  """The mesh axes (size > 1) a logical axis maps to in this mesh, as one collective axis name
+  (a tuple: the experts may be split over several axes, e.g. expert × engram), or None."""
+  return sharding.mesh_axes(mesh, logical) or None
 
 
 def routed_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1_ExDxF, w3_ExDxF,
@@ -353,22 +342,21 @@ def routed_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1_ExDxF, w
   if mesh is None or mesh.empty or mesh.size == 1:
     return _dispatch_shard(*args, expert_axis=None, n_shards=1, tensor_axis=None, **kw)
 
-  expert_axis = _mesh_axis(mesh, "expert")
-  tensor_axis = _mesh_axis(mesh, "mlp")
-  n_shards = mesh.shape[expert_axis] if expert_axis else 1
+  expert_axis = _mesh_axes(mesh, "expert")
+  tensor_axis = _mesh_axes(mesh, "mlp")
+  n_shards = sharding.axes_size(mesh, expert_axis or ())
   n_experts = w1_ExDxF.shape[0]
   if n_experts % n_shards:
-    raise ValueError(f"n_routed_experts ({n_experts}) is not divisible by the mesh's "
-                     f"'{expert_axis}' axis ({n_shards})")
-  batch = _spec(mesh, ("batch",))[0]
-  batch_axes = () if batch is None else ((batch,) if isinstance(batch, str) else tuple(batch))
-  n_batch = math.prod(mesh.shape[a] for a in batch_axes)
+    raise sharding.ShardingError(f"n_routed_experts ({n_experts}) is not divisible by the mesh's "
+                                 f"axes {expert_axis} ({n_shards} ways)")
+  batch_axes = sharding.batch_axes(mesh)
+  n_batch = sharding.batch_ways(mesh)
   if x_BxTxD.shape[0] % n_batch:
-    raise ValueError(f"batch size {x_BxTxD.shape[0]} is not divisible by the {n_batch} batch "
-                     f"shards of the mesh axes {batch_axes}")
-  row = P(batch)
-  w_in = _spec(mesh, ("expert", None, "mlp"))
-  w_out = _spec(mesh, ("expert", "mlp", None))
+    raise sharding.ShardingError(f"batch size {x_BxTxD.shape[0]} is not divisible by the {n_batch} "
+                                 f"batch shards of the mesh axes {batch_axes}")
+  row = sharding.batch_spec(mesh)
+  w_in = sharding.shard_spec(mesh, ("expert", None, "mlp"))
+  w_out = sharding.shard_spec(mesh, ("expert", "mlp", None))
   body = lambda *a: _dispatch_shard(*a, expert_axis=expert_axis, n_shards=n_shards,
                                     tensor_axis=tensor_axis, **kw)
   return jax.shard_map(body, mesh=mesh, in_specs=(row, row, row, row, w_in, w_in, w_out),
