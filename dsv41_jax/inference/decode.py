@@ -1,0 +1,348 @@
+"""Prefill and one-token decode steps over the stored caches (MODEL.md §4–§8, §5.7, §6, §10).
+
+One sequence per batch row, a single document (positions = row index, segment 1); every row of a
+batch sits at the same position t.
+
+Decode step at position t (`decode_step`), layer by layer, with the layer's weights from
+`Transformer.layer(i)`:
+
+  Engram layers   X += gate · value of the token's n-gram rows          (`Engram`, host hash ids)
+  attention site  a_pre, a_post, a_comb = attn_hc(X);  x = attn_norm(collapse(X, pre_mix))
+    Full          the compressor input x (or H_{L/2}, kv_input "encoder_final") joins the pending
+                  group; when t completes it, (t+1) mod m = 0, the group is pooled (`compress`),
+                  normalised, rotated at g·m and written as entry g = t // m (FP4 + E4M3, and the
+                  indexer key MXFP4)
+    Full/Reindex  indexer scores over the entries visible at t, g < ⌊(t+1)/m⌋ (`indexer_scores`,
+                  `entry_visible`), the candidate pool at its source and mask at its consumers
+                  (`candidate_pool`, `candidate_mask`), top-k (`select_topk`); Reuse layers reuse
+                  the latest top-k of their index source
+    attention     one softmax with sink over the layer's own new key, the valid ring slots
+                  (positions t − W + 1 … t − 1) and the selected entries (`attend`, "gather": the
+                  window and the entries are both passed as gathered keys), then the output path
+  MoE site        f_pre, f_post, f_comb = ffn_hc(X); routed (dropless) + shared experts
+  head            final_norm(collapse(X, pre_mix)) @ head → logits [B, V]
+
+The step's keys are the values the caches hold (`cache.py`: the stored formats, or the forward
+pass's own values), so with `stored_formats=False` it equals the forward pass up to float rounding,
+and with the stored formats it is the forward pass with the QAT quantizers on (up to code flips,
+see `cache.py`); for a model trained with them off the formats are an approximation.
+
+Prefill (`prefill`) runs the prompt as one sequence per layer (`block.layer_forward`), keeping what
+the caches need from each layer's attention input: the last W SWA keys and, at Full layers, the
+entries of the complete groups and the pending partial group. Two paths:
+
+  "full"  every layer over all N prompt tokens. Decode afterwards is exact (the exact path).
+  "ced"   (MODEL.md §6) the encoder over all N tokens; the decoder's global KV from the final
+          encoder state H_{L/2} (`block.prefill_kv` math), and the decoder's SWA rings by bounded
+          replay (§5.7): the decoder runs, one token at a time, over the last W prompt tokens only,
+          starting at s = max(0, N − W) with empty rings. A replayed token i sees decoder window
+          keys [max(s, i − W + 1), i] instead of [i − W + 1, i]; its decoder input H_{L/2} and the
+          decoder's global KV are exact (the encoder ran over everything). For N ≤ W (s = 0) the
+          two paths are the same function. For N > W the decoder's SWA keys of the replayed tokens
+          differ, and each decoder layer carries the difference W − 1 positions further, so the
+          logits may differ before position N − 1 + (L_dec − 1)(W − 1) and are exact from there on
+          (tested; sizes in benchmarks/RESULTS.md). The decoder costs W tokens instead of N.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax.block import Context, StreamState, encoder_final_input, layer_forward
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.inference import cache as cache_lib
+from dsv41_jax.inference.cache import DecodeCache, GlobalCache, SWACache
+from dsv41_jax.layer_plan import LayerSpec
+from dsv41_jax.layers import mhc, moe_dispatch, rope
+from dsv41_jax.layers.compressor import compress
+from dsv41_jax.layers.indexer import candidate_mask, candidate_pool, indexer_scores, select_topk
+from dsv41_jax.layers.moe import route
+from dsv41_jax.layers.sparse_attention import attend, default_scale
+from dsv41_jax.layers.types import CompressedKV, entry_visible
+
+
+# --- pieces shared by prefill and decode --------------------------------------------------------
+
+def _swa_key(core, x_BxTxD: jax.Array, positions_BxT: jax.Array) -> jax.Array:
+  """The layer's SWA key before quantization: RoPE(RMSNorm_w(x @ wkv)) (MODEL.md §4.2)."""
+  attn = core.attn
+  dt = x_BxTxD.dtype
+  kv = attn.kv_norm(jnp.einsum("btd,dc->btc", x_BxTxD, attn.wkv[...].astype(dt)))
+  return rope.apply_rope(kv, positions_BxT, attn.inv_freq)
+
+
+def _entries(core, pub, src_BxGxmxD: jax.Array, g0) -> tuple[jax.Array, jax.Array]:
+  """(main KV, indexer K) before quantization of the G complete groups src [B, G, m, D] whose
+  first is entry g0 (MODEL.md §5.2–5.3; the same ops as `Compressor` and `Indexer.keys`)."""
+  comp, idx = pub.compressor, pub.indexer
+  B, G, m, D = src_BxGxmxD.shape
+  dt = src_BxGxmxD.dtype
+  wgate = None if comp.wgate is None else comp.wgate[...]
+  c = compress(src_BxGxmxD.reshape(B, G * m, D), comp.wkv[...], wgate, m)
+  latent = comp.norm(c)
+  pos = jnp.broadcast_to((g0 + jnp.arange(G, dtype=jnp.int32)) * m, (B, G))
+  main = rope.apply_rope(latent, pos, core.attn.inv_freq)
+  latent = latent.astype(dt)
+  k = idx.k_norm(jnp.einsum("bnc,ci->bni", latent, idx.wk[...].astype(dt)))
+  return main, rope.apply_rope(k, pos, core.attn.inv_freq)
+
+
+def _gather_main(g: GlobalCache, topk_BxK: jax.Array) -> jax.Array:
+  """The selected main-KV entries, decoded: [B, K, D] (rows of empty slots are entry 0)."""
+  i = jnp.maximum(topk_BxK, 0)
+  take = lambda a: jnp.take_along_axis(a, i[:, :, None], axis=1)
+  return cache_lib.read_main(take(g.main_BxNxD2), take(g.main_scale_BxNxS))
+
+
+def _moe(cfg: ModelConfig, moe, x_BxTxD: jax.Array, bias_E: jax.Array) -> jax.Array:
+  """Routed experts (dropless) + shared expert of one MoE layer (MODEL.md §8; `MoE.__call__`
+  without the balance statistics, for text tokens)."""
+  logits = jnp.einsum("btd,de->bte", x_BxTxD.astype(jnp.float32),
+                      moe.router[...].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+  weights, experts, _ = route(logits, bias_E, moe.k, moe.route_scale, moe.gate_temp)
+  x = x_BxTxD.astype(moe.dtype)
+  valid = jnp.ones(x.shape[:2], bool)
+  y, _ = moe_dispatch.routed_experts(x, weights, experts, valid, moe.experts.w1[...],
+                                     moe.experts.w3[...], moe.experts.w2[...], mode="dropless",
+                                     swiglu_limit=moe.limit)
+  if moe.shared is not None:
+    y = y + moe.shared(x)
+  return y.astype(x_BxTxD.dtype)
+
+
+def _head(model, X_BxTxNxD: jax.Array, pre_BxTxN: jax.Array) -> jax.Array:
+  cfg = model.cfg
+  x = model.final_norm(mhc.collapse(X_BxTxNxD, pre_BxTxN)).astype(cfg.dtype)
+  return jnp.einsum("btd,dv->btv", x, model.head[...].astype(cfg.dtype),
+                    preferred_element_type=jnp.float32)
+
+
+# --- decode ------------------------------------------------------------------------------------
+
+def _compressor_step(cfg, core, pub, g: GlobalCache, src_Bx1xD, t, m: int, write: bool
+                     ) -> GlobalCache:
+  """Add token t's compressor input to the pending group; write entry t // m when it completes."""
+  pending = jax.lax.dynamic_update_index_in_dim(g.pending_BxmxD, src_Bx1xD.astype(
+      g.pending_BxmxD.dtype), t % m, axis=1)
+  g = g._replace(pending_BxmxD=pending)
+  if not write:
+    return g
+  gi = t // m
+  main, key = _entries(core, pub, pending[:, None], gi)                 # [B, 1, ·]
+  new = cache_lib.entry_arrays(cfg, g, main, key)
+  done = (t + 1) % m == 0
+  rows = []
+  for old, n in zip(g[:4], new):
+    cur = jax.lax.dynamic_index_in_dim(old, gi, axis=1)
+    rows.append(jax.lax.dynamic_update_index_in_dim(old, jnp.where(done, n.astype(old.dtype), cur),
+                                                    gi, axis=1))
+  return GlobalCache(*rows, pending)
+
+
+def _attention_step(cfg, core, x_Bx1xD, c_q, pos_Bx1, t, ring: SWACache,
+                    sel_BxKxD: jax.Array | None, sel_valid_BxK: jax.Array | None
+                    ) -> tuple[jax.Array, SWACache]:
+  """One query over its own key, the ring's window and the selected entries; the ring updated."""
+  W = cfg.sliding_window
+  q = core.attn.queries(c_q, pos_Bx1)                                   # [B, 1, H, D]
+  codes, scales = cache_lib.key_arrays(cfg, ring, _swa_key(core, x_Bx1xD, pos_Bx1))
+  own = cache_lib.read_keys(codes, scales).astype(q.dtype)              # [B, 1, D]
+  window = cache_lib.read_keys(ring.codes_BxWxD, ring.scales_BxWxR).astype(q.dtype)
+  ok = (ring.pos_W >= 0) & (ring.pos_W > t - W) & (ring.pos_W < t)
+  B = x_Bx1xD.shape[0]
+  keys, idx = window, jnp.broadcast_to(jnp.where(ok, jnp.arange(W), -1), (B, W))
+  if sel_BxKxD is not None:
+    K = sel_BxKxD.shape[1]
+    keys = jnp.concatenate([keys, sel_BxKxD.astype(q.dtype)], axis=1)
+    idx = jnp.concatenate([idx, jnp.where(sel_valid_BxK, W + jnp.arange(K), -1)], axis=1)
+  o, _ = attend(q, own, jnp.ones((B, 1), jnp.int32), core.attn.attn_sink[...], window=W,
+                scale=default_scale(cfg.head_dim), global_kv_BxNxD=keys,
+                topk_BxTxK=idx[:, None, :].astype(jnp.int32), impl="gather")
+  slot = t % W
+  ring = SWACache(jax.lax.dynamic_update_index_in_dim(ring.codes_BxWxD, codes, slot, axis=1),
+                  jax.lax.dynamic_update_index_in_dim(ring.scales_BxWxR, scales, slot, axis=1),
+                  ring.pos_W.at[slot].set(t))
+  return core.attn.output(o, pos_Bx1), ring
+
+
+def _index_step(cfg, spec: LayerSpec, pub, x, c_q, pos_Bx1, t, g: GlobalCache, m: int,
+                pool) -> tuple[jax.Array, Any]:
+  """(topk [B, K], candidate pool or the one given) of a Full / Reindex layer at position t."""
+  idx = pub.indexer
+  inv_freq = jnp.asarray(idx.inv_freq)
+  q = jnp.einsum("btq,qhi->bthi", c_q, idx.wq_b[...].astype(c_q.dtype))
+  q = idx._quant(rope.apply_rope(q, pos_Bx1, inv_freq))
+  w = jnp.einsum("btd,dh->bth", x, idx.weights_proj[...].astype(x.dtype))
+  w = w.astype(jnp.float32) * (idx.n_heads ** -0.5)
+  k = cache_lib.read_index(g).astype(q.dtype)
+  B, N = k.shape[:2]
+  n = jnp.arange(N, dtype=jnp.int32)
+  meta = CompressedKV(None, None, jnp.ones((B, N), jnp.int32),
+                      jnp.broadcast_to((n + 1) * m - 1, (B, N)), jnp.broadcast_to(n * m, (B, N)))
+  vis = entry_visible(meta, jnp.ones((B, 1), jnp.int32), jnp.reshape(t, (1,)))
+  scores = indexer_scores(q, k, w)                                      # [B, 1, N]
+  cmask = None
+  if spec.candidate_role == "source":
+    pool = candidate_pool(scores, vis, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+  elif spec.candidate_role == "consumer":
+    cmask = candidate_mask(pool, N, cfg.candidate_block_size)
+  topk, _ = select_topk(scores, vis, cfg.index_topk, cmask)
+  return topk[:, 0], pool
+
+
+def _layers_step(model, first: int, last: int, X, pre, cache: DecodeCache, t, engram_ids,
+                 moe_bias_Lx2xE, write_global: bool, enc=None):
+  """Layers [first, last) for the token at position t; returns (X, pre_mix, cache, encoder state)."""
+  cfg: ModelConfig = model.cfg
+  plan = model.plan
+  dt = jnp.dtype(cfg.dtype)
+  B = X.shape[0]
+  pos = jnp.broadcast_to(jnp.reshape(t, (1, 1)), (B, 1)).astype(jnp.int32)
+  swa, glob = list(cache.swa), dict(cache.glob)
+  topk = {}        # index-source layer → its top-k at t
+  pool = None
+  for i in range(first, last):
+    spec = plan[i]
+    if i == plan.num_encoder_layers:
+      enc = StreamState(X, pre)
+    core, pub, engram = model.layer(i)
+    if engram is not None:
+      X, _ = engram(X, engram_ids[i], jnp.ones((B, 1), bool))
+    a_pre, a_post, a_comb = core.attn_hc(X)
+    x = core.attn_norm(mhc.collapse(X, pre)).astype(dt)
+    c_q = core.attn.q_latent(x)
+    sel = valid = None
+    if spec.reads_global_kv:
+      m = spec.compress_ratio
+      if spec.owns_compressor:
+        src = x if spec.kv_input == "own" else encoder_final_input(cfg, core, enc)
+        glob[i] = _compressor_step(cfg, core, pub, glob[i], src, t, m,
+                                   write_global or spec.is_encoder)
+      g = glob[spec.kv_source]
+      if spec.owns_indexer:
+        topk[i], pool = _index_step(cfg, spec, pub, x, c_q, pos, t, g, m, pool)
+      sel_idx = topk[spec.index_source]
+      sel, valid = _gather_main(g, sel_idx), sel_idx >= 0
+    y, swa[i] = _attention_step(cfg, core, x, c_q, pos, t, swa[i], sel, valid)
+    X = mhc.expand(X, a_post, a_comb, y)
+    f_pre, f_post, f_comb = core.ffn_hc(X)
+    x = core.ffn_norm(mhc.collapse(X, a_pre)).astype(dt)
+    X = mhc.expand(X, f_post, f_comb, _moe(cfg, core.moe, x, moe_bias_Lx2xE[i, 0]))
+    pre = f_pre
+  return X, pre, DecodeCache(tuple(swa), glob), enc
+
+
+def decode_step(model, cache: DecodeCache, token_B: jax.Array, t, engram_ids: dict,
+                moe_bias_Lx2xE: jax.Array) -> tuple[jax.Array, DecodeCache]:
+  """Logits [B, V] of the token at position t (every layer), and the caches with t added.
+
+  `engram_ids`: Engram layer → [B, 1, H] rows of the token (`inputs.engram_ids` of its n-gram).
+  """
+  h = model.embed_tokens(token_B[:, None])
+  s = model.initial_state(h)
+  X, pre, cache, _ = _layers_step(model, 0, len(model.plan), s.X_BxTxNxD, s.pre_mix_BxTxN, cache,
+                                  t, engram_ids, moe_bias_Lx2xE, write_global=True)
+  return _head(model, X, pre)[:, 0], cache
+
+
+def decoder_step(model, cache: DecodeCache, enc: StreamState, t, moe_bias_Lx2xE: jax.Array
+                 ) -> tuple[jax.Array, DecodeCache]:
+  """Bounded replay (§5.7): the decoder layers only, for the token at t whose final encoder state
+  `enc` ([B, 1, ...]) the prefill computed; the decoder's global entries are already stored."""
+  n_enc = model.plan.num_encoder_layers
+  X, pre, cache, _ = _layers_step(model, n_enc, len(model.plan), enc.X_BxTxNxD, enc.pre_mix_BxTxN,
+                                  cache, t, {}, moe_bias_Lx2xE, write_global=False, enc=enc)
+  return _head(model, X, pre)[:, 0], cache
+
+
+# --- prefill -----------------------------------------------------------------------------------
+
+def _fill_swa(cfg, ring: SWACache, key_BxTxD: jax.Array) -> SWACache:
+  """Store the last min(T, W) keys of a T-token prompt in their slots (position p → p mod W)."""
+  T = key_BxTxD.shape[1]
+  W = ring.pos_W.shape[0]
+  start = max(0, T - W)
+  p = jnp.arange(start, T, dtype=jnp.int32)
+  codes, scales = cache_lib.key_arrays(cfg, ring, key_BxTxD[:, start:])
+  return SWACache(ring.codes_BxWxD.at[:, p % W].set(codes), ring.scales_BxWxR.at[:, p % W].set(scales),
+                  ring.pos_W.at[p % W].set(p))
+
+
+def _fill_global(cfg, core, pub, g: GlobalCache, src_BxTxD: jax.Array, m: int) -> GlobalCache:
+  """Entries of the complete groups of a T-token prompt, and its partial group as pending."""
+  B, T, D = src_BxTxD.shape
+  G = T // m
+  arrays = list(g[:4])
+  if G:
+    main, key = _entries(core, pub, src_BxTxD[:, :G * m].reshape(B, G, m, D), 0)
+    new = cache_lib.entry_arrays(cfg, g, main, key)
+    arrays = [a.at[:, :G].set(n.astype(a.dtype)) for a, n in zip(arrays, new)]
+  pending = g.pending_BxmxD
+  if T > G * m:
+    pending = pending.at[:, :T - G * m].set(src_BxTxD[:, G * m:].astype(pending.dtype))
+  return GlobalCache(*arrays, pending)
+
+
+def prefill(model, cache: DecodeCache, tokens_BxT: jax.Array, engram_ids: dict,
+            moe_bias_Lx2xE: jax.Array, *, depth: str = "ced") -> dict[str, Any]:
+  """Run a T-token prompt into empty caches (module docstring for the two paths).
+
+  depth "full": returns {"cache", "logits" [B, T, V]}. depth "ced": the encoder only; returns
+  {"cache", "encoder_state"} (H_{L/2} of every prompt token, [B, T, ...]); the decoder's SWA rings
+  are still empty: `decoder_step` over tokens s … T − 1 (`replay_start`) fills them and gives the
+  logits of the last prompt token.
+  """
+  if depth not in ("full", "ced"):
+    raise ValueError(f"prefill depth must be 'full' or 'ced' (got {depth!r})")
+  cfg: ModelConfig = model.cfg
+  plan = model.plan
+  dt = jnp.dtype(cfg.dtype)
+  B, T = tokens_BxT.shape
+  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  ctx = Context(positions, jnp.ones((B, T), jnp.int32), jnp.zeros((B, T), bool), dict(engram_ids))
+  state = model.initial_state(model.embed_tokens(tokens_BxT))
+  swa, glob = list(cache.swa), dict(cache.glob)
+  n_enc = plan.num_encoder_layers
+  enc = None
+  for r, run in enumerate(plan.runs):
+    if run.first_layer == n_enc:
+      enc = state = StreamState(state.X_BxTxNxD, state.pre_mix_BxTxN)  # the decoder's own KV
+      if depth == "ced":
+        break
+      ctx = Context(ctx.positions_BxT, ctx.segment_ids_BxT, ctx.image_mask_BxT, ctx.engram_ids,
+                    encoder_final=enc if cfg.kv_source_input == "encoder_final" else None)
+    for k, spec in enumerate(run.layers):
+      core, pub, engram = model.layer(spec.index)
+      if engram is not None:
+        X, _ = engram(state.X_BxTxNxD, engram_ids[spec.index], jnp.ones((B, T), bool))
+        state = state._replace(X_BxTxNxD=X)
+      if k == 0:
+        state = model._prepare_carry(run, state, ctx)
+      x = core.attn_norm(mhc.collapse(state.X_BxTxNxD, state.pre_mix_BxTxN)).astype(dt)
+      swa[spec.index] = _fill_swa(cfg, swa[spec.index], _swa_key(core, x, positions))
+      if spec.owns_compressor:
+        src = x if spec.kv_input == "own" else encoder_final_input(cfg, core, enc)
+        glob[spec.index] = _fill_global(cfg, core, pub, glob[spec.index], src,
+                                        spec.compress_ratio)
+      state, _ = layer_forward(cfg, [spec], core, [pub], state, ctx, moe_bias_Lx2xE[spec.index])
+  if depth == "full":
+    return {"cache": DecodeCache(tuple(swa), glob),
+            "logits": _head(model, state.X_BxTxNxD, state.pre_mix_BxTxN)}
+  for spec in plan.layers[n_enc:]:   # the decoder's KV sources, projected from H_{L/2} (§6)
+    if spec.owns_compressor:
+      if not (spec.kv_input == "encoder_final" or spec.index == n_enc):
+        raise ValueError(f"decoder KV source layer {spec.index} projects from its own input, not "
+                         "from the final encoder state: CED prefill cannot build its cache")
+      core, pub, _ = model.layer(spec.index)
+      glob[spec.index] = _fill_global(cfg, core, pub, glob[spec.index],
+                                      encoder_final_input(cfg, core, enc), spec.compress_ratio)
+  return {"cache": DecodeCache(tuple(swa), glob), "encoder_state": enc}
+
+
+def replay_start(cfg: ModelConfig, prompt_len: int) -> int:
+  """s = max(0, N − W): the first prompt token the CED decoder replays (MODEL.md §5.7)."""
+  return max(0, prompt_len - cfg.sliding_window)
+
