@@ -1,7 +1,7 @@
 """One transformer layer of the single-pass mHC stack (MODEL.md §3.3, §4–§8, §14).
 
-A layer reads the n residual streams X and the previous site's pre-coefficients (Engram memory,
-§7, is injected before it by the run that owns the table), runs attention with its CSA2 role from
+A layer reads the n residual streams X and the previous site's pre-coefficients, injects Engram
+memory (§7) when it is an Engram layer (the run looks the table up before its scan), runs attention with its CSA2 role from
 the layer plan (Full: compress + index; Reindex: index the shared KV; Reuse: reuse the latest
 top-k; SWA: window only), then the MoE, each through an mHC site:
 
@@ -21,7 +21,7 @@ changes is a `Context`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -141,12 +141,18 @@ def _publish(cfg: ModelConfig, spec: LayerSpec, core: LayerCore, pub: Publisher 
 
 def layer_forward(cfg: ModelConfig, kinds: Sequence[LayerSpec], core: LayerCore,
                   pubs: Sequence[Publisher | None], state: StreamState, ctx: Context,
-                  moe_bias_2xE: jax.Array, kind_index=0) -> tuple[StreamState, LayerAux]:
+                  moe_bias_2xE: jax.Array, kind_index=0, engram: Callable | None = None
+                  ) -> tuple[StreamState, LayerAux]:
   """One layer. `kinds[kind_index]` is its kind; `pubs[k]` the Publisher for kind k (None for
   kinds that publish nothing). With one kind the CSA2 step is static; with several,
-  `kind_index` may be traced and the step is a `lax.switch` over the kinds."""
+  `kind_index` may be traced and the step is a `lax.switch` over the kinds. `engram(X) ->
+  (X', gate_N)` injects the layer's Engram memory first (the caller makes it a no-op for layers
+  without one)."""
   X = state.X_BxTxNxD
   real = ctx.segment_ids_BxT > 0
+  gate = jnp.zeros((cfg.hc_mult,), jnp.float32)
+  if engram is not None:
+    X, gate = engram(X)
   global_branch = kinds[0].reads_global_kv    # one compression ratio per run: all or none
 
   # --- attention site ---
@@ -184,8 +190,6 @@ def layer_forward(cfg: ModelConfig, kinds: Sequence[LayerSpec], core: LayerCore,
   X = mhc.expand(X, f_post, f_comb, y)
 
   new_state = StreamState(X.astype(state.X_BxTxNxD.dtype), f_pre, kv, topk, candidate)
-  n = cfg.hc_mult
   aux = LayerAux(moe_aux["balance_loss"], idx_loss, moe_aux["load_2xE"],
-                 moe_aux["dropped_fraction"], jnp.zeros((n,), jnp.float32),
-                 jnp.zeros((), jnp.float32))
+                 moe_aux["dropped_fraction"], gate, jnp.zeros((), jnp.float32))
   return new_state, aux

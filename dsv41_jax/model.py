@@ -2,8 +2,9 @@
 
 The layer plan groups layers into runs (`layer_plan.Run`); a run's weights are stacked on a
 leading axis (`runs/<r>/core/...` for every layer, `runs/<r>/<kind>/...` for each kind that has
-CSA2 weights of its own, `runs/<r>/engram/...` for the Engram table of its first layer) and run
-under one `lax.scan` whose body switches on the layer's kind. The program therefore holds one
+CSA2 weights of its own, `runs/<r>/engram/...` for the run's Engram layer) and run under one
+`lax.scan` whose body switches on the layer's kind. The Engram table lookup depends on the token ids
+alone, so it runs before the scan; the scan body injects it (gated on the streams) at its layer. The program therefore holds one
 layer body per kind per run, whatever the depth: compile time and program size do not grow with
 the number of layers. With `scan_layers=False` the same weights run unrolled (for tests). A
 forward pass can stop after the encoder (CED prefill, §6).
@@ -50,7 +51,7 @@ def _take(module: nnx.Module, i) -> nnx.Module:
 
 class RunStack(nnx.Module):
   """The weights of one run: `core` [n_layers, ...], one Publisher stack per publishing kind
-  (attribute = the kind's name), and the Engram memory of the run's first layer."""
+  (attribute = the kind's name), and the Engram memory of the run's Engram layer, if any."""
 
   def __init__(self, cfg: ModelConfig, run: Run, rngs: nnx.Rngs):
     first = run.layers[0]
@@ -60,7 +61,7 @@ class RunStack(nnx.Module):
         setattr(self, spec.kind_name,
                 _stacked(lambda r, spec=spec: Publisher(cfg, spec, r), run.kind_count(k), rngs))
     if run.engram:
-      self.engram = Engram(cfg, first.index, rngs=rngs, fp8_table=cfg.engram_fp8_table)
+      self.engram = Engram(cfg, run.engram_layer, rngs=rngs, fp8_table=cfg.engram_fp8_table)
 
   def publishers(self, run: Run) -> list[Publisher | None]:
     return [getattr(self, s.kind_name) if s.owns_indexer else None for s in run.kinds]
@@ -106,7 +107,7 @@ class Transformer(nnx.Module):
     run, stack = self.plan.runs[r], self.runs[r]
     spec = run.kinds[run.kind_of[i]]
     pub = _take(getattr(stack, spec.kind_name), run.slot_of[i]) if spec.owns_indexer else None
-    engram = stack.engram if (i == 0 and run.engram) else None
+    engram = stack.engram if index == run.engram_layer else None
     return _take(stack.core, i), pub, engram
 
   def run_layers(self, r: int, state: StreamState, ctx: Context,
@@ -116,12 +117,23 @@ class Transformer(nnx.Module):
     run, stack = self.plan.runs[r], self.runs[r]
     lo, n = run.first_layer, run.n_layers
     bias = moe_bias_Lx2xE[lo:lo + n]
-    gate = touched = None
+    is_engram = np.asarray([l.engram for l in run.layers])
+    engram_at = lambda flag: None
+    touched = None
     if run.engram:
+      # The lookup (ids only) before the scan; the gated injection inside, at the Engram layer.
       token_mask = (ctx.segment_ids_BxT > 0) & ~ctx.image_mask_BxT
-      X, stats = stack.engram(state.X_BxTxNxD, ctx.engram_ids[run.first_layer], token_mask)
-      state = state._replace(X_BxTxNxD=X)
-      gate, touched = stats["gate_mean"], stats["rows_touched_frac"]
+      ids = ctx.engram_ids[run.engram_layer]
+      memory_kv = stack.engram.memory(ids)
+      touched = stack.engram.rows_touched(ids, token_mask) / stack.engram.num_rows
+      engram = stack.engram
+
+      def engram_at(flag):
+        inject = lambda X: engram.inject(X, memory_kv, token_mask)
+        if isinstance(flag, (bool, np.bool_)):   # unrolled: static
+          return inject if flag else None
+        skip = lambda X: (X, jnp.zeros((cfg.hc_mult,), jnp.float32))
+        return lambda X: jax.lax.cond(flag, inject, skip, X)
     state = self._prepare_carry(run, state, ctx)
     pubs = stack.publishers(run)
     core_def, core_state = nnx.split(stack.core)
@@ -131,10 +143,10 @@ class Transformer(nnx.Module):
     slot_of = np.asarray(run.slot_of, np.int32)
 
     def body(carry, xs):
-      core_p, pub_ps, bias_l, k = xs
+      core_p, pub_ps, bias_l, k, e = xs
       core = nnx.merge(core_def, core_p)
       ps = [None if d is None else nnx.merge(d, p) for d, p in zip(pub_defs, pub_ps)]
-      return layer_forward(cfg, run.kinds, core, ps, carry, ctx, bias_l, k)
+      return layer_forward(cfg, run.kinds, core, ps, carry, ctx, bias_l, k, engram_at(e))
 
     if cfg.remat:
       body = jax.checkpoint(body, prevent_cse=False)
@@ -144,17 +156,18 @@ class Transformer(nnx.Module):
       gathered = [None if p is None else jax.tree.map(
           lambda a, k=k: a[np.where(kind_of == k, slot_of, 0)], p)
           for k, p in enumerate(pub_states)]
-      state, aux = jax.lax.scan(body, state, (core_state, gathered, bias, jnp.asarray(kind_of)))
+      state, aux = jax.lax.scan(body, state, (core_state, gathered, bias, jnp.asarray(kind_of),
+                                              jnp.asarray(is_engram)))
     else:
       auxes = []
       for i in range(n):
         k, slot = run.kind_of[i], run.slot_of[i]
 
-        def one(carry, core_p, pub_p, bias_l, k=k):
+        def one(carry, core_p, pub_p, bias_l, k=k, e=is_engram[i]):
           # Unrolled, the kind is static: only the layer's own publisher weights are passed.
           ps = [None if pub_defs[k] is None else nnx.merge(pub_defs[k], pub_p)]
           return layer_forward(cfg, [run.kinds[k]], nnx.merge(core_def, core_p), ps, carry, ctx,
-                               bias_l)
+                               bias_l, engram=engram_at(e))
 
         if cfg.remat:
           one = jax.checkpoint(one, prevent_cse=False)
@@ -162,9 +175,9 @@ class Transformer(nnx.Module):
         state, a = one(state, jax.tree.map(lambda a: a[i], core_state), pub_p, bias[i])
         auxes.append(a)
       aux = jax.tree.map(lambda *a: jnp.stack(a), *auxes)
-    if gate is not None:
-      aux = aux._replace(engram_gate_N=aux.engram_gate_N.at[0].set(gate),
-                         engram_rows_touched=aux.engram_rows_touched.at[0].set(touched))
+    if touched is not None:
+      at = run.engram_layer - run.first_layer
+      aux = aux._replace(engram_rows_touched=aux.engram_rows_touched.at[at].set(touched))
     return state, aux
 
   def _prepare_carry(self, run: Run, state: StreamState, ctx: Context) -> StreamState:

@@ -77,6 +77,34 @@ class Engram(nnx.Module):
       return lookup.dequantize_fp8_rows(q, s).astype(self.dtype)
     return lookup.engram_lookup(self.table[...], hash_ids_BxTxH, self.dtype)
 
+  def memory(self, hash_ids_BxTxH: jax.Array) -> jax.Array:
+    """kv [B, T, (N+1)·d]: the looked-up rows projected to N stream keys and one value. It depends
+    on the ids alone, so a scanned run computes it before its layers run."""
+    B, T, H = hash_ids_BxTxH.shape
+    if H != self.num_hash_heads:
+      raise ValueError(f"Engram layer {self.layer_id} expects {self.num_hash_heads} hash ids per "
+                       f"token, got {H}")
+    e = self.rows(hash_ids_BxTxH.astype(jnp.int32)).reshape(B, T, -1)
+    e = sharding.constrain(e, ("batch", "seq", "engram_in"))
+    kv = jnp.einsum("bti,io->bto", e, self.w_ekv[...].astype(self.dtype))
+    return sharding.constrain(kv, ("batch", "seq", "engram_out"))
+
+  def inject(self, X_BxTxNxD: jax.Array, kv_BxTxO: jax.Array, token_mask_BxT: jax.Array
+             ) -> tuple[jax.Array, jax.Array]:
+    """(X + α·v, mean gate per stream [N] over the masked tokens)."""
+    w = self.q_w[...].astype(jnp.float32) * self.k_w[...].astype(jnp.float32)
+    mask = token_mask_BxT.astype(bool)
+    X_new, alpha = lookup.engram_inject(X_BxTxNxD, kv_BxTxO, w, mask, self.eps)
+    return X_new, lookup.masked_mean(alpha, mask)
+
+  def rows_touched(self, hash_ids_BxTxH: jax.Array, token_mask_BxT: jax.Array) -> jax.Array:
+    """Distinct table rows read by the real tokens of a packed row, averaged over the rows that
+    hold real tokens."""
+    mask = token_mask_BxT.astype(bool)
+    per_row = lookup.distinct_rows_per_row(hash_ids_BxTxH.astype(jnp.int32), mask)
+    live = jnp.any(mask, axis=-1).astype(jnp.float32)
+    return jnp.sum(per_row.astype(jnp.float32) * live) / jnp.maximum(jnp.sum(live), 1.0)
+
   def __call__(self, X_BxTxNxD: jax.Array, hash_ids_BxTxH: jax.Array,
                token_mask_BxT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(X_new [B, T, N, d], stats).
@@ -86,25 +114,10 @@ class Engram(nnx.Module):
     `rows_touched_frac`, the same over num_rows. (Batch-wide coverage: `hashing.batch_rows_touched`
     on the host.)
     """
-    B, T, H = hash_ids_BxTxH.shape
-    if H != self.num_hash_heads:
-      raise ValueError(f"Engram layer {self.layer_id} expects {self.num_hash_heads} hash ids per "
-                       f"token, got {H}")
-    ids = hash_ids_BxTxH.astype(jnp.int32)
-    e = self.rows(ids).reshape(B, T, -1)
-    e = sharding.constrain(e, ("batch", "seq", "engram_in"))
-    kv = jnp.einsum("bti,io->bto", e, self.w_ekv[...].astype(self.dtype))
-    kv = sharding.constrain(kv, ("batch", "seq", "engram_out"))
-    w = self.q_w[...].astype(jnp.float32) * self.k_w[...].astype(jnp.float32)
-    mask = token_mask_BxT.astype(bool)
-    X_new, alpha = lookup.engram_inject(X_BxTxNxD, kv, w, mask, self.eps)
-    per_row = lookup.distinct_rows_per_row(ids, mask).astype(jnp.float32)
-    live = jnp.any(mask, axis=-1).astype(jnp.float32)
-    touched = jnp.sum(per_row * live) / jnp.maximum(jnp.sum(live), 1.0)
-    stats = {"gate_mean": lookup.masked_mean(alpha, mask),
-             "rows_touched": touched,
-             "rows_touched_frac": touched / self.num_rows}
-    return X_new, stats
+    X_new, gate = self.inject(X_BxTxNxD, self.memory(hash_ids_BxTxH), token_mask_BxT)
+    touched = self.rows_touched(hash_ids_BxTxH, token_mask_BxT)
+    return X_new, {"gate_mean": gate, "rows_touched": touched,
+                   "rows_touched_frac": touched / self.num_rows}
 
 
 def _abstract_state(cfg, layer_id: int) -> nnx.State:

@@ -16,11 +16,12 @@ def test_flash_plan_matches_model_md_section_2():
   assert [plan[i].kv_source for i in (3, 9, 19)] == [2, 8, 14]
   assert [l.index for l in plan if l.engram] == [1, 14]
   assert all(l.is_encoder == (l.index < 20) for l in plan)
-  # Runs split at the halves, at ratio changes and at Engram layers: 5 scanned runs for 40 layers,
-  # each switching over the kinds it holds.
-  runs = [(r.first_layer, r.n_layers, tuple(k.kind_name for k in r.kinds)) for r in plan.runs]
-  assert runs == [(0, 1, ("swa",)), (1, 1, ("swa",)), (2, 12, ("full", "reuse")),
-                  (14, 6, ("full", "reuse")), (20, 20, ("full", "reuse", "reindex"))]
+  # Runs split at the halves and at ratio changes: 3 scanned runs for 40 layers, each switching
+  # over the kinds it holds and injecting its one Engram layer.
+  runs = [(r.first_layer, r.n_layers, tuple(k.kind_name for k in r.kinds), r.engram_layer)
+          for r in plan.runs]
+  assert runs == [(0, 2, ("swa",), 1), (2, 18, ("full", "reuse"), 14),
+                  (20, 20, ("full", "reuse", "reindex"), None)]
   assert [l.index for r in plan.runs for l in r.layers] == list(range(40))
 
 
