@@ -15,15 +15,15 @@ Why these rules (the memory plan, `python -m launch.aot --config=configs/flash.p
   lookup exchanges row ids and rows with their owners (`dsv41_jax.engram.lookup`), so the table
   gradient is the owner's rows only: no replica holds a copy to all-reduce.
 - Dense weights over `fsdp` on the model width (ZeRO-3). Matrices without a model-width axis take
-  `fsdp` on another axis: attention heads (`wq_b`, the indexer's `wq_b`, `attn_sink`) over
-  `tensor` then `fsdp`, the indexer's `wq_b` over its head width (`index_dim`), the grouped output
-  projection `wo_a` over its per-group input (`o_in`),
-  the Engram projection over its input (`engram_in`), ViT and projector widths over `fsdp`.
-  (`wq_b` and `wo_a` unsplit were 11 GiB per device at Flash size.)
-- Routed experts over `expert` and `engram` (experts) × `fsdp` (model width): 384 experts of 40
-  layers, 1.4 T parameters; over `expert` × `fsdp` alone (64 ways) they are 32 GiB per device.
+  `fsdp` on another axis: attention heads (`wq_b`, `attn_sink`) over `tensor` then `fsdp`, the
+  indexer's `wq_b` over its head width (`index_dim`), the grouped output projection `wo_a` over
+  its per-group input (`o_in`), the Engram projection over its input (`engram_in`), ViT and
+  projector widths over `fsdp`. (`wq_b` and `wo_a` unsplit were 11 GiB per device at Flash size.)
+- Routed experts over `expert` and `engram` (experts) × `fsdp` (model width): 384 experts in 40
+  layers, 543 B parameters; over `expert` × `fsdp` alone (64 ways) they are 32 GiB per device.
 - The batch over `data`, `fsdp`, `expert`, `engram`; heads and MLP width over `tensor`.
-A mesh axis is used at most once per parameter (`check_rules` says which parameter breaks that);
+A mesh axis is used at most once per parameter (`state_partition_specs` names a parameter that
+breaks that; `check_table` checks a table on its own);
 an activation's later logical axis whose mesh axis is taken (e.g. `embed` after `batch` took
 `fsdp`) stays unsplit, which is what makes the dense weights ZeRO-3: gathered for the matmul.
 """
