@@ -114,20 +114,6 @@ def cpu_mesh(shape: Mapping[str, int]) -> Mesh:
   return sharding.make_mesh(shape, cpu_devices(math.prod(sizes)))
 
 
-def batch_axes(mesh: Mesh) -> tuple[str, ...]:
-  """The mesh axes a batch's leading dimension is split over (the "batch" rule, fitted)."""
-  entry = sharding.logical_to_mesh(("batch",))[0]
-  entry = (entry,) if isinstance(entry, str) else tuple(entry or ())
-  return tuple(a for a in entry if a in mesh.axis_names and mesh.shape[a] > 1)
-
-
-def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
-  """Leading dimension on the batch axes, the rest replicated."""
-  axes = batch_axes(mesh)
-  lead = None if not axes else axes[0] if len(axes) == 1 else axes
-  return NamedSharding(mesh, P(lead, *([None] * (ndim - 1))) if ndim else P())
-
-
 # --- a micro model config ---------------------------------------------------------------------
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -320,8 +306,8 @@ def arg_shardings(args: Sequence[Any], mesh: Mesh, in_specs: Sequence[Any] | Non
     if isinstance(spec, str) and spec == "params":
       out.append(sharding.state_shardings(arg, mesh))
     elif isinstance(spec, str) and spec == "batch":
-      axes = batch_axes(mesh)
-      n = math.prod(mesh.shape[a] for a in axes)
+      axes = sharding.batch_axes(mesh)
+      n = sharding.batch_ways(mesh)
 
       def put(path, x, i=i, n=n, axes=axes):
         shape = np.shape(x)
@@ -330,7 +316,7 @@ def arg_shardings(args: Sequence[Any], mesh: Mesh, in_specs: Sequence[Any] | Non
               f"argument {i}{jax.tree_util.keystr(path)} has batch (leading) dimension "
               f"{shape[0]}, which the mesh's batch axes {' × '.join(axes)} = {n} do not divide; "
               f"use a batch that is a multiple of {n}, a smaller mesh, or in_specs")
-        return batch_sharding(mesh, len(shape))
+        return sharding.batch_sharding(mesh, len(shape))
       out.append(jax.tree_util.tree_map_with_path(put, arg))
     elif spec is None:
       out.append(jax.tree.map(lambda x: NamedSharding(mesh, P()), arg))

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from data.documents import Piece
 from data.packing import assemble_row, stack_rows
-from dsv41_jax import inputs, testing
+from dsv41_jax import inputs, sharding, testing
 from dsv41_jax.layer_plan import build_layer_plan
 from dsv41_jax.vision.merge import check_image_batch
 
@@ -32,7 +32,7 @@ def test_too_many_devices_names_the_environment_variables():
   mesh = testing.cpu_mesh({"data": 2, "expert": 2})       # a sub-mesh of the first 4 devices
   assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 2, "engram": 1, "tensor": 1}
   assert set(mesh.devices.flat) == set(jax.devices()[:4])
-  assert testing.batch_axes(mesh) == ("data", "expert")
+  assert sharding.batch_axes(mesh) == ("data", "expert")
 
 
 def test_plugin_gives_a_fresh_pytest_process_8_cpu_devices(tmp_path):

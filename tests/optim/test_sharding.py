@@ -46,8 +46,8 @@ def _assert_like_params(state, shardings):
 def test_state_sharded_like_params_at_init_and_after_update():
   mesh = testing.cpu_mesh({"fsdp": 2, "expert": 2, "tensor": 2})
   rng = np.random.default_rng(0)
-  shardings = _nest({p: NamedSharding(mesh, sharding._fit(sharding.logical_to_mesh(ax, len(s)), mesh))
-                     for p, s, ax in PARAMS})
+  spec = lambda axes, ndim: sharding.fit_spec(sharding.logical_to_mesh(axes, ndim), mesh)
+  shardings = _nest({p: NamedSharding(mesh, spec(ax, len(s))) for p, s, ax in PARAMS})
   host = _nest({p: rng.standard_normal(s).astype(np.float32) for p, s, _ in PARAMS})
   params = jax.device_put(host, shardings)
   grads = jax.device_put(jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32),
