@@ -316,7 +316,7 @@ def arg_shardings(args: Sequence[Any], mesh: Mesh, in_specs: Sequence[Any] | Non
               f"argument {i}{jax.tree_util.keystr(path)} has batch (leading) dimension "
               f"{shape[0]}, which the mesh's batch axes {' × '.join(axes)} = {n} do not divide; "
               f"use a batch that is a multiple of {n}, a smaller mesh, or in_specs")
-        return sharding.batch_sharding(mesh, len(shape))
+        return sharding.batch_sharding(mesh, len(shape)) if shape else NamedSharding(mesh, P())
       out.append(jax.tree_util.tree_map_with_path(put, arg))
     elif spec is None:
       out.append(jax.tree.map(lambda x: NamedSharding(mesh, P()), arg))

@@ -149,6 +149,8 @@ def test_bad_inputs_name_the_problem():
   with pytest.raises(ValueError, match=r"argument 0 has batch \(leading\) dimension 6, which the "
                      r"mesh's batch axes data × expert = 4 do not divide"):
     testing.assert_sharded_matches(lambda x, w: x @ w, (x, w), mesh, in_specs=("batch", None))
+  batch = {"rows": x[:4], "scale": np.float32(3.0)}   # a scalar in a batch argument: replicated
+  testing.assert_sharded_matches(lambda b: b["rows"] * b["scale"], (batch,), mesh, rtol=0, atol=0)
   with pytest.raises(ValueError, match=r"argument 1\['tokens'\] has batch \(leading\) dimension 6"):
     testing.assert_sharded_matches(lambda w, b: b["tokens"] @ w, (w, {"tokens": x}), mesh,
                                    in_specs=(None, "batch"))
