@@ -1,4 +1,4 @@
-"""CSA2 Pallas kernels vs the XLA forms, one device call (issue 13; MODEL.md §4.3, §5.4).
+"""CSA2 Pallas kernels vs the XLA forms, one device call (issue 13; docs/design.md §4.3, §5.4).
 
   PYTHONUNBUFFERED=1 python benchmarks/csa2_kernels_gpu.py            # H200, writes $OUT/csa2.json
   JAX_PLATFORMS=cpu python benchmarks/csa2_kernels_gpu.py --smoke      # CPU: tiny, interpreted

@@ -1,4 +1,4 @@
-"""Data pipeline throughput (TRAINING.md §3): tokens/s of packed rows on the default corpus,
+"""Data pipeline throughput (docs/design.md §T3): tokens/s of packed rows on the default corpus,
 with and without grain worker processes.
 
   python -m benchmarks.data_throughput            # seq_len 4096 x 1000 rows, workers 0 / 1 / 2

@@ -1,4 +1,4 @@
-"""Engram table lookup + gradient timing (MODEL.md §7.3, `dsv41_jax.engram.lookup`).
+"""Engram table lookup + gradient timing (docs/design.md §7.3, `dsv41_jax.engram.lookup`).
 
   XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \
     python benchmarks/engram_lookup.py --rows=1048576 --dim=64 --tokens=4096 --heads=24

@@ -1,4 +1,4 @@
-"""CSA2 indexer scoring + top-k on one GPU, by query chunk (MODEL.md §5.4; dsv41_jax/layers/indexer.py).
+"""CSA2 indexer scoring + top-k on one GPU, by query chunk (docs/design.md §5.4; dsv41_jax/layers/indexer.py).
 
   python benchmarks/indexer_gpu.py                    # H200: V4.1-Flash indexer shapes
   python benchmarks/indexer_gpu.py --smoke            # CPU: tiny shapes

@@ -1,4 +1,4 @@
-"""Pallas kernels vs their XLA references on one GPU, side by side (TRAINING.md §5).
+"""Pallas kernels vs their XLA references on one GPU, side by side (docs/design.md §T5).
 
   python benchmarks/kernels_gpu.py                       # H200: full-size shapes, markdown table
   python benchmarks/kernels_gpu.py --sweep               # also try a few block sizes per kernel
@@ -15,11 +15,11 @@ that many seconds have passed, so one device call always ends with the table; `-
 every row there too.
 
 Cases:
-- `quant`: FP4 main-KV, MXFP4 and FP8 SWA fake quantization of [entries, 512] bf16 (MODEL.md §9.2),
+- `quant`: FP4 main-KV, MXFP4 and FP8 SWA fake quantization of [entries, 512] bf16 (docs/design.md §9.2),
   forward (the backward is the straight-through identity). Also checked on the host against the
   ml_dtypes casts with the spec's scales.
 - `site`: one fused single-pass mHC site (`hc_site`: previous expand + coefficients + collapse +
-  norm, MODEL.md §3.3), n = 4, bf16 streams, at d = 5120 / 4096 and 8K–32K tokens; forward, and
+  norm, docs/design.md §3.3), n = 4, bf16 streams, at d = 5120 / 4096 and 8K–32K tokens; forward, and
   forward+backward (`jax.vjp` with given cotangents). Minimum traffic: (2n+2)·d values per token
   forward, plus (3n+3)·d backward (X, F, dX', dx read; dX, dF written).
 - `hc`: the coefficient-only kernel `hc_coefficients` (the earlier kernel; X [tokens, 4, 5120]).

@@ -2,9 +2,9 @@
 
   python benchmarks/moe_dispatch.py                                   # 2-core CPU sizes
   python benchmarks/moe_dispatch.py --tokens 16384 --d 1536 --f 768 --experts 64 --k 6 \
-      --dtype bfloat16                                                # GPU sizes of TRAINING.md §7
+      --dtype bfloat16                                                # GPU sizes of docs/design.md §T7
 
-Times `moe_dispatch.routed_experts` (MODEL.md §8.2, dsv41_jax/layers/moe_dispatch.py) on one device
+Times `moe_dispatch.routed_experts` (docs/design.md §8.2, dsv41_jax/layers/moe_dispatch.py) on one device
 for fixed routing (random router logits through `moe.route`), forward and forward + backward
 (gradients to x and the three expert weights), against a dense reference that runs every expert
 on every token and weights the outputs by the (mostly zero) gate matrix. Reports the median of

@@ -3,7 +3,7 @@
   timeout 185 python -u benchmarks/moe_gpu.py --out=$OUT   # H200: everything below, one call
   JAX_PLATFORMS=cpu python benchmarks/moe_gpu.py --smoke   # CPU: tiny shapes, kernels interpreted
 
-Cases (TRAINING.md §7; configs/small.py:s3), bf16 operands, skewed routings:
+Cases (docs/design.md §T7; configs/small.py:s3), bf16 operands, skewed routings:
 - `§7`: 64 experts, 16,384 tokens × top-6 = 98,304 rows, 1536 -> 768 (one expert weight).
 - `s3 up` / `s3 down`: 48 experts, 16,384 tokens × top-4 = 65,536 rows (1 % padding rows in no
   group), 1024 -> 512 and 512 -> 1024.
@@ -167,7 +167,7 @@ def grouped_case(name, rows, k, n, sizes_np, plans, reps, smoke, results):
   row["capacity_fwdbwd_ms"] = _time(bfb, (xb, w), reps)
   del xb, rb
 
-  # ragged_dot (XLA) and its own VJP: slow on the GPU (TRAINING.md §7), so few repetitions and
+  # ragged_dot (XLA) and its own VJP: slow on the GPU (docs/design.md §T7), so few repetitions and
   # only while the run has time left.
   if time.perf_counter() - T0 > 120 and not smoke:
     _log("  ragged_dot skipped: time budget")
@@ -267,7 +267,7 @@ def _interrupt(*_):
 def run_cases(plans, reps, smoke, results, out):
   rng = np.random.default_rng(0)
   # (name, rows, K, N, experts, padding rows in no group, routing spread); smoke: tiny.
-  # Spread 1.2 gives §7 a hot expert of 8,786 rows (mean 1,536), like TRAINING.md §7's routing.
+  # Spread 1.2 gives §7 a hot expert of 8,786 rows (mean 1,536), like docs/design.md §T7's routing.
   cases = ([("§7", 16384 * 6, 1536, 768, 64, 0, 1.2), ("s3 up", 16384 * 4, 1024, 512, 48, 655, 0.9),
             ("s3 down", 16384 * 4, 512, 1024, 48, 655, 0.9)] if not smoke else
            [("§7", 384, 128, 128, 8, 0, 1.2), ("s3 up", 256, 128, 64, 6, 9, 0.9)])

@@ -1,5 +1,5 @@
 """Newton–Schulz in float32 vs bfloat16 operands (float32 accumulation): singular-value spread of
-the orthogonalized direction and the update RMS after Muon's rescaling (TRAINING.md §2: 0.18).
+the orthogonalized direction and the update RMS after Muon's rescaling (docs/design.md §T2: 0.18).
 
   python benchmarks/muon_precision.py [--shapes 1024x512 512x128 1536x768 768x1536]
 

@@ -1,4 +1,4 @@
-"""Optimizer chain vs plain `optax.adamw` (TRAINING.md §2): step time and a small training run.
+"""Optimizer chain vs plain `optax.adamw` (docs/design.md §T2): step time and a small training run.
 
   python benchmarks/optim_step.py --part=step    # step time on a ~100M-parameter tree
   python benchmarks/optim_step.py --part=train   # byte-level LM on Python stdlib sources

@@ -20,7 +20,7 @@ def base_config(model: dict) -> ml_collections.ConfigDict:
   """A ConfigDict with a `model` section holding every ModelConfig field (defaults overridden).
 
   `model["vision"]`, when given, is a dict of VisionConfig fields (the rest at their defaults);
-  it also freezes the ViT in the optimizer until the learning-rate decay begins (TRAINING.md §2).
+  it also freezes the ViT in the optimizer until the learning-rate decay begins (docs/design.md §T2).
   """
   fields = {f.name: getattr(ModelConfig(), f.name) for f in dataclasses.fields(ModelConfig)}
   unknown = set(model) - set(fields)
@@ -46,7 +46,7 @@ def base_config(model: dict) -> ml_collections.ConfigDict:
     cfg.optim.unfreeze_at = "decay_start"
   cfg.train = ml_collections.ConfigDict(train_defaults())
   cfg.optim.total_steps = cfg.train.get_ref("steps")
-  # Mesh axis sizes (TRAINING.md §1); -1 takes the remaining devices.
+  # Mesh axis sizes (docs/design.md §T1); -1 takes the remaining devices.
   cfg.mesh = ml_collections.ConfigDict(dataclasses.asdict(MeshConfig()))
   return cfg
 
@@ -102,7 +102,7 @@ MESH_AXES = ("data", "fsdp", "expert", "engram", "tensor")
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """The `mesh` section: device-mesh axis sizes (TRAINING.md §1); -1 takes the remaining devices.
+  """The `mesh` section: device-mesh axis sizes (docs/design.md §T1); -1 takes the remaining devices.
 
   Whether the sizes fit the devices is checked where the devices are known (`sharding.make_mesh`).
   """

@@ -1,11 +1,11 @@
-"""Full-size DeepSeek-V4.1-Flash (MODEL.md §1), in its pre-training or long-context phase.
+"""Full-size DeepSeek-V4.1-Flash (docs/design.md §1), in its pre-training or long-context phase.
 
   python -m launch.ledger --config=configs/flash.py         # pre-training: plain RoPE
   python -m launch.ledger --config=configs/flash.py:long    # long-context extension: YaRN
 
 Pre-training runs at 64K tokens until the 1M extension at 34T tokens, so it uses plain RoPE with
 θ = 160000 on the compressed layers; YaRN (factor 16 from the original 65536) belongs to the
-long-context phase, whose state is the released config (MODEL.md §4.5).
+long-context phase, whose state is the released config (docs/design.md §4.5).
 """
 
 import ml_collections

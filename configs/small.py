@@ -1,6 +1,6 @@
 """Small models with V4.1-Flash's structure, for GPU runs and scaling ladders: 's1' … 's4'.
 
-Every size keeps the released layout scaled to its depth L (MODEL.md §1-§2): two pure-SWA layers,
+Every size keeps the released layout scaled to its depth L (docs/design.md §1-§2): two pure-SWA layers,
 an encoder at compress ratio 2 and a decoder at ratio 1 (halves of L); a Full layer every 6
 encoder layers from layer 2 plus the first decoder layer, a Reindex layer every 4 decoder layers,
 Engram at layer 1 and at ⌊0.35·L⌋, the ViT + projector frozen until the decay. Width, experts and
@@ -101,9 +101,9 @@ def model_fields(size: str) -> dict:
       engram_vocab_size=s["engram_rows"],
       engram_compressed_vocab_size=s["vocab"],
       seq_len=s["seq"],
-      yarn_enabled=False,  # pre-training: plain RoPE (MODEL.md §4.5)
+      yarn_enabled=False,  # pre-training: plain RoPE (docs/design.md §4.5)
       # GPU defaults: capacity buckets (exact `dropless` runs through lax.ragged_dot at ~10
-      # TFLOP/s on the H200, TRAINING.md §7); the dropped fraction is logged every step.
+      # TFLOP/s on the H200, docs/design.md §T7); the dropped fraction is logged every step.
       moe_dispatch="capacity",
       moe_capacity_factor=1.25,
       vision=dict(s["vit"]),

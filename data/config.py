@@ -1,4 +1,4 @@
-"""The `data` section of every config (TRAINING.md §3): `DataConfig`, typed and validated.
+"""The `data` section of every config (docs/design.md §T3): `DataConfig`, typed and validated.
 
 `configs/common.base_config` installs `data_defaults()` as `cfg.data`; a config file or a
 command-line override (`--config.data.seq_len=4096`) changes them, and `data_config(cfg.data)`
@@ -26,7 +26,7 @@ class DataConfig:
 
   seq_len: int = 128  # tokens per packed row
   batch_size: int = 8  # rows per batch yielded by the iterator (per process)
-  # Token shares of the two streams (TRAINING.md §3: text : multimodal = 7 : 1 in tokens).
+  # Token shares of the two streams (docs/design.md §T3: text : multimodal = 7 : 1 in tokens).
   text_weight: float = 7.0
   multimodal_weight: float = 1.0
   # Shard paths, directories or globs (.jsonl, .jsonl.gz, .parquet, .array_record).

@@ -1,4 +1,4 @@
-"""The default corpus, available offline on any machine (TRAINING.md §3).
+"""The default corpus, available offline on any machine (docs/design.md §T3).
 
 Text: the Python standard library's `.py` files, paths sorted, excluding `site-packages`,
 `__pycache__` and test directories (`test`, `tests`, `idle_test`), empty files and files that are

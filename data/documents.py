@@ -1,5 +1,5 @@
 """Documents: a record's segments as one token sequence with image spans, and its deterministic
-split into pieces of at most `seq_len` tokens (TRAINING.md §3).
+split into pieces of at most `seq_len` tokens (docs/design.md §T3).
 
 Layout of a document: `<|begin_of_text|>`, then each segment in order -- text as its tokens, an
 image as `<|image_begin|>`, `h_cells * w_cells` x `<|image_pad|>`, `<|image_end|>` -- then

@@ -1,4 +1,4 @@
-"""Image decoding and sizing for the vision pathway (TRAINING.md §3).
+"""Image decoding and sizing for the vision pathway (docs/design.md §T3).
 
 The rule every image goes through (`load_image`):
 

@@ -1,4 +1,4 @@
-"""Token-share mixture of the data streams (TRAINING.md §3: text : multimodal = 7 : 1 in tokens).
+"""Token-share mixture of the data streams (docs/design.md §T3: text : multimodal = 7 : 1 in tokens).
 
 grain's `IterDataset.mix` weights count elements, so a token share needs each stream's mean
 length and only lands near its target. `TokenMixer` decides in tokens directly: the next document

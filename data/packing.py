@@ -1,4 +1,4 @@
-"""The project's best-fit packer and packed-row layout (TRAINING.md §3).
+"""The project's best-fit packer and packed-row layout (docs/design.md §T3).
 
 `BestFitPacker` keeps a persistent pool of up to `max_bins` open bins (rows being filled). Items
 are references `[..., start, stop]` to token ranges of document pieces (the pipeline uses

@@ -1,4 +1,4 @@
-"""The data pipeline the training loop calls (TRAINING.md §3).
+"""The data pipeline the training loop calls (docs/design.md §T3).
 
     it = make_train_iterator(cfg, process_index, process_count)
     batch = next(it)           # dict of numpy arrays, [batch_size, seq_len] (+ image arrays)

@@ -1,4 +1,4 @@
-"""Record schema: what a source element means, and how a bad one is named (TRAINING.md §3).
+"""Record schema: what a source element means, and how a bad one is named (docs/design.md §T3).
 
 A source yields payloads `(kind, value, base_dir)`, optionally followed by `where` (the record's
 `file:line`, for the skip report):

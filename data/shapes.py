@@ -1,5 +1,5 @@
 """Generated image-caption documents for the multimodal stream of the default corpus
-(TRAINING.md §3).
+(docs/design.md §T3).
 
 Document `i` of a split is a pure function of `(seed, split, i)`: a canvas of random size
 (36-200 px a side, so some images are below one 42-px cell and get upscaled) with 1-3 coloured

@@ -1,5 +1,5 @@
 """Shard readers: JSONL (plain or gzipped), Parquet and ArrayRecord as grain data sources
-(TRAINING.md §3).
+(docs/design.md §T3).
 
 `open_source(paths)` expands files, directories (their shards, sorted) and globs into an ordered
 list of shards and returns one random-access source over all their records; each element is a

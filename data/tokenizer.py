@@ -1,5 +1,5 @@
 """Tokenizer: a Hugging Face `tokenizer.json`, or a byte-level BPE trained once on the default
-corpus and cached (TRAINING.md §3).
+corpus and cached (docs/design.md §T3).
 
 Special tokens (always present; `TokenizerHandle` exposes their ids):
 

@@ -1,4 +1,4 @@
-"""One transformer layer of the single-pass mHC stack (MODEL.md §3.3, §4–§8, §14).
+"""One transformer layer of the single-pass mHC stack (docs/design.md §3.3, §4–§8, §14).
 
 A layer reads the n residual streams X and the previous site's pre-coefficients, injects Engram
 memory (§7) when it is an Engram layer (the run looks the table up before its scan), runs attention with its CSA2 role from

@@ -1,4 +1,4 @@
-"""Inference-cache layout: what each compressed entry and each SWA key stores (MODEL.md §9–§10).
+"""Inference-cache layout: what each compressed entry and each SWA key stores (docs/design.md §9–§10).
 
 Global cache: only CSA2 Full layers (KV sources) store entries; Reuse and Reindex layers read them.
 Each entry holds the main KV (all `head_dim` channels, FP4 E2M1 with one E4M3 scale per 16) and the

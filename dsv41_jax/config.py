@@ -1,7 +1,7 @@
-"""Model configuration: every field of MODEL.md §1, defaulting to the full V4.1-Flash size.
+"""Model configuration: every field of docs/design.md §1, defaulting to the full V4.1-Flash size.
 
 `ModelConfig` is frozen and validated when built: an inconsistent combination of fields raises
-`ConfigError` naming the fields involved. The layer plan (MODEL.md §2) is derived from it once,
+`ConfigError` naming the fields involved. The layer plan (docs/design.md §2) is derived from it once,
 in `dsv41_jax.layer_plan`.
 """
 
@@ -22,9 +22,9 @@ def _flash_compress_ratios() -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """DeepSeek-V4.1-Flash hyper-parameters (MODEL.md §1) plus implementation choices."""
+  """DeepSeek-V4.1-Flash hyper-parameters (docs/design.md §1) plus implementation choices."""
 
-  # --- sizes (MODEL.md §1) ---
+  # --- sizes (docs/design.md §1) ---
   vocab_size: int = 129280
   hidden_size: int = 5120
   num_hidden_layers: int = 40
@@ -44,11 +44,11 @@ class ModelConfig:
   candidate_source_layer_id: int = 20
   candidate_topk_blocks: int = 2048
   candidate_block_size: int = 8
-  # The hierarchical candidate pool arrives in post-training (MODEL.md §5.6): off by default.
+  # The hierarchical candidate pool arrives in post-training (docs/design.md §5.6): off by default.
   use_candidate_pool: bool = False
   rope_theta: float = 10000.0
   compress_rope_theta: float = 160000.0
-  # YaRN belongs to the long-context phase (MODEL.md §4.5); the released config has it on.
+  # YaRN belongs to the long-context phase (docs/design.md §4.5); the released config has it on.
   yarn_enabled: bool = True
   yarn_factor: float = 16.0
   yarn_original_max_position: int = 65536
@@ -73,7 +73,7 @@ class ModelConfig:
   engram_vocab_size: int = 16_000_000
   engram_compressed_vocab_size: int = 99_092
   engram_pad_token_id: int = 2
-  # Store Engram tables in FP8 (E4M3, one scale per 32 columns; MODEL.md §7.4): frozen storage
+  # Store Engram tables in FP8 (E4M3, one scale per 32 columns; docs/design.md §7.4): frozen storage
   # for evaluation and memory-bound runs; the optimizer never sees it.
   engram_fp8_table: bool = False
 
@@ -85,7 +85,7 @@ class ModelConfig:
   kv_source_input: Literal["own", "encoder_final"] = "own"
   # Per-head unweighted q RMS norm (open question Q1): V4 has it, the V4.1 ports do not.
   q_head_norm: bool = False
-  # Quantization-aware training switches (MODEL.md §9); pre-training keeps them off.
+  # Quantization-aware training switches (docs/design.md §9); pre-training keeps them off.
   fp4_main_kv: bool = False
   fp4_indexer: bool = False
   fp8_swa_kv: bool = False
@@ -100,10 +100,10 @@ class ModelConfig:
   # MoE dispatch: "dropless" (exact) or "capacity" (static per-expert capacity).
   moe_dispatch: Literal["dropless", "capacity"] = "dropless"
   moe_capacity_factor: float = 1.25
-  # Loss weights: sequence-wise balance loss (MODEL.md §8.4) and the indexer KL loss (§5.5).
+  # Loss weights: sequence-wise balance loss (docs/design.md §8.4) and the indexer KL loss (§5.5).
   balance_loss_weight: float = 1e-4
   indexer_loss_weight: float = 1.0
-  # mHC initialisation (MODEL.md §3.4): fn std, pre base, diagonal of the residual base.
+  # mHC initialisation (docs/design.md §3.4): fn std, pre base, diagonal of the residual base.
   hc_init_fn_std: float = 1e-3
   hc_init_pre_base: float = 0.0
   hc_init_res_diag: float = 6.0

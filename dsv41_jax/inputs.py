@@ -1,4 +1,4 @@
-"""Host-side preparation of a packed batch for the model: Engram hash rows (MODEL.md §7.2, §14).
+"""Host-side preparation of a packed batch for the model: Engram hash rows (docs/design.md §7.2, §14).
 
 Hashing needs int64 arithmetic, which jnp does not do without x64, so it runs in numpy on the host
 for every batch, once per Engram layer.
@@ -40,7 +40,7 @@ def engram_ids(cfg: ModelConfig, tokens_BxT: np.ndarray, segment_ids_BxT: np.nda
     pad_id = None
   else:
     canonical = compression.compress_token_ids(tokens, compression_map)
-    # The pad id is the canonical id of the pad token (MODEL.md §7.1: `map[pad]`).
+    # The pad id is the canonical id of the pad token (docs/design.md §7.1: `map[pad]`).
     pad_id = int(compression_map[cfg.engram_pad_token_id])
   return {l: hashing.engram_hash_ids(canonical, segment_ids_BxT, image_mask_BxT,
                                      _hash_params(cfg, l, pad_id))

@@ -1,4 +1,4 @@
-"""The static layer plan of MODEL.md §2, computed once from a `ModelConfig`, as data.
+"""The static layer plan of docs/design.md §2, computed once from a `ModelConfig`, as data.
 
 Each layer gets a `LayerSpec` (its compression ratio, CSA2 mode, KV and index sources, Engram
 flag, candidate role, RoPE base). Consecutive layers are then grouped into *runs* that one

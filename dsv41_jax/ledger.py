@@ -2,7 +2,7 @@
 
 Every figure is computed from the abstract parameter shapes of the real model (`jax.eval_shape`,
 no allocation), the layer plan, and the cache layout in `dsv41_jax.cache_layout`: no constant of
-the report is typed in here. Conventions (MODEL.md §1 "Sanity checks", §10):
+the report is typed in here. Conventions (docs/design.md §1 "Sanity checks", §10):
 
 - `engram_params`: the Engram hash tables (rows × dim). The Engram projections (`w_ekv`) and norm
   weights are dense per-token matrices and count with the backbone, like attention.

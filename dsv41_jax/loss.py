@@ -1,4 +1,4 @@
-"""Training objective over packed rows: LM cross-entropy plus the auxiliary losses (MODEL.md §5.5, §8.4).
+"""Training objective over packed rows: LM cross-entropy plus the auxiliary losses (docs/design.md §5.5, §8.4).
 
     loss = LM + balance_loss_weight · Σ_layers L_bal + indexer_loss_weight · Σ_layers L^I
 

@@ -1,4 +1,4 @@
-"""The whole DeepSeek-V4.1-Flash backbone: embedding, the plan-driven layer stack, head (MODEL.md).
+"""The whole DeepSeek-V4.1-Flash backbone: embedding, the plan-driven layer stack, head (docs/design.md).
 
 The layer plan groups layers into runs (`layer_plan.Run`); a run's weights are stacked on a
 leading axis (`runs/<r>/core/...` for every layer, `runs/<r>/<kind>/...` for each kind that has
@@ -94,7 +94,7 @@ class Transformer(nnx.Module):
     return sharding.constrain(h, ("batch", "seq", "embed"))
 
   def initial_state(self, h_BxTxD: jax.Array) -> StreamState:
-    """X⁰ = the embedding broadcast to every stream; pre_mix = e_0 (MODEL.md §3.3)."""
+    """X⁰ = the embedding broadcast to every stream; pre_mix = e_0 (docs/design.md §3.3)."""
     n = self.cfg.hc_mult
     B, T, D = h_BxTxD.shape
     X = jnp.broadcast_to(h_BxTxD[:, :, None, :], (B, T, n, D)).astype(jnp.float32)
@@ -251,7 +251,7 @@ class Transformer(nnx.Module):
     return logits, _collect(auxes)
 
   def _prefill_outputs(self, enc: StreamState, ctx: Context) -> dict[str, Any]:
-    """H_{L/2} and the decoder KV sources that project from it (MODEL.md §6): the first decoder
+    """H_{L/2} and the decoder KV sources that project from it (docs/design.md §6): the first decoder
     layer when it is a Full layer (its attention input is H_{L/2}) and every Full layer whose
     `kv_input` is "encoder_final"."""
     n_enc = self.plan.num_encoder_layers

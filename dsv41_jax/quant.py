@@ -1,10 +1,10 @@
-"""Low-precision formats and straight-through fake quantization (MODEL.md §9).
+"""Low-precision formats and straight-through fake quantization (docs/design.md §9).
 
 Every quantizer here is a pure quantize -> dequantize function of a float array: the result has
 the input's dtype and holds exactly the values the low-precision format can represent after
 scaling. Block amaxes and scales are computed in float32 (§9.4). Both grids (E2M1, E4M3) are
 reached arithmetically, never by a float4/float8 cast: inside a kernel a float4 cast fails on
-Hopper (TRAINING.md §5), and under `jit` on GPU XLA drops a f32 -> f8 -> f32 round trip
+Hopper (docs/design.md §T5), and under `jit` on GPU XLA drops a f32 -> f8 -> f32 round trip
 altogether (excess precision). The tests check every function bit for bit against the
 `ml_dtypes` casts with the spec's scales, eagerly and under `jit`.
 
@@ -16,7 +16,7 @@ Formats (block = contiguous elements of the LAST axis sharing one scale):
 | `mxfp4`         | 9.2   | 32    | 2^ceil(log2(max(amax, 6·2^-126) / 6))   | E2M1    |
 | `fp8_swa`       | 9.2   | 32    | 2^ceil(log2(max(amax, 1e-4) / 448))     | E4M3    |
 
-The byte-size helpers give the stored size of one vector in each layout (MODEL.md §10): the
+The byte-size helpers give the stored size of one vector in each layout (docs/design.md §10): the
 element bits plus one scale byte per block.
 """
 
@@ -205,7 +205,7 @@ def fake_quant_fp8_swa(x: jax.Array, kernels: str = "xla") -> jax.Array:
   return pallas_kernels.select("fp8_swa_fake_quant", kernels, lambda v: fake_quant(v, fp8_swa))(x)
 
 
-# --- stored sizes (MODEL.md §10) -----------------------------------------------------------
+# --- stored sizes (docs/design.md §10) -----------------------------------------------------------
 
 
 def _whole_blocks(n_channels: int, block: int) -> int:

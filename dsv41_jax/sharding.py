@@ -1,5 +1,5 @@
 """Logical axis names, the one table that maps them onto the mesh, and the partitioning helpers
-(TRAINING.md §1). Every other module asks this one how an array is split.
+(docs/design.md §T1). Every other module asks this one how an array is split.
 
 Every parameter is created through `param(...)` with a tuple of logical axis names, stored as the
 `logical_axes` metadata of its `nnx.Param`. `logical_to_mesh` turns those names into a

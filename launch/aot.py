@@ -1,4 +1,4 @@
-"""Per-device memory plan of the train step for a mesh, compiled ahead of time or analytic (TRAINING.md §1).
+"""Per-device memory plan of the train step for a mesh, compiled ahead of time or analytic (docs/design.md §T1).
 
   python -m launch.aot --config=configs/tiny.py --mesh=data:8,expert:4 --batch=32
   python -m launch.aot --config=configs/flash.py --mesh=fsdp:8,expert:8,engram:8 --analytic

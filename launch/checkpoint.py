@@ -1,4 +1,4 @@
-"""Checkpoints with orbax (TRAINING.md §4): train state, data-iterator state and resolved config.
+"""Checkpoints with orbax (docs/design.md §T4): train state, data-iterator state and resolved config.
 
 Layout of a work directory:
 

@@ -1,5 +1,5 @@
 """jax's persistent compilation cache, on by default, so a resume or a second run of the same
-config loads its programs instead of compiling them again (TRAINING.md §1).
+config loads its programs instead of compiling them again (docs/design.md §T1).
 
 The directory is `train.compilation_cache_dir` (default `~/.cache/dsv41_jax/xla`; "" turns the
 cache off). A directory that cannot be created or written only warns: the run compiles as if there

@@ -1,4 +1,4 @@
-"""Run the data pipeline for N packed rows and report what it produced (TRAINING.md §3).
+"""Run the data pipeline for N packed rows and report what it produced (docs/design.md §T3).
 
   python -m launch.data_report --config=configs/tiny.py --rows=1000
   python -m launch.data_report --config=configs/tiny.py --rows=1000 --json \

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-# Dense bf16 peak from the datasheets, the MFU denominator (TRAINING.md §5).
+# Dense bf16 peak from the datasheets, the MFU denominator (docs/design.md §T5).
 _PEAKS = {"H100": 989e12, "H200": 989e12, "H800": 989e12}
 
 

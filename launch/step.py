@@ -1,4 +1,4 @@
-"""The pure, jitted training and evaluation steps (TRAINING.md §2, §6).
+"""The pure, jitted training and evaluation steps (docs/design.md §T2, §T6).
 
     train_step(params, opt_state, moe_bias, batch) -> (params, opt_state, moe_bias, metrics)
 
@@ -6,7 +6,7 @@ A step whose loss, gradient norm or update norm is not finite applies nothing: p
 optimizer state and MoE biases come back unchanged and `metrics["finite"]` is false (the loop counts such steps).
 The MoE routing bias is updated outside the optimizer from the step's per-modality expert loads.
 `engram_sub_tables(model)` is the Engram table layout the optimizer needs (`build_optimizer`'s
-`sub_tables`: one Sinkhorn balancing per head table, TRAINING.md §2).
+`sub_tables`: one Sinkhorn balancing per head table, docs/design.md §T2).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ MODEL_KEYS = ("tokens", "positions", "segment_ids", "image_mask", "engram_ids", 
 
 def engram_sub_tables(model: nnx.Module) -> dict[str, tuple[tuple[int, int], ...]]:
   """Parameter path of each Engram table → ((offset, rows), ...) of its (order, head) sub-tables
-  (MODEL.md §7.2); the padding rows after the last one belong to none."""
+  (docs/design.md §7.2); the padding rows after the last one belong to none."""
   return {"/".join(map(str, path)) + "/table": tuple(zip(m.sub_table_offsets, m.sub_table_sizes))
           for path, m in nnx.iter_modules(model) if isinstance(m, Engram)}
 

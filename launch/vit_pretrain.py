@@ -1,5 +1,5 @@
-"""The SigLIP stage: pre-train the ViT contrastively before the LM run (SOURCES.md "Two-stage ViT
-training"; the loss and the text tower are in `dsv41_jax/vision/siglip.py`).
+"""The SigLIP stage: pre-train the ViT contrastively before the LM run (docs/design.md §15.3;
+the loss and the text tower are in `dsv41_jax/vision/siglip.py`).
 
   python -m launch.vit_pretrain --config=configs/tiny.py --workdir=/tmp/vit
 

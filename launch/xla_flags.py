@@ -1,4 +1,4 @@
-"""Default XLA flags for training programs on GPUs (TRAINING.md §1), applied before jax starts.
+"""Default XLA flags for training programs on GPUs (docs/design.md §T1), applied before jax starts.
 
 The train step is one large program: XLA's GPU autotuners (the per-fusion autotuner that compares
 emitters, and Triton GEMM configurations for every matrix product) would compile many variants of

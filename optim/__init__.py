@@ -1,4 +1,4 @@
-"""The optimizer chain (TRAINING.md §2): head-wise Muon, AdamW and Sinkhorn-balanced momentum,
+"""The optimizer chain (docs/design.md §T2): head-wise Muon, AdamW and Sinkhorn-balanced momentum,
 routed by one declarative table of parameter-path patterns; schedule and MoE bias update."""
 
 from optim.chain import build_optimizer, init_opt_state, learning_rates, opt_state_shardings

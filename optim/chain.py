@@ -1,4 +1,4 @@
-"""The optimizer chain (TRAINING.md §2): one `optax.partition` over the table's three groups.
+"""The optimizer chain (docs/design.md §T2): one `optax.partition` over the table's three groups.
 
     check structure → zero frozen gradients → clip by global norm →
     partition{muon: Muon + wd, adamw: Adam + wd, sinkhorn: Sinkhorn momentum + wd} →
@@ -136,8 +136,8 @@ def build_optimizer(cfg: OptimConfig, params, table: Sequence[Row] = TABLE,
   """The full chain for this parameter tree (arrays, ShapeDtypeStructs or nnx.Params at leaves).
 
   `sub_tables` maps the path of a sinkhorn-group parameter that stacks several tables along its
-  rows (an Engram table, MODEL.md §7.2) to their ((offset, rows), ...): each is balanced on its own
-  (TRAINING.md §2) and the rows in none of them stay untouched.
+  rows (an Engram table, docs/design.md §7.2) to their ((offset, rows), ...): each is balanced on its own
+  (docs/design.md §T2) and the rows in none of them stay untouched.
 
   Raises `TableError` naming every parameter claimed by no row or by several, every frozen
   pattern that matches nothing, and every bad `sub_tables` entry.

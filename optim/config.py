@@ -1,8 +1,8 @@
-"""Optimizer hyper-parameters (TRAINING.md §2): one frozen dataclass, built from the config tree.
+"""Optimizer hyper-parameters (docs/design.md §T2): one frozen dataclass, built from the config tree.
 
 `optim_defaults()` is the plain dict that `configs/common.py` puts under `cfg.optim`;
 `optim_config(d)` turns such a dict (or ConfigDict) back into an `OptimConfig`, rejecting unknown
-keys by name. The defaults are the report's values (MODEL.md §11).
+keys by name. The defaults are the report's values (docs/design.md §11).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class OptimConfig:
   # --- Sinkhorn-balanced momentum ---
   sinkhorn_momentum: float = 0.95
   sinkhorn_iters: int = 11
-  sinkhorn_tau: float = 1e-3        # relative floor on row / column RMS (TRAINING.md §2)
+  sinkhorn_tau: float = 1e-3        # relative floor on row / column RMS (docs/design.md §T2)
   sinkhorn_eps: float = 1e-20
   # The spec names no weight decay for embeddings, head and Engram tables; decaying the rarely
   # hit Engram rows every step would shrink them for no gradient reason.

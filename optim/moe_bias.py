@@ -1,4 +1,4 @@
-"""Auxiliary-loss-free MoE balancing bias update (MODEL.md §8.3, TRAINING.md §2).
+"""Auxiliary-loss-free MoE balancing bias update (docs/design.md §8.3, §T2).
 
 The routing bias is not a parameter and never enters the optimizer. After each step, for each
 modality row separately (text, image): b ← b + γ · sign(mean(load) − load). A row whose total load

@@ -1,4 +1,4 @@
-"""Muon for the matrix group, vanilla and head-wise (TRAINING.md §2).
+"""Muon for the matrix group, vanilla and head-wise (docs/design.md §T2).
 
 Per parameter: `m ← β m + g` (one buffer), Nesterov direction `d = g + β m`, orthogonalized by
 Newton–Schulz (8 steps of (3.4445, −4.7750, 2.0315), then 2 of (2, −1.5, 0.5), which bring every

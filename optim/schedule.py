@@ -1,4 +1,4 @@
-"""Learning-rate schedule (TRAINING.md §2): linear warm-up, hold, cosine decay, hold.
+"""Learning-rate schedule (docs/design.md §T2): linear warm-up, hold, cosine decay, hold.
 
 With step s counted from 0 (the s-th update), W warm-up steps and the decay window [D0, D1):
 

@@ -1,4 +1,4 @@
-"""Sinkhorn-balanced momentum for embedding, output head and Engram tables (TRAINING.md §2).
+"""Sinkhorn-balanced momentum for embedding, output head and Engram tables (docs/design.md §T2).
 
 Per parameter: one buffer `m ← β m + g`, Nesterov direction `d = g + β m`, then K alternations of
 "divide each row by its RMS, then each column by its RMS" over the last two axes (leading axes are
@@ -17,7 +17,7 @@ scalings are applied to the actual direction (the lift is divided out). A starve
 about ρ/τ of a typical row, never at unit size; ordinary rows are untouched by the lift.
 
 Sub-tables. A parameter may hold several tables stacked along its rows (an Engram layer's 24 prime-
-sized (order, head) tables, padded at the end, MODEL.md §7.2). Given their `blocks`, ((offset,
+sized (order, head) tables, padded at the end, docs/design.md §7.2). Given their `blocks`, ((offset,
 rows), ...) along axis −2, every statistic over rows (column RMS, the mean row RMS of the floor,
 the final RMS) is taken within each block, so each table is balanced and rescaled on its own, as
 if it were a separate matrix; rows in no block (the padding) come out zero. The block statistics

@@ -1,4 +1,4 @@
-"""The one declarative table: parameter-path pattern -> optimizer group (TRAINING.md §2).
+"""The one declarative table: parameter-path pattern -> optimizer group (docs/design.md §T2).
 
 Parameters are named by their '/'-joined path in the parameter tree
 (`runs/0/core/attn/wq_b`, see the naming note of the model). A pattern is matched against
@@ -12,7 +12,7 @@ model config (`check_rows_used`).
 
 Groups: `muon` (matrices; `headwise=True` for query weights stored `(in, heads, head_dim)`),
 `adamw` (norms, sinks, mHC base/scale, Engram gate weights), `sinkhorn` (embedding, output head,
-Engram tables). Per-row `lr_mult` multiplies that row's learning rate (Engram tables ×5, MODEL.md
+Engram tables). Per-row `lr_mult` multiplies that row's learning rate (Engram tables ×5, docs/design.md
 §7.4); `tag` gives such a row its own entry in the logged learning rates.
 
 The vision pathway (`vision/...` ViT, `projector/...`): every ViT row carries `tag="vision"`, whose
@@ -115,7 +115,7 @@ TABLE: tuple[Row, ...] = (
     Row("**/moe/{experts,shared}/{w1,w2,w3}", "muon"),
     Row("**/engram/w_ekv", "muon"),
     Row("**/{attn_hc,ffn_hc}/fn", "muon"),
-    # --- adamw: norms, sinks, mHC base / scale, Engram gate weights (RMSNorm weights, MODEL.md §7.3)
+    # --- adamw: norms, sinks, mHC base / scale, Engram gate weights (RMSNorm weights, docs/design.md §7.3)
     Row("{runs,projector}/**/*norm/scale", "adamw"),
     Row("final_norm/scale", "adamw"),
     Row("**/attn/attn_sink", "adamw"),

@@ -1,4 +1,4 @@
-"""Pallas kernels and the one switch through which the model reaches them (TRAINING.md §5).
+"""Pallas kernels and the one switch through which the model reaches them (docs/design.md §T5).
 
 Each kernel restates the math of a pure function of the model (it never imports `dsv41_jax`) and
 has the same signature, so `select(name, kernels, reference)` can hand back either one:

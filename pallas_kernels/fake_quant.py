@@ -1,4 +1,4 @@
-"""Fused block fake quantization: FP4 main-KV, MXFP4, FP8 SWA (MODEL.md §9.2, §9.4; TRAINING.md §5).
+"""Fused block fake quantization: FP4 main-KV, MXFP4, FP8 SWA (docs/design.md §9.2, §9.4; §T5).
 
 One pass over the data, straight-through gradient. Each program loads `block_rows` blocks (rows of
 16 or 32 values sharing one scale), computes the block amax and scale in registers and writes the
@@ -21,7 +21,7 @@ fiddling) and ran at 23–35 % of the copy rate. Here the per-element work is ~1
   adder round y to m mantissa bits (ties to even) in its binade, and to the subnormal step below
   2^e_min. C depends on the data, so no compiler can fold the add and subtract away.
 
-No float8/float4 casts in the kernels (a float4 cast fails on Hopper; TRAINING.md §5). Backend:
+No float8/float4 casts in the kernels (a float4 cast fails on Hopper; docs/design.md §T5). Backend:
 Triton via `pl.pallas_call` with explicit `CompilerParams` (power-of-two blocks); `interpret=True`
 runs the same kernels on CPU. Row counts the block cannot tile are padded (logged once). Under
 a mesh the straight-through wrappers run the kernel per batch shard (`sharded.over_batch`).

@@ -1,4 +1,4 @@
-"""Grouped GEMM for the routed experts, forward and backward (MODEL.md §8.2; TRAINING.md §5, §7).
+"""Grouped GEMM for the routed experts, forward and backward (docs/design.md §8.2; §T5, §T7).
 
 The function (the contract of `dsv41_jax.layers.moe_dispatch.grouped_matmul`): with group g owning
 rows [s_g, s_g + n_g) of x, s_g = Σ_{g'<g} n_g',
@@ -36,7 +36,7 @@ every output NaN (concrete sizes raise a ValueError before that). What the kerne
 `unsupported_reason`; the model's call site then runs `ragged_dot` and logs it once
 (`pallas_kernels.note_fallback`). The number of groups has no limit: nothing is unrolled per group.
 
-Measured on the H200 (jax 0.11.2, TRAINING.md §7 shape, skewed routing; benchmarks/RESULTS.md):
+Measured on the H200 (jax 0.11.2, docs/design.md §T7 shape, skewed routing; benchmarks/RESULTS.md):
 forward 328, input grad 335, weight grad 365 useful TFLOP/s; forward+backward through the custom
 VJP 349 TFLOP/s (1.995 ms), exact against float32 references (relative errors 1.6e-6, 6.1e-5,
 1.4e-4 for y, dx, dw, the last two against bf16-rounded references). The 450 TFLOP/s goal is not

@@ -1,4 +1,4 @@
-"""CSA2 lightning-indexer scores and top-k without the [T, H_I, N] logits (MODEL.md §5.4, §14).
+"""CSA2 lightning-indexer scores and top-k without the [T, H_I, N] logits (docs/design.md §5.4, §14).
 
 Restates `dsv41_jax.layers.indexer.score_and_select` without a candidate pool (tests compare the
 two):

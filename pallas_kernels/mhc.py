@@ -1,4 +1,4 @@
-"""Fused mHC coefficients + Sinkhorn projection (MODEL.md §3.2; TRAINING.md §5).
+"""Fused mHC coefficients + Sinkhorn projection (docs/design.md §3.2; §T5).
 
 Why this fusion: under V4.1's single-pass schedule (§3.3) a site's collapse uses the PREVIOUS
 site's `pre`, so coefficients and collapse do not meet in one pass; the expensive part of a site is

@@ -1,4 +1,4 @@
-"""Fused single-pass mHC site, forward and backward (MODEL.md §3.2–3.3; TRAINING.md §5).
+"""Fused single-pass mHC site, forward and backward (docs/design.md §3.2–3.3; §T5).
 
 Under V4.1's single-pass schedule a site collapses with the PREVIOUS site's `pre`, so the expand
 of the previous site, this site's coefficients and its collapse + norm all read the same streams

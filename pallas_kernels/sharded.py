@@ -1,4 +1,4 @@
-"""Run a kernel per batch shard under the ambient mesh (TRAINING.md §1, §5).
+"""Run a kernel per batch shard under the ambient mesh (docs/design.md §T1, §T5).
 
 GSPMD does not partition a `pallas_call`: under a mesh it would gather its inputs onto every
 device. The kernels here are independent per token, so `over_batch(fn, batched)` runs `fn` inside

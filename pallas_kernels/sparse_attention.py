@@ -1,4 +1,4 @@
-"""Sparse attention over the SWA window ∪ the top-k compressed entries, with sink (MODEL.md §4.3, §14).
+"""Sparse attention over the SWA window ∪ the top-k compressed entries, with sink (docs/design.md §4.3, §14).
 
 Restates `dsv41_jax.layers.sparse_attention.attend` (tests compare the two) as Pallas kernels that
 never build the [B, T, K, D] gather nor score all N entries. For query t, head h:

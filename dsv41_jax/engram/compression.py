@@ -1,4 +1,4 @@
-"""Tokenizer compression for Engram: token id → canonical (compressed) id (MODEL.md §7.1).
+"""Tokenizer compression for Engram: token id → canonical (compressed) id (docs/design.md §7.1).
 
 Each token is decoded and keyed by its normalised text; tokens with equal keys share a compressed
 id, numbered in first-seen order of token id:
@@ -63,7 +63,7 @@ def tokenizers_normalizer():
 
 def compression_key(decoded: str, raw_token: str,
                     normalize: Callable[[str], str] = normalize_token_text) -> str:
-  """Key of one token (MODEL.md §7.1 steps 2–3)."""
+  """Key of one token (docs/design.md §7.1 steps 2–3)."""
   if REPLACEMENT_CHAR in decoded:
     return raw_token
   key = normalize(decoded)

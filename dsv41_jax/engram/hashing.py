@@ -1,4 +1,4 @@
-"""Multi-head n-gram hashing of compressed token ids (MODEL.md §7.2, packing rule of §14).
+"""Multi-head n-gram hashing of compressed token ids (docs/design.md §7.2, packing rule of §14).
 
 Runs on the host in numpy: the hash XORs int64 products (wrapping on overflow) and reduces them
 modulo primes near 16M, which jnp cannot do without x64. The training loop calls
@@ -87,7 +87,7 @@ def engram_table_sizes(vocab_size_start: int, layer_ids: tuple[int, ...], max_ng
 
 @dataclasses.dataclass(frozen=True)
 class EngramHashParams:
-  """Hash constants of one Engram layer (MODEL.md §7.2); all arrays are int64 numpy.
+  """Hash constants of one Engram layer (docs/design.md §7.2); all arrays are int64 numpy.
 
   multipliers: [max_ngram_size] odd multipliers mult_k.
   primes:      [n_orders, n_heads] sub-table sizes p_{n,h} (order-major).
@@ -128,7 +128,7 @@ def engram_multipliers(layer_id: int, compressed_vocab_size: int,
 def engram_hash_params(cfg, layer_id: int, pad_id: int | None = None) -> EngramHashParams:
   """Hash constants of Engram layer `layer_id` of ModelConfig `cfg`.
 
-  `pad_id` is the compressed pad id, `compression_map[cfg.engram_pad_token_id]` (MODEL.md §7.1);
+  `pad_id` is the compressed pad id, `compression_map[cfg.engram_pad_token_id]` (docs/design.md §7.1);
   without it `cfg.engram_pad_token_id` is used as is (right when token ids are not compressed).
   """
   if layer_id not in cfg.engram_layer_ids:
@@ -172,7 +172,7 @@ def engram_hash_ids(compressed_ids_BxT: np.ndarray, segment_ids_BxT: np.ndarray,
                     dead_mask_BxT: np.ndarray | None, params: EngramHashParams) -> np.ndarray:
   """int32 [B, T, n_orders·n_heads]: global row ids into the layer's concatenated table.
 
-  Column j = (n − 2)·n_heads + h holds row(t, n, h) (MODEL.md §7.2), the layout the table's row
+  Column j = (n − 2)·n_heads + h holds row(t, n, h) (docs/design.md §7.2), the layout the table's row
   offsets and `Engram.w_ekv` rows follow. `dead_mask_BxT` (image-span tokens) may be None.
   """
   x = np.asarray(compressed_ids_BxT, dtype=np.int64)

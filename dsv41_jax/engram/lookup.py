@@ -1,4 +1,4 @@
-"""Engram table lookup, gate and injection as pure functions (MODEL.md §7.3, V4.1 form).
+"""Engram table lookup, gate and injection as pure functions (docs/design.md §7.3, V4.1 form).
 
 The table of one Engram layer holds all (order, head) sub-tables concatenated by row offset. Its
 rows are split over the mesh axes of the logical axis "engram_rows" (`sharding.RULES`: `engram`
@@ -47,7 +47,7 @@ from dsv41_jax import quant, sharding
 # Table rows are padded to a multiple of this, so they split evenly over any power-of-two row
 # group up to this size. Padded rows are never addressed by a hash id.
 ROW_PAD_MULTIPLE = 1024
-FP8_BLOCK = quant.FP8_SWA_BLOCK   # columns per FP8 scale (MODEL.md §1: one scale per 32 columns)
+FP8_BLOCK = quant.FP8_SWA_BLOCK   # columns per FP8 scale (docs/design.md §1: one scale per 32 columns)
 # Per-owner slots of one exchange round, as a multiple of an owner's mean share n / G. With
 # hashed rows a device's distinct ids spread over owners nearly uniformly (binomial: at Flash
 # size, n = 98,304 ids over G = 512 owners, mean 192, σ ≈ 14), so 2× the mean makes one round
@@ -229,7 +229,7 @@ def engram_lookup(table_RxD: jax.Array, ids: jax.Array, dtype=None) -> jax.Array
 def quantize_fp8_rows(x_RxD: jax.Array, block: int = FP8_BLOCK) -> tuple[jax.Array, jax.Array]:
   """(q float8_e4m3fn [R, D], scale float32 [R, D/block]) with x ≈ q · scale blockwise.
 
-  The FP8 block format of MODEL.md §9.2 (the SWA-KV rule of `quant.fp8_swa`, stored instead of
+  The FP8 block format of docs/design.md §9.2 (the SWA-KV rule of `quant.fp8_swa`, stored instead of
   fake-quantised): scale = 2^⌈log2(max(amax, 1e-4) / 448)⌉ per block, so nothing clips.
   """
   R, D = x_RxD.shape

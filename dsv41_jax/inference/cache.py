@@ -1,4 +1,4 @@
-"""The decode caches in their stored formats (MODEL.md §9.2, §10; layout in `cache_layout`).
+"""The decode caches in their stored formats (docs/design.md §9.2, §10; layout in `cache_layout`).
 
 Per KV-source (Full) layer, the global compressed KV, one row per entry g (tokens [g·m, (g+1)·m)):
 

@@ -1,4 +1,4 @@
-"""The attention of every layer (MODEL.md §4.1–4.4; packed rows §14): weights and their wiring.
+"""The attention of every layer (docs/design.md §4.1–4.4; packed rows §14): weights and their wiring.
 
 Shapes (B batch, T tokens, d hidden, Q q_lora_rank, H heads, D head_dim, r qk_rope_head_dim,
 G o_groups, O o_lora_rank, N compressed entries, K top-k slots):
@@ -15,7 +15,7 @@ G o_groups, O o_lora_rank, N compressed entries, K top-k slots):
   y   = concat_g(u_g) @ wo_b                    [B,T,G·O] → [B,T,d]
 
 Compute in `cfg.dtype`, parameters in `cfg.param_dtype`, scores and softmax in float32.
-All RoPE of the layer uses `layer_inv_freq(cfg, spec)` (MODEL.md §4.5) at the packed `positions`.
+All RoPE of the layer uses `layer_inv_freq(cfg, spec)` (docs/design.md §4.5) at the packed `positions`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dsv41_jax.layers.types import CompressedKV
 
 
 def visible_topk(topk_BxTxK: jax.Array, kv: CompressedKV, segment_ids_BxT: jax.Array) -> jax.Array:
-  """`topk` with every slot naming an entry invisible to its query (MODEL.md §5.2, §14) set to −1.
+  """`topk` with every slot naming an entry invisible to its query (docs/design.md §5.2, §14) set to −1.
 
   The indexer already selects only visible entries; re-checking the K selected slots (O(B·T·K))
   keeps attention causal and document-local whatever top-k it is handed.
@@ -72,7 +72,7 @@ class Attention(nnx.Module):
     return layer_inv_freq(self.cfg, self.spec)
 
   def q_latent(self, x_BxTxD: jax.Array) -> jax.Array:
-    """c_q = RMSNorm_w(x @ wq_a) [B, T, q_lora] (MODEL.md §4.1); the indexer reads it too."""
+    """c_q = RMSNorm_w(x @ wq_a) [B, T, q_lora] (docs/design.md §4.1); the indexer reads it too."""
     dt = jnp.dtype(self.cfg.dtype)
     c_q = jnp.einsum("btd,dq->btq", x_BxTxD.astype(dt), self.wq_a[...].astype(dt))
     return self.q_norm(c_q)
@@ -88,7 +88,7 @@ class Attention(nnx.Module):
     return sharding.constrain(q, ("batch", "seq", "heads", None))
 
   def swa_kv(self, x_BxTxD: jax.Array, positions_BxT: jax.Array) -> jax.Array:
-    """kv [B, T, D] (MODEL.md §4.2): RMSNorm_w(x @ wkv), RoPE, FP8 fake-quant when configured."""
+    """kv [B, T, D] (docs/design.md §4.2): RMSNorm_w(x @ wkv), RoPE, FP8 fake-quant when configured."""
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
     kv = self.kv_norm(jnp.einsum("btd,dc->btc", x_BxTxD.astype(dt), self.wkv[...].astype(dt)))
@@ -98,7 +98,7 @@ class Attention(nnx.Module):
     return sharding.constrain(kv, ("batch", "seq", None))
 
   def output(self, o_BxTxHxD: jax.Array, positions_BxT: jax.Array) -> jax.Array:
-    """y [B, T, d] (MODEL.md §4.4): de-rotate, then the grouped low-rank output projection."""
+    """y [B, T, d] (docs/design.md §4.4): de-rotate, then the grouped low-rank output projection."""
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
     B, T, H, D = o_BxTxHxD.shape

@@ -1,4 +1,4 @@
-"""CSA2 compressor: pools every m tokens into one compressed KV entry (MODEL.md §5.2, §14).
+"""CSA2 compressor: pools every m tokens into one compressed KV entry (docs/design.md §5.2, §14).
 
 Shapes, for a row of T tokens and ratio m (N = ⌈T/m⌉ entries; the row is zero-padded to N·m):
 
@@ -55,7 +55,7 @@ def compress(x_BxTxD: jax.Array, wkv_DxC: jax.Array, wgate_DxC: jax.Array | None
 
 def entry_metadata(positions_BxT: jax.Array, segment_ids_BxT: jax.Array,
                    m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(entry_segment_BxN, entry_last_BxN, entry_pos_BxN), int32 (MODEL.md §5.2, §14).
+  """(entry_segment_BxN, entry_last_BxN, entry_pos_BxN), int32 (docs/design.md §5.2, §14).
 
   entry_segment: the group's document when all m tokens share one document (> 0), else −1
   (straddles a boundary, holds padding, or is cut off by the row's end); entry_last = (g+1)·m − 1;

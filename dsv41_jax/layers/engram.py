@@ -1,4 +1,4 @@
-"""Engram conditional memory layer (MODEL.md §7.3, V4.1 form without the short conv).
+"""Engram conditional memory layer (docs/design.md §7.3, V4.1 form without the short conv).
 
 Shapes, per Engram layer (H = n_orders·n_heads hash heads, D_e = engram_head_dim, N = hc_mult,
 d = hidden_size):
@@ -133,5 +133,5 @@ def engram_param_count(cfg) -> int:
 
 
 def engram_table_param_count(cfg) -> int:
-  """Parameters of the Engram tables alone (the 196.6B of MODEL.md §1 at full size)."""
+  """Parameters of the Engram tables alone (the 196.6B of docs/design.md §1 at full size)."""
   return sum(int(_abstract_state(cfg, l)["table"].size) for l in cfg.engram_layer_ids)

@@ -1,4 +1,4 @@
-"""CSA2 lightning indexer: scores, top-k, candidate pool and its KL loss (MODEL.md §5.3–5.6, §14).
+"""CSA2 lightning indexer: scores, top-k, candidate pool and its KL loss (docs/design.md §5.3–5.6, §14).
 
 Shapes (H_I index heads of width D_I, N compressed entries, K = `index_topk`):
 
@@ -34,7 +34,7 @@ from dsv41_jax.layers.types import CompressedKV, entry_visible
 # --- pure math -----------------------------------------------------------------------------------
 
 def indexer_scores(q_BxTxHxI: jax.Array, k_BxNxI: jax.Array, w_BxTxH: jax.Array) -> jax.Array:
-  """I_BxTxN = Σ_h w_{t,h} · ReLU(q_{t,h} · k_n) · D_I^{-1/2}, in float32 (MODEL.md §5.4)."""
+  """I_BxTxN = Σ_h w_{t,h} · ReLU(q_{t,h} · k_n) · D_I^{-1/2}, in float32 (docs/design.md §5.4)."""
   d_i = q_BxTxHxI.shape[-1]
   logits_BxTxHxN = jnp.einsum("bthi,bni->bthn", q_BxTxHxI, k_BxNxI,
                               preferred_element_type=jnp.float32)
@@ -62,7 +62,7 @@ def select_topk(scores_BxTxN: jax.Array, visible_BxTxN: jax.Array, k: int,
 
 def candidate_pool(scores_BxTxN: jax.Array, visible_BxTxN: jax.Array, block_size: int,
                    topk_blocks: int) -> jax.Array:
-  """Selected candidate blocks [B, T, min(topk_blocks, ⌈N/bs⌉)] int32, −1 padded (MODEL.md §5.6).
+  """Selected candidate blocks [B, T, min(topk_blocks, ⌈N/bs⌉)] int32, −1 padded (docs/design.md §5.6).
 
   Block score = max of the visible scores in each `block_size`-entry block (entries padded to a
   multiple of the block); the block holding the newest visible entry is pinned to +∞ so it is
@@ -101,7 +101,7 @@ def candidate_mask(block_ids_BxTxK: jax.Array, n: int, block_size: int) -> jax.A
 
 def indexer_kl_loss(scores_at_topk_BxTxK: jax.Array, topk_BxTxK: jax.Array,
                     attn_mass_BxTxK: jax.Array, token_mask_BxT: jax.Array) -> jax.Array:
-  """Sparse-stage indexer loss (MODEL.md §5.1, §5.5): mean_t KL(p_t ‖ softmax(I_t restricted to S_t)).
+  """Sparse-stage indexer loss (docs/design.md §5.1, §5.5): mean_t KL(p_t ‖ softmax(I_t restricted to S_t)).
 
   S_t = the selected slots (topk ≥ 0); p_t = the main attention mass on them (summed over heads)
   L1-normalised over S_t and detached. The mean runs over real query tokens (`token_mask`) with at
@@ -163,7 +163,7 @@ class Indexer(nnx.Module):
 
   def keys(self, latent_BxNxC: jax.Array, entry_pos_BxN: jax.Array,
            inv_freq=None) -> jax.Array:
-    """index_k_BxNxI from the compressor's pre-RoPE latent (Full layers, MODEL.md §5.3)."""
+    """index_k_BxNxI from the compressor's pre-RoPE latent (Full layers, docs/design.md §5.3)."""
     if self.mode != "full":
       raise ValueError("indexer keys come from the Full layer; a Reindex layer uses the shared "
                        "CompressedKV.index_k_BxNxI")

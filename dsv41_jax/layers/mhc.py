@@ -1,4 +1,4 @@
-"""mHC residual stream: coefficients, Sinkhorn projection, collapse and expand (MODEL.md §3.2–3.4).
+"""mHC residual stream: coefficients, Sinkhorn projection, collapse and expand (docs/design.md §3.2–3.4).
 
 The hidden state is n = hc_mult residual streams X [B, T, n, d]. Each sublayer site ("attn",
 "ffn") owns `fn` [(2+n)n, n·d], `base` [(2+n)n] and `scale` [3] and turns X into three

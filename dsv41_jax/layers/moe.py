@@ -1,4 +1,4 @@
-"""DeepSeekMoE: sqrt-softplus routing with selection bias, clamped SwiGLU experts (MODEL.md §8).
+"""DeepSeekMoE: sqrt-softplus routing with selection bias, clamped SwiGLU experts (docs/design.md §8).
 
 Shapes through `MoE.__call__`:
   x_BxTxD --router (fp32)--> logits_BxTxE --route--> weights_BxTxK, experts_BxTxK, scores_BxTxE
@@ -9,7 +9,7 @@ Shapes through `MoE.__call__`:
 
 The selection bias is state of the train loop, not a parameter: it comes in as `bias_2xE`
 (row 0 text, row 1 image) and only changes which experts are selected (§8.1, §8.3).
-Padding tokens (segment_id 0, MODEL.md §14) are not dispatched, add no load and no balance loss.
+Padding tokens (segment_id 0, docs/design.md §14) are not dispatched, add no load and no balance loss.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dsv41_jax.layers import moe_dispatch
 
 
 def route(logits_BxTxE, bias, k: int, route_scale: float, gate_temp: float = 1.0):
-  """Top-k routing of MODEL.md §8.1.
+  """Top-k routing of docs/design.md §8.1.
 
   s = sqrt(softplus(ℓ / gate_temp)); the selection is top-k of s + b (b broadcastable to the
   logits: [E] or per token [B, T, E]); the weights are the UNBIASED s of the selected experts,
@@ -54,7 +54,7 @@ def expert_onehot(experts_BxTxK, n_experts: int):
 
 
 def sequence_balance_loss(scores_BxTxE, experts_BxTxK, segment_ids_BxT):
-  """Sequence-wise balance loss of MODEL.md §8.4, unweighted (α applied by the caller).
+  """Sequence-wise balance loss of docs/design.md §8.4, unweighted (α applied by the caller).
 
   Per DOCUMENT (a packed row holds several; a document is a run of equal non-zero segment ids):
     f_i = E / (K·T_doc) · Σ_t 1[i ∈ sel_t],  P_i = (1/T_doc) Σ_t s_{t,i} / Σ_j s_{t,j},
@@ -100,7 +100,7 @@ class Experts(nnx.Module):
 
 
 class SharedExpert(nnx.Module):
-  """The always-on expert (MODEL.md §8.2): same width and clamp as a routed one."""
+  """The always-on expert (docs/design.md §8.2): same width and clamp as a routed one."""
 
   def __init__(self, d: int, f: int, limit: float, rngs: nnx.Rngs, dtype):
     self.limit = limit
@@ -118,7 +118,7 @@ class SharedExpert(nnx.Module):
 
 
 class MoE(nnx.Module):
-  """DeepSeekMoE layer (MODEL.md §8): router, routed experts, optional shared expert."""
+  """DeepSeekMoE layer (docs/design.md §8): router, routed experts, optional shared expert."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, e, f = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size

@@ -1,8 +1,8 @@
 """Routed-expert dispatch: sort tokens by expert, grouped matmuls, expert-parallel all-to-all.
 
-Implements the expert computation of MODEL.md §8.1–8.2 (y_t = Σ_{i∈sel_t} g_t,i · E_i(x_t)) for the
+Implements the expert computation of docs/design.md §8.1–8.2 (y_t = Σ_{i∈sel_t} g_t,i · E_i(x_t)) for the
 routed experts only, computing just the routed (token, expert) pairs, and its distribution over the
-mesh (TRAINING.md §1 "MoE across devices", §7 for why there are two modes). The routing weight
+mesh (docs/design.md §T1 "MoE across devices", §T7 for why there are two modes). The routing weight
 scales the activation before the down-projection, `W2 (g · SiLU(a) ⊙ u)` in float32 and then cast
 to the compute dtype, as the official V4 `Expert` does: equal to g · W2(...) in exact arithmetic,
 and in bf16 the rounding of the released model. The pairs of a token are then summed in float32.
@@ -13,7 +13,7 @@ and stably sorted by expert; that order is also the capacity priority.
 Modes (`cfg.moe_dispatch`):
 - `dropless`: exact. Sorted pairs go through one grouped GEMM per weight (`grouped_matmul`):
   `jax.lax.ragged_dot` (the exact reference; the default off the GPU) or, on a Hopper GPU, the
-  Mosaic GPU grouped GEMM with its own backward (`pallas_kernels.grouped_matmul`, TRAINING.md §7);
+  Mosaic GPU grouped GEMM with its own backward (`pallas_kernels.grouped_matmul`, docs/design.md §T7);
   `impl="auto"` picks by backend.
 - `capacity`: each expert takes at most `C = min(n, ceil(capacity_factor · n·K / E))` pairs of the
   n tokens of one batch shard (one device; the whole batch without a mesh), in the slot-major
@@ -57,7 +57,7 @@ GROUPED_MATMUL_IMPLS = ("auto", "ragged_dot", "mosaic_gpu")
 
 
 def clamped_swiglu(a, u, limit: float):
-  """SiLU(min(a, limit)) · clip(u, −limit, limit) in float32 (MODEL.md §8.2)."""
+  """SiLU(min(a, limit)) · clip(u, −limit, limit) in float32 (docs/design.md §8.2)."""
   a = jnp.minimum(a.astype(jnp.float32), limit)
   u = jnp.clip(u.astype(jnp.float32), -limit, limit)
   return jax.nn.silu(a) * u
@@ -89,7 +89,7 @@ def resolve_grouped_matmul_impl(impl: str) -> str:
 def grouped_matmul(x_sorted_PxD, w_ExDxF, group_sizes_E, impl: str = "auto"):
   """Rows [Σ_{e'<e} g_e', Σ_{e'≤e} g_e') of x times w[e]; rows past Σ g are zero. Float32 out.
 
-  The one place the GPU grouped GEMM swaps in (TRAINING.md §7). `ragged_dot` is the exact XLA
+  The one place the GPU grouped GEMM swaps in (docs/design.md §T7). `ragged_dot` is the exact XLA
   form (jax's own VJP); `mosaic_gpu` is `pallas_kernels.grouped_matmul` (forward, input and
   weight gradients as Hopper kernels under a custom VJP; the backward rounds the cotangent to x's
   dtype before its two products). Where the kernels cannot run (`unsupported_reason`), `ragged_dot`

@@ -1,7 +1,7 @@
-"""RMSNorm (MODEL.md §3.2 collapse -> `attn_norm` / `ffn_norm`, the q/kv/compressor/indexer norms).
+"""RMSNorm (docs/design.md §3.2 collapse -> `attn_norm` / `ffn_norm`, the q/kv/compressor/indexer norms).
 
 y = x · rsqrt(mean(x², -1) + eps) · weight, computed in float32 and cast back to x's dtype.
-V4.1 uses eps = rms_norm_eps = 1e-20 (MODEL.md §1). `weight=None` gives the unweighted form.
+V4.1 uses eps = rms_norm_eps = 1e-20 (docs/design.md §1). `weight=None` gives the unweighted form.
 """
 
 from __future__ import annotations

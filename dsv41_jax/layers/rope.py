@@ -1,8 +1,8 @@
-"""Rotary position embedding with the YaRN frequency blend (MODEL.md §4.1, §4.5).
+"""Rotary position embedding with the YaRN frequency blend (docs/design.md §4.1, §4.5).
 
 RoPE acts on the trailing `rope_dim` channels of a vector, as interleaved pairs of adjacent
 channels (2i, 2i+1). Positions come from the packed row's `positions` (restarting at each
-document, MODEL.md §14), never from the row index.
+document, docs/design.md §14), never from the row index.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def rope_inv_freq(rope_dim: int, theta: float, *, yarn: bool = False, factor: fl
 
   Plain: ω_i = θ^(−2i/r). YaRN: dimensions rotating fewer than `beta_slow` times over the original
   context are interpolated (ω/factor), those rotating more than `beta_fast` times keep ω, and a
-  linear ramp blends the band between; the attention scale (mscale) stays 1 (MODEL.md §1).
+  linear ramp blends the band between; the attention scale (mscale) stays 1 (docs/design.md §1).
   """
   half = rope_dim // 2
   inv = 1.0 / (theta ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
@@ -53,7 +53,7 @@ def apply_rope(x, positions, inv_freq, *, inverse: bool = False):
 
   `positions` broadcasts against x's leading dims; when x has a head axis after T, pass positions
   of shape [B, T] and x of shape [B, T, H, C]. `inverse=True` applies the rotation by −position
-  (used to de-rotate the attention output, MODEL.md §4.4). Math in float32, result in x's dtype.
+  (used to de-rotate the attention output, docs/design.md §4.4). Math in float32, result in x's dtype.
   """
   r = 2 * len(inv_freq)
   pos = positions.astype(jnp.float32)

@@ -1,4 +1,4 @@
-"""One softmax over the sliding window and the selected compressed entries, with a sink (MODEL.md §4.3, §14).
+"""One softmax over the sliding window and the selected compressed entries, with a sink (docs/design.md §4.3, §14).
 
 For query t and head h the key set is the union of
   * the window: row positions j with t − W + 1 ≤ j ≤ t (W keys including t itself) in t's document
@@ -10,7 +10,7 @@ With s_{t,j} = (q_t · k_j)·scale, M = max(max_j s_{t,j}, sink_h),
 
 The window part is computed block-locally: queries in a block of S = min(W, T) rows attend to their
 own key block and the P = ⌈(W − 1)/S⌉ previous ones, so the cost is O(T·W), never O(T²). The global
-part has two forms of the same function (TRAINING.md §7): "masked" scores all N entries and masks to
+part has two forms of the same function (docs/design.md §T7): "masked" scores all N entries and masks to
 the selected set (fast at moderate T), "gather" gathers the k selected entries per query
 ([B, T, K, D]; memory-bound, but linear in N). Both require the valid slots of a row of `topk` to be
 distinct (as `lax.top_k` produces them): "masked" counts a repeated entry once, "gather" twice.
@@ -40,7 +40,7 @@ _MASKED = -1e30
 
 
 def swa_visible(segment_ids_BxT: jax.Array, window: int) -> jax.Array:
-  """Bool [B, T, T]: key j visible to query t (MODEL.md §14). Dense; for references and small T."""
+  """Bool [B, T, T]: key j visible to query t (docs/design.md §14). Dense; for references and small T."""
   t = jnp.arange(segment_ids_BxT.shape[1])
   delta = t[:, None] - t[None, :]
   in_window = (delta >= 0) & (delta < window)
@@ -220,5 +220,5 @@ def attend_reference(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, *, window
 
 
 def default_scale(head_dim: int) -> float:
-  """D^{-1/2}, with no YaRN mscale (MODEL.md §4.3)."""
+  """D^{-1/2}, with no YaRN mscale (docs/design.md §4.3)."""
   return 1.0 / math.sqrt(head_dim)

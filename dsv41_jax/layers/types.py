@@ -1,4 +1,4 @@
-"""Containers passed between CSA2 layers (MODEL.md §5): the shared compressed KV and its top-k."""
+"""Containers passed between CSA2 layers (docs/design.md §5): the shared compressed KV and its top-k."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import jax
 
 
 class CompressedKV(NamedTuple):
-  """What a CSA2 Full layer publishes for the layers that share it (MODEL.md §5.2–5.3, §14).
+  """What a CSA2 Full layer publishes for the layers that share it (docs/design.md §5.2–5.3, §14).
 
   N = ⌈T / m⌉ entries per row; entry g pools tokens [g·m, (g+1)·m).
   """
@@ -23,7 +23,7 @@ class CompressedKV(NamedTuple):
 
 def entry_visible(kv: CompressedKV, segment_ids_BxT: jax.Array,
                   query_rows_T: jax.Array | None = None) -> jax.Array:
-  """Bool [B, T, N]: compressed entry g is visible to query t (MODEL.md §5.2 causality + §14).
+  """Bool [B, T, N]: compressed entry g is visible to query t (docs/design.md §5.2 causality + §14).
 
   Visible iff the group is complete by t, (g+1)·m − 1 ≤ t, and all of its tokens lie in t's
   document (padding, segment 0, sees nothing). `query_rows_T` gives the row index of each query

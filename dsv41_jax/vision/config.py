@@ -1,4 +1,4 @@
-"""Vision pathway hyper-parameters (MODEL.md "Multimodal architecture"; SOURCES.md "DeepSeek-ViT").
+"""Vision pathway hyper-parameters (docs/design.md §15, §15.1).
 
 The report's ViT: 32 layers, width 1024, 16 heads, patch 14, 2-D RoPE, RMSNorm + SwiGLU; a 3 × 3
 pixel-unshuffle, then a 2-layer MLP projector (hidden 5120) to the LM width; inputs up to about

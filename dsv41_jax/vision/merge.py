@@ -1,5 +1,5 @@
-"""Image embeddings onto their placeholder spans in the LM input (SOURCES.md "Multimodal
-architecture"; the packed-row layout of `data/packing.py`).
+"""Image embeddings onto their placeholder spans in the LM input (docs/design.md §15.2;
+the packed-row layout of `data/packing.py`).
 
 A packed row holds up to M images. Image m has `image_cells[m] = (h, w)` cells and its span of
 h·w `<|image_pad|>` tokens starts at row index `image_starts[m]`; the first `image_count` slots are

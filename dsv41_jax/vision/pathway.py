@@ -1,5 +1,5 @@
 """The vision pathway end to end: pixels → ViT → pixel-unshuffle + projector → placeholder spans
-(SOURCES.md "Multimodal architecture"; TRAINING.md §2 for the freeze).
+(docs/design.md §15; §T2 for the freeze).
 
   f, _   = ViT(images.reshape(B·M, P, P, 3), cells)          [B·M, G², D_vit]
   f      = stop_gradient(f and the ViT weights)              while the ViT is frozen

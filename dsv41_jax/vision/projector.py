@@ -1,5 +1,5 @@
-"""Pixel-unshuffle and the MLP projector from ViT features to LM tokens (SOURCES.md "Multimodal
-architecture": a 3 × 3 pixel-unshuffle cuts the token count ninefold, then a 2-layer MLP with
+"""Pixel-unshuffle and the MLP projector from ViT features to LM tokens (docs/design.md §15.2:
+a 3 × 3 pixel-unshuffle cuts the token count ninefold, then a 2-layer MLP with
 hidden 5120 maps to the LM width).
 
 Shapes: N images, G patches a side (G = u·Gc), Gc cells a side, u = unshuffle (3), D ViT width,

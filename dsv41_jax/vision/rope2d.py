@@ -1,4 +1,4 @@
-"""2-D rotary position embedding of the ViT (SOURCES.md "DeepSeek-ViT": 2D-RoPE replaces absolute
+"""2-D rotary position embedding of the ViT (docs/design.md §15.1: 2D-RoPE replaces absolute
 positional embeddings, so any resolution works).
 
 A head vector of C channels is split in two halves. The first half is rotated by the patch's row r,

@@ -1,4 +1,4 @@
-"""Contrastive ViT pre-training with the sigmoid loss (SOURCES.md "Two-stage ViT training":
+"""Contrastive ViT pre-training with the sigmoid loss (docs/design.md §15.3:
 SigLIP's sigmoid loss on image–text pairs, before the ViT joins the LM).
 
 Image tower: the LM's own `ViT` (parameters under `vision/`, the same paths the LM loads), its

@@ -1,4 +1,4 @@
-"""The DeepSeek-ViT encoder (SOURCES.md "Multimodal architecture: DeepSeek-ViT").
+"""The DeepSeek-ViT encoder (docs/design.md §15.1).
 
 Changes from a classic ViT, as the report lists them: the patch-embedding convolution is a linear
 projection (a plain matrix, so Muon can train it), 2-D RoPE replaces absolute position embeddings

@@ -1,4 +1,4 @@
-"""configs/flash.py: plain RoPE in pre-training, YaRN in the long-context phase (MODEL.md §4.5)."""
+"""configs/flash.py: plain RoPE in pre-training, YaRN in the long-context phase (docs/design.md §4.5)."""
 
 import math
 
@@ -12,7 +12,7 @@ from dsv41_jax.layers.rope import layer_inv_freq
 
 
 def _np_inv_freq(layer: int, yarn: bool, r: int = 64) -> np.ndarray:
-  """MODEL.md §4.5 restated: layers 0–1 θ = 1e4 plain; the rest θ = 160000, with the YaRN blend
+  """docs/design.md §4.5 restated: layers 0–1 θ = 1e4 plain; the rest θ = 160000, with the YaRN blend
   (factor 16, original 65536, β 32 / 1) only in the long-context phase."""
   theta = 1e4 if layer < 2 else 160000.0
   inv = np.array([theta ** (-2.0 * i / r) for i in range(r // 2)], np.float64)

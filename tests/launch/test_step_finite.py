@@ -1,5 +1,5 @@
 """launch/step.py: a step whose loss or gradients are not finite applies nothing, even though every
-parameter is finite (TRAINING.md §2, §6).
+parameter is finite (docs/design.md §T2, §T6).
 
 The step is generic in the model: it merges the graphdef it is given and reads the model's call
 interface (`(logits, aux)` from `(inputs, moe_bias, train_vit=...)`). A toy module with that

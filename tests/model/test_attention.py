@@ -1,4 +1,4 @@
-"""Tests of dsv41_jax/layers/sparse_attention.py and dsv41_jax/layers/attention.py (MODEL.md §4, §14)."""
+"""Tests of dsv41_jax/layers/sparse_attention.py and dsv41_jax/layers/attention.py (docs/design.md §4, §14)."""
 
 from functools import partial
 
@@ -21,7 +21,7 @@ from dsv41_jax.layers.types import CompressedKV
 
 
 def np_attend(q, kv, seg, sink, window, scale, g=None, topk=None):
-  """MODEL.md §4.3 by loops: per (b, t, h), one softmax over window ∪ selected entries + sink."""
+  """docs/design.md §4.3 by loops: per (b, t, h), one softmax over window ∪ selected entries + sink."""
   q, kv, sink = (np.asarray(a, np.float64) for a in (q, kv, sink))
   seg = np.asarray(seg)
   B, T, H, D = q.shape
@@ -267,7 +267,7 @@ def randomize(att, rng):
 
 
 def compressed_kv(rng, seg, pos, m, D):
-  """A CompressedKV with the metadata of MODEL.md §14 for groups of m tokens, random entries."""
+  """A CompressedKV with the metadata of docs/design.md §14 for groups of m tokens, random entries."""
   B, T = seg.shape
   N = T // m
   g_seg = seg[:, :N * m].reshape(B, N, m)

@@ -1,4 +1,4 @@
-"""dsv41_jax/layers/compressor.py against float64 loops of MODEL.md §5.2 and §14."""
+"""dsv41_jax/layers/compressor.py against float64 loops of docs/design.md §5.2 and §14."""
 
 import jax
 import jax.numpy as jnp

@@ -30,7 +30,7 @@ def test_tiny_config_exercises_every_mode():
   modes = {l.mode for l in build_layer_plan(cfg)}
   assert modes == {"swa", "full", "reindex", "reuse"}
   # The released configuration: every text field at its default, plus the default vision tower;
-  # pre-training runs without YaRN (MODEL.md §4.5), the long-context phase with it.
+  # pre-training runs without YaRN (docs/design.md §4.5), the long-context phase with it.
   from dsv41_jax.vision.config import VisionConfig
   assert common.model_config(flash.get_config("long")) == ModelConfig(vision=VisionConfig())
   assert common.model_config(flash.get_config()) == ModelConfig(vision=VisionConfig(),

@@ -13,7 +13,7 @@ SENTINEL = "\ue000"
 
 
 def _reference_normalizer():
-  """The rule chain of MODEL.md §7.1 expressed with the Rust `tokenizers` normalizers."""
+  """The rule chain of docs/design.md §7.1 expressed with the Rust `tokenizers` normalizers."""
   return normalizers.Sequence([
       normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
       normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),

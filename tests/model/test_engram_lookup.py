@@ -21,7 +21,7 @@ def _tiny():
 
 
 def _gate_reference(x, k, w, eps):
-  """float64 numpy, MODEL.md §7.3 written out."""
+  """float64 numpy, docs/design.md §7.3 written out."""
   x, k, w = (np.asarray(a, np.float64) for a in (x, k, w))
   d = x.shape[-1]
   dot = (np.sum(x * w * k, axis=-1) / np.sqrt(np.mean(x**2, -1) + eps)

@@ -1,4 +1,4 @@
-"""dsv41_jax/layers/indexer.py against float64 loops of MODEL.md §5.3–5.6 and §14."""
+"""dsv41_jax/layers/indexer.py against float64 loops of docs/design.md §5.3–5.6 and §14."""
 
 import jax
 import jax.numpy as jnp
@@ -147,7 +147,7 @@ def _np_query(ix, x, c_q, inv):
 
 
 def test_full_and_reindex_against_reference():
-  """Full: keys from the latent; Reindex: own q/w against the shared index_k (MODEL.md §5.5)."""
+  """Full: keys from the latent; Reindex: own q/w against the shared index_k (docs/design.md §5.5)."""
   # a pool of 2 blocks of 2 entries and k = 3 < visible entries, so both restrict something
   cfg = _cfg(use_candidate_pool=True, candidate_topk_blocks=2, index_topk=3)
   full, reindex, comp, ix_full, ix_re = _layers(cfg)
@@ -267,7 +267,7 @@ def test_kl_loss_value_and_gradient():
 
 
 def test_indexer_loss_trains_only_the_indexer():
-  """jax.grad of the KL loss: exactly zero on the compressor and the inputs (MODEL.md §5.5)."""
+  """jax.grad of the KL loss: exactly zero on the compressor and the inputs (docs/design.md §5.5)."""
   cfg = _cfg()
   full, _, comp, ix_full, _ = _layers(cfg, 9)
   x, c_q = _inputs(cfg, 10)

@@ -1,4 +1,4 @@
-"""The ledger of the full V4.1-Flash config, from the real parameter and cache shapes (MODEL.md §1, §10)."""
+"""The ledger of the full V4.1-Flash config, from the real parameter and cache shapes (docs/design.md §1, §10)."""
 
 import json
 import subprocess

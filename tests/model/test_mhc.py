@@ -1,4 +1,4 @@
-"""dsv41_jax/layers/mhc.py (MODEL.md §3.2–3.4) against a float64 numpy restatement of the spec."""
+"""dsv41_jax/layers/mhc.py (docs/design.md §3.2–3.4) against a float64 numpy restatement of the spec."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""The single-pass mHC wiring of the whole model (MODEL.md §3.3) against a float64 restatement.
+"""The single-pass mHC wiring of the whole model (docs/design.md §3.3) against a float64 restatement.
 
   pre_mix ← e_0
   for each layer:
@@ -88,7 +88,7 @@ def _expand(X, post, comb, F):
 
 
 def _attention(P, cfg, spec, x, pos, seg):
-  """SWA attention of MODEL.md §4.1–4.4 (no global branch), float64."""
+  """SWA attention of docs/design.md §4.1–4.4 (no global branch), float64."""
   inv, eps = layer_inv_freq(cfg, spec), cfg.rms_norm_eps
   cq = np_rms(x @ P["attn/wq_a"], P["attn/q_norm/scale"], eps)
   q = np_rope(np.einsum("btq,qhd->bthd", cq, P["attn/wq_b"]), pos, inv)
@@ -109,7 +109,7 @@ def _moe(P, cfg, x, seg):
 
 
 def reference_logits(flat, cfg, tokens, pos, seg):
-  """MODEL.md §3.3 in float64, layer by layer."""
+  """docs/design.md §3.3 in float64, layer by layer."""
   hc = lambda X, P, site: ref_hc(X, P[f"{site}/fn"], P[f"{site}/base"], P[f"{site}/scale"],
                                  iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
                                  norm_eps=cfg.rms_norm_eps)

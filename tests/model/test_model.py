@@ -87,7 +87,7 @@ def _flat(tree):
 
 
 def test_loss_isolation_and_sharded_equals_single_device(cfg, split_model):
-  """The indexer loss trains only indexer parameters and the LM loss never does (MODEL.md §5.5);
+  """The indexer loss trains only indexer parameters and the LM loss never does (docs/design.md §5.5);
   on an 8-device mesh (data 2 × expert 2 × tensor 2) the losses, logits and both gradients equal
   the single-device results.
 

@@ -100,7 +100,7 @@ def _np_capacity_drops(sel, valid, capacity):
 
 
 def _np_balance(s, sel, seg):
-  """MODEL.md §8.4 per document (runs of equal non-zero segment id), averaged over documents."""
+  """docs/design.md §8.4 per document (runs of equal non-zero segment id), averaged over documents."""
   losses = []
   for i in range(seg.shape[0]):
     j = 0

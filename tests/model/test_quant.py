@@ -1,4 +1,4 @@
-"""dsv41_jax/quant.py against the ml_dtypes float4/float8 casts with the spec's scales (MODEL.md §9)."""
+"""dsv41_jax/quant.py against the ml_dtypes float4/float8 casts with the spec's scales (docs/design.md §9)."""
 
 import jax
 import jax.numpy as jnp
@@ -185,7 +185,7 @@ def test_fake_quant_main_kv_switch_xla_is_reference():
     quant.fake_quant_main_kv(x, "cuda")
 
 
-# --- stored sizes (MODEL.md §10) ------------------------------------------------------------
+# --- stored sizes (docs/design.md §10) ------------------------------------------------------------
 
 
 def test_byte_sizes_give_890_bytes_per_token():

@@ -1,4 +1,4 @@
-"""Independent float64 numpy references of each optimizer update (TRAINING.md §2)."""
+"""Independent float64 numpy references of each optimizer update (docs/design.md §T2)."""
 
 from __future__ import annotations
 

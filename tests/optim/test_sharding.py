@@ -1,4 +1,4 @@
-"""Optimizer state sharded exactly like its parameter on an 8-device CPU mesh (TRAINING.md §2)."""
+"""Optimizer state sharded exactly like its parameter on an 8-device CPU mesh (docs/design.md §T2)."""
 
 import jax
 import jax.numpy as jnp

@@ -148,7 +148,7 @@ def test_bad_sub_tables_are_named(sub_tables, what):
 
 
 def test_engram_sub_tables_of_the_model_are_its_hash_tables():
-  """The layout launch code passes (`launch.step.engram_sub_tables`) is that of MODEL.md §7.2."""
+  """The layout launch code passes (`launch.step.engram_sub_tables`) is that of docs/design.md §7.2."""
   from flax import nnx
 
   from configs.common import model_config

@@ -1,5 +1,5 @@
 """Every parameter of every model config is claimed by exactly one table row, and every row claims
-something in some config (TRAINING.md §2)."""
+something in some config (docs/design.md §T2)."""
 
 import pytest
 
