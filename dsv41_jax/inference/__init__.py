@@ -55,12 +55,11 @@ class Decoder:
     graphdef, self.params = nnx.split(model)
     merge = functools.partial(nnx.merge, graphdef)
     self._prefill = jax.jit(
-        lambda p, c, tok, ids, b, depth: decode.prefill(merge(p), c, tok, ids, b, depth=depth),
-        static_argnums=(5,))
+        lambda p, c, tok, ids, b, depth, replay=True: decode.prefill(
+            merge(p), c, tok, ids, b, depth=depth, replay=replay), static_argnums=(5, 6))
     self._decode = jax.jit(lambda p, c, tok, t, ids, b: decode.decode_step(merge(p), c, tok, t, ids, b),
                            donate_argnums=(1,))
-    self._replay = jax.jit(lambda p, c, enc, t, b: decode.decoder_step(merge(p), c, enc, t, b),
-                           donate_argnums=(1,))
+    self._replay_step = jax.jit(lambda p, c, enc, t, b: decode.decoder_step(merge(p), c, enc, t, b))
     self._sample = jax.jit(sample, static_argnums=(2, 3))
 
   # --- host-side inputs ---
@@ -82,18 +81,10 @@ class Decoder:
               ) -> tuple[jax.Array, DecodeCache]:
     """(logits [B, V] of the last prompt token, caches holding the prompt)."""
     tokens = np.asarray(tokens_BxN, np.int32)
-    B, N = tokens.shape
-    cache = cache_lib.init_cache(self.cfg, B, max_len, self.stored_formats)
+    cache = cache_lib.init_cache(self.cfg, tokens.shape[0], max_len, self.stored_formats)
     out = self._prefill(self.params, cache, jnp.asarray(tokens), self.engram_ids(tokens),
                         self.moe_bias, depth)
-    if depth == "full":
-      return out["logits"][:, -1], out["cache"]
-    cache, enc = out["cache"], out["encoder_state"]
-    logits = None
-    for i in range(decode.replay_start(self.cfg, N), N):
-      row = jax.tree.map(lambda a: a[:, i:i + 1], enc)
-      logits, cache = self._replay(self.params, cache, row, jnp.int32(i), self.moe_bias)
-    return logits, cache
+    return out["last_logits"], out["cache"]
 
   def step(self, cache: DecodeCache, history_BxT: np.ndarray, t: int
            ) -> tuple[jax.Array, DecodeCache]:

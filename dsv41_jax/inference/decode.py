@@ -34,7 +34,8 @@ entries of the complete groups and the pending partial group. Two paths:
   "full"  every layer over all N prompt tokens. Decode afterwards is exact (the exact path).
   "ced"   (MODEL.md §6) the encoder over all N tokens; the decoder's global KV from the final
           encoder state H_{L/2} (`block.prefill_kv` math), and the decoder's SWA rings by bounded
-          replay (§5.7): the decoder runs, one token at a time, over the last W prompt tokens only,
+          replay (§5.7): the decoder runs, one token at a time (a scan of `decoder_step`), over the
+          last W prompt tokens only,
           starting at s = max(0, N − W) with empty rings. A replayed token i sees decoder window
           keys [max(s, i − W + 1), i] instead of [i − W + 1, i]; its decoder input H_{L/2} and the
           decoder's global KV are exact (the encoder ran over everything). For N ≤ W (s = 0) the
@@ -287,13 +288,14 @@ def _fill_global(cfg, core, pub, g: GlobalCache, src_BxTxD: jax.Array, m: int) -
 
 
 def prefill(model, cache: DecodeCache, tokens_BxT: jax.Array, engram_ids: dict,
-            moe_bias_Lx2xE: jax.Array, *, depth: str = "ced") -> dict[str, Any]:
+            moe_bias_Lx2xE: jax.Array, *, depth: str = "ced", replay: bool = True
+            ) -> dict[str, Any]:
   """Run a T-token prompt into empty caches (module docstring for the two paths).
 
-  depth "full": returns {"cache", "logits" [B, T, V]}. depth "ced": the encoder only; returns
-  {"cache", "encoder_state"} (H_{L/2} of every prompt token, [B, T, ...]); the decoder's SWA rings
-  are still empty: `decoder_step` over tokens s … T − 1 (`replay_start`) fills them and gives the
-  logits of the last prompt token.
+  Returns {"cache", "last_logits" [B, V]} (the logits of the last prompt token); depth "full" adds
+  "logits" [B, T, V]. Depth "ced" runs the bounded replay as a `lax.scan` of `decoder_step` over
+  tokens s … T − 1 (`replay_start`); with `replay=False` it stops before (no "last_logits", the
+  decoder's rings empty, "encoder_state" H_{L/2} [B, T, ...] returned), for counting its cost.
   """
   if depth not in ("full", "ced"):
     raise ValueError(f"prefill depth must be 'full' or 'ced' (got {depth!r})")
@@ -329,8 +331,8 @@ def prefill(model, cache: DecodeCache, tokens_BxT: jax.Array, engram_ids: dict,
                                         spec.compress_ratio)
       state, _ = layer_forward(cfg, [spec], core, [pub], state, ctx, moe_bias_Lx2xE[spec.index])
   if depth == "full":
-    return {"cache": DecodeCache(tuple(swa), glob),
-            "logits": _head(model, state.X_BxTxNxD, state.pre_mix_BxTxN)}
+    logits = _head(model, state.X_BxTxNxD, state.pre_mix_BxTxN)
+    return {"cache": DecodeCache(tuple(swa), glob), "logits": logits, "last_logits": logits[:, -1]}
   for spec in plan.layers[n_enc:]:   # the decoder's KV sources, projected from H_{L/2} (§6)
     if spec.owns_compressor:
       if not (spec.kv_input == "encoder_final" or spec.index == n_enc):
@@ -339,7 +341,19 @@ def prefill(model, cache: DecodeCache, tokens_BxT: jax.Array, engram_ids: dict,
       core, pub, _ = model.layer(spec.index)
       glob[spec.index] = _fill_global(cfg, core, pub, glob[spec.index],
                                       encoder_final_input(cfg, core, enc), spec.compress_ratio)
-  return {"cache": DecodeCache(tuple(swa), glob), "encoder_state": enc}
+  cache = DecodeCache(tuple(swa), glob)
+  if not replay:
+    return {"cache": cache, "encoder_state": enc}
+  s = replay_start(cfg, T)
+  rows = jax.tree.map(lambda a: jnp.moveaxis(a[:, s:, None], 1, 0), enc)   # [T − s, B, 1, ...]
+
+  def body(cache, xs):
+    row, t = xs
+    logits, cache = decoder_step(model, cache, row, t, moe_bias_Lx2xE)
+    return cache, logits
+
+  cache, logits = jax.lax.scan(body, cache, (rows, jnp.arange(s, T, dtype=jnp.int32)))
+  return {"cache": cache, "last_logits": logits[-1]}
 
 
 def replay_start(cfg: ModelConfig, prompt_len: int) -> int:
