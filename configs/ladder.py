@@ -1,0 +1,222 @@
+"""Scaling ladders: a grid of model sizes × token budgets, and ablations at one size.
+
+`get_config(arg)` answers two kinds of argument:
+
+* a grid name, `cpu`, `gpu` or `micro`: the ladder's spec (sizes, budgets, ablation size, seeds, XLA flags),
+  read by `launch.ladder`;
+* a point, `<grid>/<size>/<steps>` or `<grid>/<size>/<steps>/<ablation>`: the ordinary
+  `launch.train` config of one run, e.g. `configs/ladder.py:cpu/L8d64/400`.
+
+Every size keeps V4.1-Flash's structure, scaled by depth and width: `configs/small.py`'s `layout`
+(two SWA layers, an encoder at compress ratio 2 and a decoder at ratio 1, Full / Reuse / Reindex
+layers, Engram at layer 1 and ⌊0.35·L⌋, CED) at depth L, width d with head_dim 32 (the QAT block
+sizes need a multiple of 32), d/16 heads and d/2 LoRA ranks and expert width. A point's
+learning-rate schedule is its own: warm-up, hold to 60 % of its token budget, cosine decay to the
+budget's end (`schedule_unit="tokens"`).
+
+CPU ladder (9 points, text only, seq 128, batch 8):
+
+  python -m launch.ladder --config=configs/ladder.py:cpu --workdir=benchmarks/ladder/cpu_runs
+  python -m launch.ladder --report benchmarks/ladder/cpu_runs --out=benchmarks/ladder
+  python -m launch.ladder --config=configs/ladder.py:cpu --workdir=DIR --ablations
+
+GPU ladder (one H200, each point one `launch.train` call well inside a 10-minute device call:
+the largest point, L16d512 × 4000 steps × 16 × 1024 tokens = 66 M tokens at ~2.9e8 FLOP/token,
+is 1.9e16 FLOP, ~2 min at 15 % MFU plus compilation). Not run yet:
+
+  python -m launch.ladder --config=configs/ladder.py:gpu --workdir=/tmp/ladder_gpu --list
+  python -m launch.train --config=configs/ladder.py:gpu/L16d512/4000 --workdir=/tmp/ladder_gpu/L16d512_4000
+  python -m launch.ladder --report /tmp/ladder_gpu --out=benchmarks/ladder/gpu
+
+(`--list` prints each point's `launch.train` command, one per device call; `--report` then reads
+the finished work directories.)
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from configs import common
+from configs.small import layout
+
+FAST_CPU = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+# Each grid: sizes (name -> layers, width), budgets in steps, the batch and sequence of every point,
+# the peak learning rate and warm-up, and the ablation size, budget and seeds.
+GRIDS: dict[str, dict] = {
+    # Widths 32-96 at depth 8-10: 0.2-1.4 M activated matrix parameters per token (head
+    # included); budgets 60-240 steps of 1024 tokens. Compilation dominates a point on CPU (the
+    # train step of L10d96 takes ~3 min to compile on a loaded 2-core machine), so the CPU grids
+    # compile with LLVM's cheap passes (`xla_flags`: speed only, the same numbers).
+    "cpu": dict(sizes={"L8d32": (8, 32), "L8d64": (8, 64), "L10d96": (10, 96)},
+                steps=(60, 120, 240), seq=128, batch=8, lr=1e-2, warmup=10,
+                ablation_size="L10d32", ablation_steps=60, seeds=(0, 1), xla_flags=FAST_CPU),
+    # One H200: widths 256-512, seq 1024, batch 16 (16 K tokens a step); every point fits one
+    # 10-minute device call (see the docstring).
+    "gpu": dict(sizes={"L8d256": (8, 256), "L12d384": (12, 384), "L16d512": (16, 512)},
+                steps=(1000, 2000, 4000), seq=1024, batch=16, lr=2e-3, warmup=100,
+                ablation_size="L12d384", ablation_steps=2000, seeds=(0, 1), xla_flags=""),
+    # The launch test's two points: tests/launch/micro_config.py's scale (two layers, seq 32).
+    "micro": dict(sizes={"L2d32": (2, 32)}, steps=(3, 6), seq=32, batch=4, lr=3e-3, warmup=1,
+                  ablation_size="L2d32", ablation_steps=3, seeds=(0,), xla_flags=FAST_CPU),
+}
+
+ABLATIONS = ("dense_attention", "full_depth_kv", "engram_off", "plain_residual", "qat",
+             "candidate_pool")
+
+
+def plan_fields(layers: int) -> dict:
+  """The layer roles at depth `layers`: `configs/small.py`'s `layout`, or at depth 2 its smallest
+  instance (tests/launch/micro_config.py): an encoder Full layer at ratio 2 with Engram and a
+  decoder Full layer at ratio 1."""
+  if layers == 2:
+    return dict(num_hidden_layers=2, compress_ratios=(2, 1), kv_source_layer_ids=(0, 1),
+                index_source_layer_ids=(0, 1), candidate_source_layer_id=0, engram_layer_ids=(0,))
+  return layout(layers)
+
+
+def size_fields(layers: int, d: int, seq: int) -> dict:
+  """ModelConfig fields of a ladder size: `layout(layers)` at width d (see the module docstring)."""
+  heads = max(2, d // 16)
+  return dict(
+      vocab_size=2048,
+      hidden_size=d,
+      num_attention_heads=heads,
+      head_dim=32,
+      qk_rope_head_dim=16,
+      q_lora_rank=d // 2,
+      o_groups=max(1, heads // 2),
+      o_lora_rank=d // 2,
+      sliding_window=min(16 * seq // 128, seq),
+      index_n_heads=2,
+      index_head_dim=32,
+      index_topk=8 * seq // 128,
+      candidate_topk_blocks=4,
+      candidate_block_size=2,
+      yarn_enabled=False,  # pre-training: plain RoPE (MODEL.md §4.5)
+      n_routed_experts=8,
+      num_experts_per_tok=2,
+      moe_intermediate_size=d // 2,
+      # Capacity E / k: every buffer holds all tokens, the exact dropless function at einsum speed.
+      moe_dispatch="capacity",
+      moe_capacity_factor=4.0,
+      engram_n_heads=2,
+      engram_head_dim=max(8, d // 4),
+      engram_vocab_size=1009,
+      engram_compressed_vocab_size=2048,
+      seq_len=seq,
+      dtype="float32",
+      **plan_fields(layers),
+  )
+
+
+def ablate(model: dict, name: str) -> tuple[str, ...]:
+  """Apply one ablation switch in place to a size's model fields; returns the parameter-path
+  patterns the optimizer must freeze (`optim.frozen`).
+
+  dense_attention  every layer plain causal attention: compress ratio 0 (no compressed branch,
+                   no indexer) with the sliding window the whole sequence.
+  full_depth_kv    no CED sharing: every decoder layer is a Full layer projecting its own
+                   compressed KV (and indexer) from its own hidden state.
+  engram_off       no Engram layers.
+  plain_residual   one residual stream with identity mHC: hc_mult 1, fn 0, post base 0 (so post
+                   = 2·sigmoid(0) = 1), hc_eps 0 (comb = 1 exactly), the mHC parameters frozen.
+                   Then X' = X + F and the sublayer reads norm(pre·X) = norm(X): a pre-norm
+                   residual. (The sites still exist as frozen constants; see RESULTS.md.)
+  qat              FP4 main KV and indexer, FP8 SWA KV fake quantization on (MODEL.md §9).
+  candidate_pool   the hierarchical candidate pool on (MODEL.md §5.6).
+  """
+  if name == "dense_attention":
+    n = model["num_hidden_layers"]
+    model.update(compress_ratios=(0,) * n, kv_source_layer_ids=(), index_source_layer_ids=(),
+                 sliding_window=model["seq_len"])
+  elif name == "full_depth_kv":
+    n = model["num_hidden_layers"]
+    dec = tuple(range(n // 2, n))
+    model.update(kv_source_layer_ids=tuple(sorted(set(model["kv_source_layer_ids"]) | set(dec))),
+                 index_source_layer_ids=tuple(sorted(set(model["index_source_layer_ids"])
+                                                     | set(dec))))
+  elif name == "engram_off":
+    model.update(engram_layer_ids=())
+  elif name == "plain_residual":
+    model.update(hc_mult=1, hc_init_fn_std=0.0, hc_eps=0.0)
+    return ("**/attn_hc/**", "**/ffn_hc/**")
+  elif name == "qat":
+    model.update(fp4_main_kv=True, fp4_indexer=True, fp8_swa_kv=True)
+  elif name == "candidate_pool":
+    model.update(use_candidate_pool=True)
+  else:
+    raise ValueError(f"unknown ablation {name!r}; ablations are {ABLATIONS}")
+  return ()
+
+
+def point_config(grid: str, size: str, steps: int, ablation: str | None = None
+                 ) -> ml_collections.ConfigDict:
+  """The `launch.train` config of one point: a size of `grid` trained for `steps` steps."""
+  g = GRIDS[grid]
+  sizes = dict(g["sizes"], **{g["ablation_size"]: _parse_size(g["ablation_size"])})
+  if size not in sizes:
+    raise ValueError(f"configs/ladder.py: grid {grid!r} has no size {size!r} (sizes: "
+                     f"{sorted(sizes)})")
+  layers, d = sizes[size]
+  model = size_fields(layers, d, g["seq"])
+  frozen = ablate(model, ablation) if ablation else ()
+  cfg = common.base_config(model=model)
+  cfg.optim.frozen = frozen
+  cfg.data.seq_len = g["seq"]
+  cfg.data.batch_size = g["batch"]
+  # Text only: the image stream keeps a token share that the mixer needs (> 0), its spans plain
+  # tokens, and small image documents so the pipeline starts quickly.
+  cfg.data.multimodal_weight = 0.05
+  cfg.data.max_image_size = 42
+  cfg.data.image_docs_train = 64
+  cfg.data.image_docs_eval = 16
+  cfg.train.steps = steps
+  cfg.train.log_every = max(1, min(10, steps // 12))
+  cfg.train.eval_every = steps           # held-out loss once, at the end of the budget
+  cfg.train.eval_batches = 16
+  cfg.train.checkpoint_every = max(1, steps // 2)
+  cfg.train.keep_checkpoints = 1
+  cfg.train.progress_bar = False
+  cfg.optim.lr = g["lr"]
+  cfg.optim.warmup_steps = min(g["warmup"], steps // 4)
+  tokens = steps * g["batch"] * g["seq"]
+  cfg.optim.schedule_unit = "tokens"
+  cfg.optim.decay_start = 0.6 * tokens
+  cfg.optim.decay_end = float(tokens)
+  return cfg
+
+
+def _parse_size(name: str) -> tuple[int, int]:
+  """'L10d64' -> (10, 64)."""
+  layers, d = name[1:].split("d")
+  return int(layers), int(d)
+
+
+def ladder_spec(grid: str) -> ml_collections.ConfigDict:
+  """What `launch.ladder` reads: the grid's sizes, budgets, ablation size and seeds."""
+  g = GRIDS[grid]
+  spec = ml_collections.ConfigDict()
+  spec.grid = grid
+  spec.sizes = tuple(g["sizes"])
+  spec.steps = tuple(g["steps"])
+  spec.tokens_per_step = g["batch"] * g["seq"]
+  spec.ablation_size = g["ablation_size"]
+  spec.ablation_steps = g["ablation_steps"]
+  spec.ablations = ABLATIONS
+  spec.seeds = tuple(g["seeds"])
+  spec.xla_flags = g["xla_flags"]  # appended to XLA_FLAGS of every point's run
+  return spec
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """`cpu` / `gpu` / `micro`: a ladder spec; `<grid>/<size>/<steps>[/<ablation>]`: one point."""
+  arg = arg or "cpu"
+  parts = arg.split("/")
+  if parts[0] not in GRIDS:
+    raise ValueError(f"configs/ladder.py:{arg}: unknown grid {parts[0]!r} (grids: {sorted(GRIDS)})")
+  if len(parts) == 1:
+    return ladder_spec(parts[0])
+  if len(parts) not in (3, 4):
+    raise ValueError(f"configs/ladder.py:{arg}: a point is <grid>/<size>/<steps>[/<ablation>]")
+  return point_config(parts[0], parts[1], int(parts[2]), parts[3] if len(parts) == 4 else None)

@@ -1,0 +1,478 @@
+"""Scaling ladders and ablations (issue 17): grids of ordinary `launch.train` runs, a table, fits, plots.
+
+  python -m launch.ladder --config=configs/ladder.py:cpu --workdir=DIR               # the grid
+  python -m launch.ladder --config=configs/ladder.py:cpu --workdir=DIR --ablations   # ablations
+  python -m launch.ladder --config=configs/ladder.py:cpu --workdir=DIR --list        # commands
+  python -m launch.ladder --report DIR [--out=OUT]                                   # table, fits, plots
+
+A ladder config file (`configs/ladder.py`) answers a grid name with the grid's spec (`sizes`,
+`steps`, `ablation_size`, `ablation_steps`, `ablations`, `seeds`) and a point argument
+`<grid>/<size>/<steps>[/<ablation>]` with that run's `launch.train` config. Each point runs as
+
+  python -m launch.train --config=<file>:<point> --workdir=DIR/<name> --config.train.seed=<seed>
+
+with its output in DIR/<name>/train.log and its record in DIR/<name>/point.json. A point is done
+when the run exited 0 with a held-out loss at its last step; a done point is never rerun, any other
+is (re)started, and `launch.train` resumes it from its last checkpoint. Every point's config is
+built and validated (ModelConfig, OptimConfig, schedule) before the first run; an invalid one
+stops the ladder with every error listed (exit status 2). A run that fails is recorded as failed
+with its log path and the ladder moves on; the report fits the points that finished.
+
+Per point: N = activated matrix parameters per token (`dsv41_jax.flops.active_matrix_params`,
+embedding look-ups excluded, head included), D = steps × batch × seq tokens, and
+C = `dsv41_jax.flops.train_flops_per_token` (at data.seq_len) × D, the formula behind MFU.
+Held-out loss and bits per byte are `launch.train`'s last `eval/loss`, `eval/bits_per_byte`
+(`launch/evaluation.py`). Fits: `launch/scaling_fit.py`. Ablation points train the grid's
+ablation size with one switch each (`configs/ladder.py` `ablate`), the same data order (data.seed
+fixed) and the same token budget, once per seed (`train.seed`, the initialisation);
+the table gives each switch's held-out loss minus the baseline's at the same seed.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+from absl import app, flags
+
+from launch import scaling_fit
+
+_CONFIG = flags.DEFINE_string("config", None, "Ladder config: <file>:<grid>, e.g. "
+                              "configs/ladder.py:cpu.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Ladder directory: one sub-directory per point.")
+_ABLATIONS = flags.DEFINE_bool("ablations", False, "Run the ablations (DIR/ablations/...) instead "
+                               "of the grid.")
+_LIST = flags.DEFINE_bool("list", False, "Print each point's launch.train command; run nothing.")
+_REPORT = flags.DEFINE_string("report", None, "Redo table, fits and plots from the finished runs "
+                              "in this ladder directory; run nothing.")
+_OUT = flags.DEFINE_string("out", None, "Where the report goes (default: the ladder directory).")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class LadderError(RuntimeError):
+  """The ladder cannot start; the message lists what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+  name: str              # sub-directory under the ladder directory
+  arg: str               # the config file's point argument
+  seed: int
+  kind: str              # "grid" or "ablation"
+  size: str
+  steps: int
+  ablation: str = ""     # "" = the baseline (ablation points) or a grid point
+
+
+def load_config_file(path: str, arg: str | None):
+  """`get_config(arg)` of a config file given by path (the module is loaded afresh)."""
+  spec = importlib.util.spec_from_file_location(f"_ladder_cfg_{abs(hash(path))}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+def split_config(config: str) -> tuple[str, str]:
+  path, _, grid = config.partition(":")
+  return os.path.abspath(path), grid
+
+
+def plan(spec, ablations: bool) -> list[Point]:
+  """The points of a grid spec: every size × budget, cheapest budget first across the sizes (a
+  ladder stopped early still spans the sizes), or the ablations at the ablation size, each switch
+  over every seed before the next switch (a partial run still has every seed of its switches)."""
+  grid = spec.grid
+  if not ablations:
+    return [Point(f"{size}_{steps}", f"{grid}/{size}/{steps}", 0, "grid", size, steps)
+            for steps in spec.steps for size in spec.sizes]
+  size, steps = spec.ablation_size, spec.ablation_steps
+  out = []
+  for ab in ("",) + tuple(spec.ablations):
+    for seed in spec.seeds:
+      arg = f"{grid}/{size}/{steps}" + (f"/{ab}" if ab else "")
+      out.append(Point(f"ablations/{ab or 'baseline'}_seed{seed}", arg, seed, "ablation", size,
+                       steps, ab))
+  return out
+
+
+def describe(path: str, point: Point) -> dict[str, Any]:
+  """Build and validate a point's config; its size and compute figures (see the docstring)."""
+  from configs.common import model_config
+  from dsv41_jax import flops
+  from optim.config import optim_config
+  from optim.schedule import boundaries
+
+  cfg = load_config_file(path, point.arg)
+  mcfg = model_config(cfg)
+  tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+  boundaries(optim_config({**dict(cfg.optim), "tokens_per_step": tokens_per_step}))
+  tokens = cfg.train.steps * tokens_per_step
+  fpt = flops.train_flops_per_token(mcfg.replace(seq_len=cfg.data.seq_len))
+  return dict(layers=mcfg.num_hidden_layers, d=mcfg.hidden_size,
+              n_active=flops.active_matrix_params(mcfg), flops_per_token=fpt,
+              tokens=tokens, compute=fpt * tokens)
+
+
+def command(path: str, point: Point, workdir: str) -> list[str]:
+  return [sys.executable, "-m", "launch.train", f"--config={path}:{point.arg}",
+          f"--workdir={os.path.join(workdir, point.name)}", f"--config.train.seed={point.seed}"]
+
+
+def read_record(pdir: str) -> dict[str, Any] | None:
+  try:
+    with open(os.path.join(pdir, "point.json")) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    return None
+
+
+def write_record(pdir: str, record: dict[str, Any]) -> None:
+  os.makedirs(pdir, exist_ok=True)
+  tmp = os.path.join(pdir, "point.json.tmp")
+  with open(tmp, "w") as f:
+    json.dump(record, f, indent=1)
+  os.replace(tmp, os.path.join(pdir, "point.json"))
+
+
+def read_metrics(pdir: str) -> dict[int, dict[str, Any]]:
+  """metrics.jsonl merged per step (a resumed run appends; the later record wins per key)."""
+  out: dict[int, dict[str, Any]] = {}
+  try:
+    with open(os.path.join(pdir, "metrics.jsonl")) as f:
+      for line in f:
+        if line.strip():
+          r = json.loads(line)
+          out.setdefault(int(r["step"]), {}).update(r)
+  except FileNotFoundError:
+    pass
+  return out
+
+
+def final_eval(pdir: str, steps: int) -> dict[str, float] | None:
+  m = read_metrics(pdir).get(steps, {})
+  if m.get("eval/loss") is None:
+    return None
+  return {"eval_loss": m["eval/loss"], "eval_bpb": m.get("eval/bits_per_byte")}
+
+
+def validate(path: str, points: list[Point]) -> dict[str, dict[str, Any]]:
+  """Every point's `describe`; raises LadderError listing every invalid point."""
+  described, errors = {}, []
+  for p in points:
+    try:
+      described[p.name] = describe(path, p)
+    except Exception as e:  # noqa: BLE001 - any config error is reported with its point
+      errors.append(f"  {p.name} ({os.path.relpath(path, REPO)}:{p.arg}): "
+                    f"{type(e).__name__}: {e}")
+  if errors:
+    raise LadderError(f"{len(errors)} of {len(points)} ladder points have an invalid config; "
+                      "nothing was run:\n" + "\n".join(errors))
+  return described
+
+
+def point_env(spec) -> dict[str, str]:
+  """The runs' environment: this one, with the grid's `xla_flags` appended to XLA_FLAGS."""
+  env = dict(os.environ)
+  if spec.get("xla_flags"):
+    env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), spec.xla_flags]).strip()
+  return env
+
+
+def run_ladder(config: str, workdir: str, ablations: bool = False, log=print) -> list[dict]:
+  """Run every point not yet done, in order; returns the records."""
+  path, grid = split_config(config)
+  spec = load_config_file(path, grid)
+  points = plan(spec, ablations)
+  described = validate(path, points)
+  env = point_env(spec)
+  records = []
+  for i, p in enumerate(points):
+    pdir = os.path.join(workdir, p.name)
+    old = read_record(pdir)
+    if old is not None and old.get("status") == "done":
+      log(f"[{i + 1}/{len(points)}] {p.name}: done, skipped")
+      records.append(old)
+      continue
+    cmd = command(path, p, workdir)
+    logfile = os.path.join(pdir, "train.log")
+    record = dict(dataclasses.asdict(p), **described[p.name], command=" ".join(cmd[1:]),
+                  xla_flags=env.get("XLA_FLAGS", ""), log=logfile, status="running",
+                  grid=spec.grid)
+    write_record(pdir, record)
+    log(f"[{i + 1}/{len(points)}] {p.name}: {' '.join(cmd[1:])}")
+    t0 = time.time()
+    with open(logfile, "a") as out:
+      out.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n")
+      out.flush()
+      proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+      try:
+        rc = proc.wait()
+      except BaseException:
+        proc.terminate()  # launch.train saves a checkpoint on SIGTERM and exits
+        proc.wait()
+        record.update(status="interrupted", seconds=time.time() - t0)
+        write_record(pdir, record)
+        raise
+    ev = final_eval(pdir, p.steps)
+    ok = rc == 0 and ev is not None
+    record.update(status="done" if ok else "failed", returncode=rc,
+                  seconds=record.get("seconds", 0.0) + time.time() - t0, **(ev or {}))
+    write_record(pdir, record)
+    log(f"    {record['status']} in {time.time() - t0:.0f} s"
+        + (f": eval loss {ev['eval_loss']:.4f}" if ok else f" (exit {rc}; log {logfile})"))
+    records.append(record)
+  return records
+
+
+# --- report ---------------------------------------------------------------------------------------
+
+COLUMNS = ("name", "kind", "size", "layers", "d", "steps", "seed", "ablation", "n_active",
+           "flops_per_token", "tokens", "compute", "eval_loss", "eval_bpb", "train_loss",
+           "seconds", "status", "log", "command")
+
+
+def collect(ladder_dir: str) -> list[dict[str, Any]]:
+  """One row per point directory (grid and ablations), with its training-loss curve."""
+  rows = []
+  for sub in ("", "ablations"):
+    base = os.path.join(ladder_dir, sub)
+    if not os.path.isdir(base):
+      continue
+    for name in sorted(os.listdir(base)):
+      pdir = os.path.join(base, name)
+      rec = read_record(pdir) if os.path.isdir(pdir) else None
+      if rec is None:
+        continue
+      metrics = read_metrics(pdir)
+      curve = sorted((s, m["loss"]) for s, m in metrics.items() if m.get("loss") is not None)
+      ev = final_eval(pdir, rec["steps"]) if rec.get("status") == "done" else None
+      row = dict(rec, **(ev or {}))
+      row["train_loss"] = curve[-1][1] if curve else None
+      row["curve"] = curve
+      rows.append(row)
+  return rows
+
+
+def fits(rows: list[dict[str, Any]]) -> dict[str, Any]:
+  """Frontier fit L(C) and grid fit L(N, D) over the finished grid points (see scaling_fit)."""
+  done = [r for r in rows if r["kind"] == "grid" and r["status"] == "done"]
+  out: dict[str, Any] = {"points_fitted": [r["name"] for r in done]}
+  if not done:
+    return out
+  C = np.array([r["compute"] for r in done])
+  L = np.array([r["eval_loss"] for r in done])
+  idx = scaling_fit.frontier(C, L)
+  out["frontier"] = [done[i]["name"] for i in idx]
+  try:
+    f = scaling_fit.fit_power_law(C[idx], L[idx])
+    out["frontier_fit"] = dict(f.to_dict(), points=out["frontier"])
+  except ValueError as e:
+    out["frontier_fit"] = {"error": str(e)}
+  try:
+    N = np.array([r["n_active"] for r in done])
+    D = np.array([r["tokens"] for r in done])
+    g = scaling_fit.fit_chinchilla(N, D, L)
+    out["grid_fit"] = dict(g.to_dict(), points=out["points_fitted"])
+  except ValueError as e:
+    out["grid_fit"] = {"error": str(e)}
+  return out
+
+
+def ablation_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Per switch: held-out loss (and bpb) minus the baseline's at the same seed, over seeds."""
+  abl = [r for r in rows if r["kind"] == "ablation" and r["status"] == "done"]
+  base = {r["seed"]: r for r in abl if not r["ablation"]}
+  out = []
+  for name in sorted({r["ablation"] for r in abl if r["ablation"]}):
+    pairs = [(r, base[r["seed"]]) for r in abl if r["ablation"] == name and r["seed"] in base]
+    if not pairs:
+      continue
+    dl = np.array([r["eval_loss"] - b["eval_loss"] for r, b in pairs])
+    db = np.array([r["eval_bpb"] - b["eval_bpb"] for r, b in pairs])
+    out.append(dict(
+        ablation=name, seeds=[r["seed"] for r, _ in pairs],
+        eval_loss=[r["eval_loss"] for r, _ in pairs],
+        baseline_loss=[b["eval_loss"] for _, b in pairs],
+        delta_loss_mean=float(dl.mean()), delta_loss_min=float(dl.min()),
+        delta_loss_max=float(dl.max()),
+        delta_loss_std=float(dl.std(ddof=1)) if len(dl) > 1 else None,
+        delta_bpb_mean=float(db.mean()),
+        flops_ratio=pairs[0][0]["flops_per_token"] / pairs[0][1]["flops_per_token"],
+        baseline_spread=float(np.ptp([b["eval_loss"] for b in base.values()]))))
+  return out
+
+
+def markdown(rows, fit, abl) -> str:
+  """The report as markdown tables (what RESULTS.md quotes)."""
+  lines = ["| point | N active | D tokens | C FLOP | held-out loss | bits/byte | status |",
+           "|---|---:|---:|---:|---:|---:|---|"]
+  for r in rows:
+    if r["kind"] != "grid":
+      continue
+    loss = f"{r['eval_loss']:.4f}" if r.get("eval_loss") is not None else "-"
+    bpb = f"{r['eval_bpb']:.4f}" if r.get("eval_bpb") is not None else "-"
+    status = r["status"] if r["status"] == "done" else f"{r['status']} ({r['log']})"
+    mark = " *" if r["name"] in fit.get("frontier", ()) else ""
+    lines.append(f"| {r['name']}{mark} | {r['n_active']:.3g} | {r['tokens']:.3g} | "
+                 f"{r['compute']:.3g} | {loss} | {bpb} | {status} |")
+  for key in ("frontier_fit", "grid_fit"):
+    f = fit.get(key)
+    if not f:
+      continue
+    if "error" in f:
+      lines.append(f"\n{key}: {f['error']}")
+      continue
+    params = ", ".join(f"{k} = {v:.4g}" for k, v in f["params"].items())
+    res = ", ".join(f"{v:+.4f}" for v in f["residuals"])
+    lines.append(f"\n{key}: {f['law']}; {params}; R² = {f['r2']:.4f} over {f['n_points']} "
+                 f"points; residuals {res}")
+  if abl:
+    lines += ["", "| switch | Δ held-out loss (mean) | min … max over seeds | seeds | FLOP/token ×"
+              " |", "|---|---:|---:|---|---:|"]
+    for a in abl:
+      lines.append(f"| {a['ablation']} | {a['delta_loss_mean']:+.4f} | "
+                   f"{a['delta_loss_min']:+.4f} … {a['delta_loss_max']:+.4f} | "
+                   f"{','.join(map(str, a['seeds']))} | {a['flops_ratio']:.3f} |")
+    lines.append(f"\nbaseline held-out loss spread over seeds: {abl[0]['baseline_spread']:.4f}")
+  return "\n".join(lines) + "\n"
+
+
+def plots(rows, fit, out_dir: str) -> list[str]:
+  """loss_curves.png, frontier.png, residuals.png (matplotlib, an optional dependency)."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib is not installed (pip install -e '.[ladder]'): no plots", file=sys.stderr)
+    return []
+  grid = [r for r in rows if r["kind"] == "grid" and r["curve"]]
+  sizes = sorted({r["size"] for r in grid}, key=lambda s: min(r["n_active"] for r in grid
+                                                              if r["size"] == s))
+  colours = {s: plt.cm.viridis(i / max(1, len(sizes) - 1)) for i, s in enumerate(sizes)}
+  written = []
+
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for r in grid:
+    tps = r["tokens"] / r["steps"]
+    s, l = zip(*r["curve"])
+    ax.plot(np.array(s) * tps, l, color=colours[r["size"]], lw=1,
+            label=f"{r['size']} × {r['steps']}")
+    if r.get("eval_loss") is not None:
+      ax.plot([r["tokens"]], [r["eval_loss"]], "o", color=colours[r["size"]], ms=4)
+  ax.set_xscale("log")
+  ax.set_xlabel("tokens")
+  ax.set_ylabel("training loss (dots: held-out loss at the end)")
+  ax.legend(fontsize=6, ncol=2)
+  ax.set_title("loss curves per point")
+  written.append(_save(fig, out_dir, "loss_curves.png"))
+
+  done = [r for r in rows if r["kind"] == "grid" and r["status"] == "done"]
+  ff = fit.get("frontier_fit", {})
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for r in done:
+    on = r["name"] in fit.get("frontier", ())
+    ax.plot(r["compute"], r["eval_loss"], "o" if on else "x", color=colours[r["size"]], ms=6)
+    ax.annotate(r["name"], (r["compute"], r["eval_loss"]), fontsize=6)
+  if "params" in ff:
+    C = np.array([r["compute"] for r in done])
+    cs = np.geomspace(C.min() / 1.5, C.max() * 1.5, 100)
+    p = ff["params"]
+    ax.plot(cs, scaling_fit.predict_power_law(scaling_fit.Fit(ff["law"], p, ff["r2"], (), 0), cs),
+            "k--", lw=1, label=f"{p['a']:.3g}·C^-{p['b']:.3f} + {p['c']:.3f} (R² {ff['r2']:.3f})")
+    ax.legend(fontsize=7)
+  ax.set_xscale("log")
+  ax.set_xlabel("training compute C (FLOP)")
+  ax.set_ylabel("held-out loss (nats/token)")
+  ax.set_title("compute frontier (o: on the frontier)")
+  written.append(_save(fig, out_dir, "frontier.png"))
+
+  fig, ax = plt.subplots(figsize=(7, 3.5))
+  if "residuals" in ff:
+    fc = [next(r for r in done if r["name"] == n)["compute"] for n in ff["points"]]
+    ax.plot(fc, ff["residuals"], "o-", label="L(C) on the frontier")
+  gf = fit.get("grid_fit", {})
+  if "residuals" in gf:
+    gc = [next(r for r in done if r["name"] == n)["compute"] for n in gf["points"]]
+    ax.plot(gc, gf["residuals"], "s", mfc="none", label="L(N, D) on the grid")
+  ax.axhline(0, color="k", lw=0.5)
+  ax.set_xscale("log")
+  ax.set_xlabel("training compute C (FLOP)")
+  ax.set_ylabel("observed − fitted loss")
+  if ax.get_legend_handles_labels()[1]:
+    ax.legend(fontsize=7)
+  ax.set_title("fit residuals")
+  written.append(_save(fig, out_dir, "residuals.png"))
+  plt.close("all")
+  return written
+
+
+def _save(fig, out_dir: str, name: str) -> str:
+  path = os.path.join(out_dir, name)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  return path
+
+
+def report(ladder_dir: str, out_dir: str | None = None) -> dict[str, Any]:
+  """Table (ladder.csv, ladder.json), fits, ablation table, plots and report.md in `out_dir`."""
+  out_dir = out_dir or ladder_dir
+  os.makedirs(out_dir, exist_ok=True)
+  rows = collect(ladder_dir)
+  fit = fits(rows)
+  abl = ablation_table(rows)
+  with open(os.path.join(out_dir, "ladder.csv"), "w", newline="") as f:
+    w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
+    w.writeheader()
+    for r in rows:
+      w.writerow(r)
+  table = [{k: r.get(k) for k in COLUMNS} for r in rows]
+  with open(os.path.join(out_dir, "ladder.json"), "w") as f:
+    json.dump({"points": table, "fits": fit, "ablations": abl,
+               "curves": {r["name"]: r["curve"] for r in rows}}, f, indent=1,
+              default=lambda v: None if isinstance(v, float) and not math.isfinite(v) else v)
+  text = markdown(rows, fit, abl)
+  with open(os.path.join(out_dir, "report.md"), "w") as f:
+    f.write(f"Ladder report of {ladder_dir} (`python -m launch.ladder --report {ladder_dir}`)\n\n")
+    f.write(text)
+  written = plots(rows, fit, out_dir)
+  return {"rows": rows, "fits": fit, "ablations": abl, "markdown": text, "plots": written}
+
+
+def main(argv):
+  del argv
+  try:
+    if _REPORT.value:
+      r = report(_REPORT.value, _OUT.value)
+      print(r["markdown"], end="")
+      return
+    if not _CONFIG.value or not _WORKDIR.value:
+      raise LadderError("--config and --workdir are required (or --report DIR)")
+    if _LIST.value:
+      path, grid = split_config(_CONFIG.value)
+      points = plan(load_config_file(path, grid), _ABLATIONS.value)
+      validate(path, points)
+      for p in points:
+        print(" ".join(command(path, p, _WORKDIR.value)[1:]))
+      return
+    run_ladder(_CONFIG.value, _WORKDIR.value, _ABLATIONS.value,
+               log=lambda s: print(s, flush=True))
+    r = report(_WORKDIR.value, _OUT.value)
+    print(r["markdown"], end="")
+  except LadderError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,336 @@
+"""Scaling ladders (issue 17): `launch.ladder`, `launch.scaling_fit` and the ablation switches of
+`configs/ladder.py`.
+
+* the fits recover known laws exactly and the frontier is the lower envelope;
+* the report tables every point, lists a failed one with its log, fits the finished ones, and
+  gives each ablation's loss difference against the baseline of its seed;
+* an invalid grid point stops the ladder before any run;
+* a two-point micro ladder runs end to end: a failing point is recorded with its log, a rerun
+  skips the finished point and resumes the other, a third run reruns nothing;
+* each ablation switch changes the model as intended (dense attention sees every earlier token;
+  no shared decoder KV; no Engram; an exact pre-norm residual with frozen mHC; QAT changes the
+  logits; the candidate pool has a source and a consumer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import ladder as ladder_cfg
+from configs.common import base_config, model_config
+from dsv41_jax import inputs, model as M
+from dsv41_jax.layer_plan import build_layer_plan
+from launch import ladder, scaling_fit
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MICRO = os.path.join(REPO, "tests", "launch", "micro_config.py")
+TIMEOUT = 600
+
+
+# --- fits -----------------------------------------------------------------------------------------
+
+def test_power_law_fit_recovers_the_law_and_frontier_is_the_lower_envelope():
+  C = np.geomspace(1e12, 1e16, 7)
+  L = 40.0 * C ** -0.12 + 1.7
+  f = scaling_fit.fit_power_law(C, L)
+  np.testing.assert_allclose([f.params["a"], f.params["b"], f.params["c"]], [40.0, 0.12, 1.7],
+                             rtol=1e-6)
+  assert f.r2 > 1 - 1e-12 and np.max(np.abs(f.residuals)) < 1e-8
+
+  # Noisy: c > 0 is interior, so the least-squares residuals sum to zero (the constant column).
+  noisy = L + np.random.default_rng(0).normal(0, 0.01, L.shape)
+  g = scaling_fit.fit_power_law(C, noisy)
+  assert g.params["c"] > 0 and abs(sum(g.residuals)) < 1e-9 and 0.9 < g.r2 < 1
+
+  C2 = np.array([1.0, 2.0, 3.0, 4.0, 5.0])
+  L2 = np.array([5.0, 5.5, 4.0, 4.2, 3.9])
+  np.testing.assert_array_equal(scaling_fit.frontier(C2, L2), [0, 2, 4])
+  with pytest.raises(ValueError, match="3 parameters"):
+    scaling_fit.fit_power_law(C[:2], L[:2])
+
+
+def test_chinchilla_fit_recovers_the_law():
+  N, D = (a.ravel() for a in np.meshgrid(np.geomspace(1e5, 1e7, 3), np.geomspace(1e5, 1e7, 3)))
+  L = 1.5 + 30.0 * N ** -0.3 + 80.0 * D ** -0.35
+  f = scaling_fit.fit_chinchilla(N, D, L)
+  got = [f.params[k] for k in ("E", "A", "alpha", "B", "beta")]
+  np.testing.assert_allclose(got, [1.5, 30.0, 0.3, 80.0, 0.35], rtol=1e-5)
+  np.testing.assert_allclose(f.params["n_opt_exponent"], 0.35 / 0.65, rtol=1e-5)
+  np.testing.assert_allclose(scaling_fit.predict_chinchilla(f, N, D), L, rtol=1e-9)
+
+
+# --- report ---------------------------------------------------------------------------------------
+
+def _fake_point(root, name, kind, size, steps, n, status="done", loss=None, seed=0, ablation=""):
+  pdir = os.path.join(root, name)
+  os.makedirs(pdir)
+  tokens = steps * 1024
+  rec = dict(name=name, arg=f"cpu/{size}/{steps}", seed=seed, kind=kind, size=size, steps=steps,
+             ablation=ablation, layers=8, d=32, n_active=n, flops_per_token=6 * n,
+             tokens=tokens, compute=6 * n * tokens, command="-m launch.train ...",
+             log=os.path.join(pdir, "train.log"), status=status, grid="cpu")
+  with open(os.path.join(pdir, "point.json"), "w") as f:
+    json.dump(rec, f)
+  if status == "done":
+    with open(os.path.join(pdir, "metrics.jsonl"), "w") as f:
+      for s in range(10, steps + 1, 10):
+        f.write(json.dumps({"step": s, "loss": loss + 1.0 / s}) + "\n")
+      f.write(json.dumps({"step": steps, "eval/loss": loss, "eval/bits_per_byte": loss / 2})
+              + "\n")
+
+
+def test_report_fits_finished_points_lists_failed_and_tables_ablations(tmp_path):
+  root = str(tmp_path / "ladder")
+  law = lambda n, d: 1.5 + 30.0 * n ** -0.3 + 80.0 * d ** -0.35
+  for n in (1e5, 1e6, 1e7):
+    for steps in (100, 1000, 10000):
+      _fake_point(root, f"n{n:.0e}_{steps}", "grid", f"n{n:.0e}", steps, n,
+                  loss=law(n, steps * 1024))
+  _fake_point(root, "n1e+08_100", "grid", "n1e+08", 100, 1e8, status="failed")
+  for seed, base, dense in ((0, 3.0, 2.9), (1, 3.1, 3.05)):
+    _fake_point(root, f"ablations/baseline_seed{seed}", "ablation", "s", 100, 1e5, loss=base,
+                seed=seed)
+    _fake_point(root, f"ablations/dense_attention_seed{seed}", "ablation", "s", 100, 1e5,
+                loss=dense, seed=seed, ablation="dense_attention")
+  out = str(tmp_path / "out")
+  r = ladder.report(root, out)
+
+  rows = {row["name"]: row for row in r["rows"]}
+  assert len(rows) == 14 and rows["n1e+08_100"]["status"] == "failed"
+  assert f"failed ({os.path.join(root, 'n1e+08_100', 'train.log')})" in r["markdown"]
+  assert "n1e+08_100" not in r["fits"]["points_fitted"] and len(r["fits"]["points_fitted"]) == 9
+  gf = r["fits"]["grid_fit"]
+  assert gf["r2"] > 1 - 1e-10
+  np.testing.assert_allclose(gf["params"]["alpha"], 0.3, rtol=1e-5)
+  # The frontier: lower envelope of (C, L), fitted by L(C) on exactly those points.
+  assert r["fits"]["frontier_fit"]["points"] == r["fits"]["frontier"]
+  C = np.array([rows[n]["compute"] for n in r["fits"]["frontier"]])
+  L = np.array([rows[n]["eval_loss"] for n in r["fits"]["frontier"]])
+  assert np.all(np.diff(C) > 0) and np.all(np.diff(L) < 0)
+
+  (a,) = r["ablations"]
+  np.testing.assert_allclose([a["delta_loss_mean"], a["delta_loss_min"], a["delta_loss_max"]],
+                             [-0.075, -0.1, -0.05], rtol=1e-12)
+  assert a["seeds"] == [0, 1]
+  with open(os.path.join(out, "ladder.csv")) as f:
+    assert len(f.read().strip().splitlines()) == 15  # header + 14 points
+  with open(os.path.join(out, "ladder.json")) as f:
+    assert json.load(f)["fits"]["grid_fit"]["n_points"] == 9
+  # The default output is the ladder directory itself; a second report reads past the first's files.
+  ladder.report(root)
+  assert len(ladder.report(root)["rows"]) == 14
+  try:
+    import matplotlib  # noqa: F401
+  except ImportError:
+    return
+  assert sorted(os.path.basename(p) for p in r["plots"]) == [
+      "frontier.png", "loss_curves.png", "residuals.png"]
+  assert all(os.path.getsize(p) > 1000 for p in r["plots"])
+
+
+# --- the ladder end to end ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def env():
+  # One CPU device (the suite's conftest forces 8): the micro grid's batch of 4 rows is unsplit.
+  e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS="")
+  e.pop("JAX_COORDINATOR_ADDRESS", None)
+  return e
+
+
+def _ladder(env, *args):
+  p = subprocess.run([sys.executable, "-m", "launch.ladder", *args], cwd=REPO, env=env,
+                     capture_output=True, text=True, timeout=TIMEOUT)
+  return p.returncode, p.stdout + p.stderr
+
+
+def test_invalid_point_is_reported_before_any_run(tmp_path, env):
+  bad = tmp_path / "bad_ladder.py"
+  bad.write_text(textwrap.dedent("""
+      from configs import ladder
+      ladder.GRIDS["bad"] = dict(ladder.GRIDS["micro"], sizes={"L2d32": (2, 32), "L9d32": (9, 32)})
+      get_config = ladder.get_config
+      """))
+  work = tmp_path / "work"
+  rc, out = _ladder(env, f"--config={bad}:bad", f"--workdir={work}")
+  assert rc == 2, out
+  assert "2 of 4 ladder points have an invalid config; nothing was run" in out
+  assert "L9d32_3" in out and "L9d32_6" in out and "layers (9) must be even" in out
+  assert not work.exists()
+
+
+def test_micro_ladder_end_to_end_with_failure_and_resume(tmp_path, env):
+  # First pass: the 6-step point cannot build its mesh (3 data shards on one device) and fails.
+  flaky = tmp_path / "flaky_ladder.py"
+  flaky.write_text(textwrap.dedent("""
+      from configs import ladder
+
+      def get_config(arg=None):
+        cfg = ladder.get_config(arg)
+        if arg.endswith("/6"):
+          cfg.mesh.data = 3
+        return cfg
+      """))
+  work = str(tmp_path / "work")
+  rc, out = _ladder(env, f"--config={flaky}:micro", f"--workdir={work}")
+  assert rc == 0, out
+  first = ladder.read_record(os.path.join(work, "L2d32_3"))
+  failed = ladder.read_record(os.path.join(work, "L2d32_6"))
+  assert first["status"] == "done" and np.isfinite(first["eval_loss"])
+  assert failed["status"] == "failed" and failed["returncode"] == 2
+  with open(failed["log"]) as f:
+    assert "error: config.mesh" in f.read()
+  assert f"failed ({failed['log']})" in out
+  metrics_file = os.path.join(work, "L2d32_3", "metrics.jsonl")
+  before = open(metrics_file).read()
+
+  # Second pass (the real config): the finished point is skipped, the failed one runs.
+  rc, out = _ladder(env, "--config=configs/ladder.py:micro", f"--workdir={work}")
+  assert rc == 0, out
+  assert "[1/2] L2d32_3: done, skipped" in out
+  second = ladder.read_record(os.path.join(work, "L2d32_6"))
+  assert second["status"] == "done" and second["tokens"] == 6 * 4 * 32
+  assert open(metrics_file).read() == before
+  # Third pass: nothing left to run; the report redoes the table from the runs.
+  rc, out = _ladder(env, "--config=configs/ladder.py:micro", f"--workdir={work}")
+  assert rc == 0 and out.count("done, skipped") == 2, out
+  rc, out = _ladder(env, f"--report={work}", f"--out={tmp_path / 'report'}")
+  assert rc == 0 and "| L2d32_6 * |" in out, out  # * = on the frontier
+  with open(tmp_path / "report" / "ladder.json") as f:
+    points = {p["name"]: p for p in json.load(f)["points"]}
+  assert points["L2d32_6"]["eval_loss"] == second["eval_loss"]
+
+
+# --- ablation switches ----------------------------------------------------------------------------
+
+def _micro_fields(**changes) -> dict:
+  spec = ladder.load_config_file(MICRO, None)
+  fields = dict(spec.model)
+  fields.update(changes)
+  return fields
+
+
+def _cfg(fields):
+  return model_config(base_config(model=fields))
+
+
+def _batch(cfg, tokens):
+  B, T = tokens.shape
+  seg = np.ones((B, T), np.int32)
+  return {"tokens": jnp.asarray(tokens), "positions": jnp.broadcast_to(jnp.arange(T), (B, T)),
+          "segment_ids": jnp.asarray(seg),
+          "engram_ids": {k: jnp.asarray(v) for k, v in inputs.engram_ids(cfg, tokens, seg).items()}}
+
+
+def _embedding_grad(cfg, t):
+  """|d logits[0, t] / d embeddings[0, j]| summed over the width, for every j: [T]."""
+  graphdef, state = nnx.split(M.Transformer(cfg, nnx.Rngs(0)))
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, cfg.seq_len))
+  batch = _batch(cfg, tokens)
+  bias = M.zero_moe_bias(cfg)
+  h = nnx.merge(graphdef, state).embed_tokens(batch["tokens"])
+
+  def out(h):
+    return nnx.merge(graphdef, state)(batch, bias, input_embeddings_BxTxD=h)[0][0, t].sum()
+
+  return np.abs(np.asarray(jax.jit(jax.grad(out))(h)))[0].sum(-1)
+
+
+def test_dense_attention_sees_every_earlier_token():
+  fields = _micro_fields()
+  ladder_cfg.ablate(fields, "dense_attention")
+  cfg = _cfg(fields)
+  assert all(l.mode == "swa" for l in build_layer_plan(cfg)) and cfg.sliding_window == cfg.seq_len
+  t = cfg.seq_len - 1
+  g = _embedding_grad(cfg, t)
+  assert np.all(g[:t + 1] > 0)
+  t = cfg.seq_len // 2  # and nothing later is seen
+  g = _embedding_grad(cfg, t)
+  assert np.all(g[:t + 1] > 0) and np.all(g[t + 1:] == 0)
+
+
+def test_full_depth_kv_and_candidate_pool_and_engram_off_change_the_plan():
+  def plan(ablation=None):
+    return build_layer_plan(model_config(ladder_cfg.point_config("cpu", "L10d32", 10, ablation)))
+
+  base, full = plan(), plan("full_depth_kv")
+  n = len(base)
+  # CED: decoder layers 5..9 read layer 5's KV (Reuse / Reindex); without it each is a Full layer.
+  assert {base[i].kv_source for i in range(n // 2, n)} == {n // 2}
+  assert any(base[i].mode in ("reuse", "reindex") for i in range(n // 2, n))
+  assert all(full[i].mode == "full" and full[i].kv_source == i for i in range(n // 2, n))
+  assert [l.mode for l in full][:n // 2] == [l.mode for l in base][:n // 2]
+
+  pool = plan("candidate_pool")
+  assert all(l.candidate_role is None for l in base)
+  roles = {l.index: l.candidate_role for l in pool if l.candidate_role}
+  assert roles == {5: "source", 9: "consumer"}
+
+  no_engram = plan("engram_off")
+  assert any(l.engram for l in base) and not any(l.engram for l in no_engram)
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(
+      M.abstract_params(model_config(ladder_cfg.point_config("cpu", "L10d32", 10, "engram_off"))))]
+  assert paths and not any("engram" in p for p in paths)
+
+
+def test_plain_residual_is_an_exact_prenorm_residual_with_frozen_mhc():
+  from dsv41_jax.layers import mhc
+  from dsv41_jax.layers.norm import rms_norm
+  from optim.chain import build_optimizer
+  from optim.config import optim_config
+  from optim.table import flatten_params
+
+  fields = _micro_fields()
+  frozen = ladder_cfg.ablate(fields, "plain_residual")
+  cfg = _cfg(fields)
+  site = mhc.MHCSite(cfg, nnx.Rngs(3))
+  rng = np.random.default_rng(0)
+  X = jnp.asarray(rng.normal(size=(2, 5, 1, cfg.hidden_size)).astype(np.float32))
+  F = jnp.asarray(rng.normal(size=(2, 5, cfg.hidden_size)).astype(np.float32))
+  pre, post, comb = site(X)
+  np.testing.assert_array_equal(post, 1.0)
+  np.testing.assert_array_equal(comb, 1.0)
+  np.testing.assert_array_equal(mhc.expand(X, post, comb, F), X + F[:, :, None])  # X' = X + F
+  w = jnp.asarray(rng.normal(size=(cfg.hidden_size,)).astype(np.float32))
+  np.testing.assert_array_equal(rms_norm(mhc.collapse(X, pre), w, cfg.rms_norm_eps),
+                                rms_norm(X[:, :, 0], w, cfg.rms_norm_eps))  # reads norm(X)
+
+  # The optimizer never moves the mHC sites (no weight decay either); everything else moves.
+  params = nnx.as_pure(nnx.split(M.Transformer(cfg, nnx.Rngs(0)))[1])
+  ocfg = optim_config(dict(base_config(model=fields).optim, frozen=frozen, warmup_steps=0,
+                           schedule_unit="steps", decay_start=10, decay_end=10))
+  tx = build_optimizer(ocfg, params)
+  grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  moved = {p: float(jnp.abs(u).max()) for p, u in flatten_params(updates)}
+  hc = [p for p in moved if "_hc/" in p]
+  assert hc and all(moved[p] == 0 for p in hc)
+  assert all(moved[p] > 0 for p in moved if p not in hc)
+
+
+def test_qat_changes_the_logits_of_the_same_parameters():
+  fields = _micro_fields(head_dim=32, index_head_dim=32)  # the FP4 / FP8 blocks need 32
+  base = _cfg(fields)
+  ladder_cfg.ablate(fields, "qat")
+  qat = _cfg(fields)
+  assert qat.fp4_main_kv and qat.fp4_indexer and qat.fp8_swa_kv
+  graphdef, state = nnx.split(M.Transformer(base, nnx.Rngs(0)))
+  tokens = np.random.default_rng(1).integers(0, base.vocab_size, (2, base.seq_len))
+  bias = M.zero_moe_bias(base)
+  out = {}
+  for name, cfg in (("base", base), ("qat", qat)):
+    g, _ = nnx.split(M.abstract_model(cfg))
+    out[name] = np.asarray(jax.jit(lambda s, b, g=g: nnx.merge(g, s)(b, bias)[0])(
+        state, _batch(cfg, tokens)))
+  assert np.isfinite(out["qat"]).all()
+  assert np.abs(out["qat"] - out["base"]).max() > 1e-4
