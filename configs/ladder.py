@@ -16,13 +16,17 @@ budget's end (`schedule_unit="tokens"`).
 
 CPU ladder (9 points, text only, seq 128, batch 8):
 
-  python -m launch.ladder --config=configs/ladder.py:cpu --workdir=benchmarks/ladder/cpu_runs
-  python -m launch.ladder --report benchmarks/ladder/cpu_runs --out=benchmarks/ladder
-  python -m launch.ladder --config=configs/ladder.py:cpu --workdir=DIR --ablations
+  python -m launch.ladder --config=configs/ladder.py:cpu --workdir=/tmp/ladder_cpu
+  python -m launch.ladder --config=configs/ladder.py:cpu --workdir=/tmp/ladder_cpu --ablations
+  python -m launch.ladder --report /tmp/ladder_cpu --out=benchmarks/ladder
+
+(benchmarks/RESULTS.md, "Scaling ladder and ablations on CPU": a point took 9-14 min on the
+2-core box shared by ~6 jobs, mostly compilation; far less on idle cores.)
 
 GPU ladder (one H200, each point one `launch.train` call well inside a 10-minute device call:
-the largest point, L16d512 × 4000 steps × 16 × 1024 tokens = 66 M tokens at ~2.9e8 FLOP/token,
-is 1.9e16 FLOP, ~2 min at 15 % MFU plus compilation). Not run yet:
+the largest point, L16d512 × 4000 steps × 16 × 1024 tokens = 66 M tokens at 4.5e8 FLOP/token,
+is 3.0e16 FLOP, ~3.4 min at 15 % MFU plus compilation, which must stay within the rest of the
+call: see RESULTS.md "Train step on one H200"). Not run yet:
 
   python -m launch.ladder --config=configs/ladder.py:gpu --workdir=/tmp/ladder_gpu --list
   python -m launch.train --config=configs/ladder.py:gpu/L16d512/4000 --workdir=/tmp/ladder_gpu/L16d512_4000
