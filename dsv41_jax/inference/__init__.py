@@ -55,11 +55,10 @@ class Decoder:
     graphdef, self.params = nnx.split(model)
     merge = functools.partial(nnx.merge, graphdef)
     self._prefill = jax.jit(
-        lambda p, c, tok, ids, b, depth, replay=True: decode.prefill(
-            merge(p), c, tok, ids, b, depth=depth, replay=replay), static_argnums=(5, 6))
+        lambda p, c, tok, ids, b, depth: decode.prefill(merge(p), c, tok, ids, b, depth=depth),
+        static_argnums=(5,))
     self._decode = jax.jit(lambda p, c, tok, t, ids, b: decode.decode_step(merge(p), c, tok, t, ids, b),
                            donate_argnums=(1,))
-    self._replay_step = jax.jit(lambda p, c, enc, t, b: decode.decoder_step(merge(p), c, enc, t, b))
     self._sample = jax.jit(sample, static_argnums=(2, 3))
 
   # --- host-side inputs ---

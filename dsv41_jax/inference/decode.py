@@ -34,8 +34,7 @@ entries of the complete groups and the pending partial group. Two paths:
   "full"  every layer over all N prompt tokens. Decode afterwards is exact (the exact path).
   "ced"   (MODEL.md §6) the encoder over all N tokens; the decoder's global KV from the final
           encoder state H_{L/2} (`block.prefill_kv` math), and the decoder's SWA rings by bounded
-          replay (§5.7): the decoder runs, one token at a time (a scan of `decoder_step`), over the
-          last W prompt tokens only,
+          replay (§5.7): the decoder runs as one sequence over the last W prompt tokens only,
           starting at s = max(0, N − W) with empty rings. A replayed token i sees decoder window
           keys [max(s, i − W + 1), i] instead of [i − W + 1, i]; its decoder input H_{L/2} and the
           decoder's global KV are exact (the encoder ran over everything). For N ≤ W (s = 0) the
@@ -47,6 +46,7 @@ entries of the complete groups and the pending partial group. Two paths:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -59,7 +59,8 @@ from dsv41_jax.inference.cache import DecodeCache, GlobalCache, SWACache
 from dsv41_jax.layer_plan import LayerSpec
 from dsv41_jax.layers import mhc, moe_dispatch, rope
 from dsv41_jax.layers.compressor import compress
-from dsv41_jax.layers.indexer import candidate_mask, candidate_pool, indexer_scores, select_topk
+from dsv41_jax.layers.indexer import (candidate_mask, candidate_pool, empty_candidate,
+                                      indexer_scores, select_topk)
 from dsv41_jax.layers.moe import route
 from dsv41_jax.layers.sparse_attention import attend, default_scale
 from dsv41_jax.layers.types import CompressedKV, entry_visible
@@ -123,14 +124,10 @@ def _head(model, X_BxTxNxD: jax.Array, pre_BxTxN: jax.Array) -> jax.Array:
 
 # --- decode ------------------------------------------------------------------------------------
 
-def _compressor_step(cfg, core, pub, g: GlobalCache, src_Bx1xD, t, m: int, write: bool
-                     ) -> GlobalCache:
+def _compressor_step(cfg, core, pub, g: GlobalCache, src_Bx1xD, t, m: int) -> GlobalCache:
   """Add token t's compressor input to the pending group; write entry t // m when it completes."""
   pending = jax.lax.dynamic_update_index_in_dim(g.pending_BxmxD, src_Bx1xD.astype(
       g.pending_BxmxD.dtype), t % m, axis=1)
-  g = g._replace(pending_BxmxD=pending)
-  if not write:
-    return g
   gi = t // m
   main, key = _entries(core, pub, pending[:, None], gi)                 # [B, 1, ·]
   new = cache_lib.entry_arrays(cfg, g, main, key)
@@ -194,9 +191,8 @@ def _index_step(cfg, spec: LayerSpec, pub, x, c_q, pos_Bx1, t, g: GlobalCache, m
   return topk[:, 0], pool
 
 
-def _layers_step(model, first: int, last: int, X, pre, cache: DecodeCache, t, engram_ids,
-                 moe_bias_Lx2xE, write_global: bool, enc=None):
-  """Layers [first, last) for the token at position t; returns (X, pre_mix, cache, encoder state)."""
+def _layers_step(model, X, pre, cache: DecodeCache, t, engram_ids, moe_bias_Lx2xE):
+  """Every layer for the token at position t; returns (X, pre_mix, cache)."""
   cfg: ModelConfig = model.cfg
   plan = model.plan
   dt = jnp.dtype(cfg.dtype)
@@ -204,8 +200,8 @@ def _layers_step(model, first: int, last: int, X, pre, cache: DecodeCache, t, en
   pos = jnp.broadcast_to(jnp.reshape(t, (1, 1)), (B, 1)).astype(jnp.int32)
   swa, glob = list(cache.swa), dict(cache.glob)
   topk = {}        # index-source layer → its top-k at t
-  pool = None
-  for i in range(first, last):
+  pool = enc = None
+  for i in range(len(plan)):
     spec = plan[i]
     if i == plan.num_encoder_layers:
       enc = StreamState(X, pre)
@@ -220,8 +216,7 @@ def _layers_step(model, first: int, last: int, X, pre, cache: DecodeCache, t, en
       m = spec.compress_ratio
       if spec.owns_compressor:
         src = x if spec.kv_input == "own" else encoder_final_input(cfg, core, enc)
-        glob[i] = _compressor_step(cfg, core, pub, glob[i], src, t, m,
-                                   write_global or spec.is_encoder)
+        glob[i] = _compressor_step(cfg, core, pub, glob[i], src, t, m)
       g = glob[spec.kv_source]
       if spec.owns_indexer:
         topk[i], pool = _index_step(cfg, spec, pub, x, c_q, pos, t, g, m, pool)
@@ -233,7 +228,7 @@ def _layers_step(model, first: int, last: int, X, pre, cache: DecodeCache, t, en
     x = core.ffn_norm(mhc.collapse(X, a_pre)).astype(dt)
     X = mhc.expand(X, f_post, f_comb, _moe(cfg, core.moe, x, moe_bias_Lx2xE[i, 0]))
     pre = f_pre
-  return X, pre, DecodeCache(tuple(swa), glob), enc
+  return X, pre, DecodeCache(tuple(swa), glob)
 
 
 def decode_step(model, cache: DecodeCache, token_B: jax.Array, t, engram_ids: dict,
@@ -244,29 +239,20 @@ def decode_step(model, cache: DecodeCache, token_B: jax.Array, t, engram_ids: di
   """
   h = model.embed_tokens(token_B[:, None])
   s = model.initial_state(h)
-  X, pre, cache, _ = _layers_step(model, 0, len(model.plan), s.X_BxTxNxD, s.pre_mix_BxTxN, cache,
-                                  t, engram_ids, moe_bias_Lx2xE, write_global=True)
-  return _head(model, X, pre)[:, 0], cache
-
-
-def decoder_step(model, cache: DecodeCache, enc: StreamState, t, moe_bias_Lx2xE: jax.Array
-                 ) -> tuple[jax.Array, DecodeCache]:
-  """Bounded replay (§5.7): the decoder layers only, for the token at t whose final encoder state
-  `enc` ([B, 1, ...]) the prefill computed; the decoder's global entries are already stored."""
-  n_enc = model.plan.num_encoder_layers
-  X, pre, cache, _ = _layers_step(model, n_enc, len(model.plan), enc.X_BxTxNxD, enc.pre_mix_BxTxN,
-                                  cache, t, {}, moe_bias_Lx2xE, write_global=False, enc=enc)
+  X, pre, cache = _layers_step(model, s.X_BxTxNxD, s.pre_mix_BxTxN, cache, t, engram_ids,
+                               moe_bias_Lx2xE)
   return _head(model, X, pre)[:, 0], cache
 
 
 # --- prefill -----------------------------------------------------------------------------------
 
-def _fill_swa(cfg, ring: SWACache, key_BxTxD: jax.Array) -> SWACache:
-  """Store the last min(T, W) keys of a T-token prompt in their slots (position p → p mod W)."""
+def _fill_swa(cfg, ring: SWACache, key_BxTxD: jax.Array, first: int = 0) -> SWACache:
+  """Store the last min(T, W) of T keys at positions first … first + T − 1 in their slots
+  (position p → slot p mod W)."""
   T = key_BxTxD.shape[1]
   W = ring.pos_W.shape[0]
   start = max(0, T - W)
-  p = jnp.arange(start, T, dtype=jnp.int32)
+  p = first + jnp.arange(start, T, dtype=jnp.int32)
   codes, scales = cache_lib.key_arrays(cfg, ring, key_BxTxD[:, start:])
   return SWACache(ring.codes_BxWxD.at[:, p % W].set(codes), ring.scales_BxWxR.at[:, p % W].set(scales),
                   ring.pos_W.at[p % W].set(p))
@@ -288,14 +274,11 @@ def _fill_global(cfg, core, pub, g: GlobalCache, src_BxTxD: jax.Array, m: int) -
 
 
 def prefill(model, cache: DecodeCache, tokens_BxT: jax.Array, engram_ids: dict,
-            moe_bias_Lx2xE: jax.Array, *, depth: str = "ced", replay: bool = True
-            ) -> dict[str, Any]:
+            moe_bias_Lx2xE: jax.Array, *, depth: str = "ced") -> dict[str, Any]:
   """Run a T-token prompt into empty caches (module docstring for the two paths).
 
   Returns {"cache", "last_logits" [B, V]} (the logits of the last prompt token); depth "full" adds
-  "logits" [B, T, V]. Depth "ced" runs the bounded replay as a `lax.scan` of `decoder_step` over
-  tokens s … T − 1 (`replay_start`); with `replay=False` it stops before (no "last_logits", the
-  decoder's rings empty, "encoder_state" H_{L/2} [B, T, ...] returned), for counting its cost.
+  "logits" [B, T, V].
   """
   if depth not in ("full", "ced"):
     raise ValueError(f"prefill depth must be 'full' or 'ced' (got {depth!r})")
@@ -341,19 +324,59 @@ def prefill(model, cache: DecodeCache, tokens_BxT: jax.Array, engram_ids: dict,
       core, pub, _ = model.layer(spec.index)
       glob[spec.index] = _fill_global(cfg, core, pub, glob[spec.index],
                                       encoder_final_input(cfg, core, enc), spec.compress_ratio)
-  cache = DecodeCache(tuple(swa), glob)
-  if not replay:
-    return {"cache": cache, "encoder_state": enc}
+  logits = _replay(model, swa, glob, enc, engram_ids, moe_bias_Lx2xE)
+  return {"cache": DecodeCache(tuple(swa), glob), "last_logits": logits}
+
+
+def _shared_kv(cfg, g: GlobalCache, m: int, T: int, s: int) -> CompressedKV:
+  """The stored entries of a T-token prompt as the `CompressedKV` a sequence of rows s … T − 1
+  reads: entry_last shifted by −s, so that `entry_visible` at row r means at position s + r."""
+  B, N = g.main_BxNxD2.shape[:2]
+  dt = jnp.dtype(cfg.dtype)
+  n = jnp.arange(N, dtype=jnp.int32)
+  whole = jnp.broadcast_to(jnp.where((n + 1) * m <= T, 1, -1), (B, N))
+  return CompressedKV(cache_lib.read_main(g.main_BxNxD2, g.main_scale_BxNxS).astype(dt),
+                      cache_lib.read_index(g).astype(dt), whole.astype(jnp.int32),
+                      jnp.broadcast_to((n + 1) * m - 1 - s, (B, N)), jnp.broadcast_to(n * m, (B, N)))
+
+
+def _replay(model, swa: list, glob: dict, enc: StreamState, engram_ids: dict,
+            moe_bias_Lx2xE: jax.Array) -> jax.Array:
+  """Bounded replay (MODEL.md §5.7): the decoder layers over prompt rows s … T − 1 only, as one
+  sequence (`block.layer_forward`), from the final encoder state of those rows, reading the
+  decoder's stored global entries (a Full layer runs as its indexer only: its entries are in the
+  cache). Fills the decoder's SWA rings in `swa`; returns the last row's logits [B, V]."""
+  cfg: ModelConfig = model.cfg
+  plan = model.plan
+  dt = jnp.dtype(cfg.dtype)
+  B, T = enc.pre_mix_BxTxN.shape[:2]
   s = replay_start(cfg, T)
-  rows = jax.tree.map(lambda a: jnp.moveaxis(a[:, s:, None], 1, 0), enc)   # [T − s, B, 1, ...]
-
-  def body(cache, xs):
-    row, t = xs
-    logits, cache = decoder_step(model, cache, row, t, moe_bias_Lx2xE)
-    return cache, logits
-
-  cache, logits = jax.lax.scan(body, cache, (rows, jnp.arange(s, T, dtype=jnp.int32)))
-  return {"cache": cache, "last_logits": logits[-1]}
+  R = T - s
+  positions = jnp.broadcast_to(jnp.arange(s, T, dtype=jnp.int32), (B, R))
+  ctx = Context(positions, jnp.ones((B, R), jnp.int32), jnp.zeros((B, R), bool),
+                {l: ids[:, s:] for l, ids in engram_ids.items()})
+  state = StreamState(enc.X_BxTxNxD[:, s:], enc.pre_mix_BxTxN[:, s:])
+  for run in plan.runs:
+    if run.is_encoder:
+      continue
+    for k, spec in enumerate(run.layers):
+      core, pub, engram = model.layer(spec.index)
+      if engram is not None:
+        X, _ = engram(state.X_BxTxNxD, ctx.engram_ids[spec.index], jnp.ones((B, R), bool))
+        state = state._replace(X_BxTxNxD=X)
+      if spec.reads_global_kv and (k == 0 or spec.owns_compressor):
+        kv = _shared_kv(cfg, glob[spec.kv_source], spec.compress_ratio, T, s)
+        N = kv.entry_last_BxN.shape[1]
+        cand = (empty_candidate(cfg, B, R, N) if any(l.candidate_role == "source" for l in run.layers)
+                else state.candidate)
+        state = StreamState(state.X_BxTxNxD, state.pre_mix_BxTxN, kv,
+                            jnp.full((B, R, min(cfg.index_topk, N)), -1, jnp.int32), cand)
+      if spec.owns_compressor:  # its entries are stored: index them like a Reindex layer
+        spec = dataclasses.replace(spec, mode="reindex", kv_input=None)
+      x = core.attn_norm(mhc.collapse(state.X_BxTxNxD, state.pre_mix_BxTxN)).astype(dt)
+      swa[spec.index] = _fill_swa(cfg, swa[spec.index], _swa_key(core, x, positions), s)
+      state, _ = layer_forward(cfg, [spec], core, [pub], state, ctx, moe_bias_Lx2xE[spec.index])
+  return _head(model, state.X_BxTxNxD[:, -1:], state.pre_mix_BxTxN[:, -1:])[:, 0]
 
 
 def replay_start(cfg: ModelConfig, prompt_len: int) -> int:
