@@ -39,8 +39,6 @@ from launch.step import engram_sub_tables, make_eval_step, make_train_step
 from optim.chain import build_optimizer, init_opt_state, opt_state_shardings
 from optim.config import OptimConfig, optim_config
 
-BATCH_AXES = ("batch",)
-
 
 class SetupError(ValueError):
   """A config, data or mesh mistake found before training; the message names the key."""
@@ -102,18 +100,11 @@ def build_mesh(mesh_cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
     raise SetupError(f"config.mesh: {e}") from None
 
 
-def batch_ways(mesh, rules=sharding.RULES) -> tuple[tuple[str, ...], int]:
-  """(mesh axes the batch is split over, how many ways)."""
-  spec = sharding._fit(sharding.logical_to_mesh(BATCH_AXES, rules=rules), mesh)
-  axes = spec[0] if isinstance(spec[0], tuple) else ((spec[0],) if spec[0] else ())
-  return axes, int(np.prod([dict(mesh.shape)[a] for a in axes])) if axes else 1
-
-
 def global_batch(run: RunConfig, mesh, process_count: int | None = None) -> int:
   """Rows per step over all processes; they must split evenly over the batch's mesh axes."""
   processes = jax.process_count() if process_count is None else process_count
   rows = run.data.batch_size * processes
-  axes, ways = batch_ways(mesh)
+  axes, ways = sharding.batch_axes(mesh), sharding.batch_ways(mesh)
   if rows % ways:
     raise SetupError(
         f"config.data.batch_size ({run.data.batch_size}) × processes ({processes}) = {rows} rows "
@@ -156,11 +147,6 @@ class EngramFeatures:
     return inputs.engram_ids(self.model, tokens_1xL, segment_ids_1xL, dead_1xL, self.cmap)
 
 
-def _rows_spec(ndim: int, mesh, rules) -> NamedSharding:
-  spec = sharding._fit(sharding.logical_to_mesh(BATCH_AXES, rules=rules), mesh)
-  return NamedSharding(mesh, P(spec[0], *([None] * (ndim - 1))))
-
-
 class BatchAdapter:
   """A process's host rows (numpy, `data/packing.py` keys) → the global batch the step takes.
 
@@ -172,7 +158,7 @@ class BatchAdapter:
   compiling without data."""
 
   def __init__(self, model: ModelConfig, data: DataConfig, mesh, cmap: np.ndarray | None = None,
-               rules=sharding.RULES):
+               rules=None):
     self.model, self.data, self.mesh, self.cmap, self.rules = model, data, mesh, cmap, rules
 
   def host(self, rows: Mapping[str, np.ndarray]) -> dict[str, Any]:
@@ -191,7 +177,7 @@ class BatchAdapter:
   def abstract(self, global_rows: int) -> dict[str, Any]:
     """ShapeDtypeStructs (with shardings) of one global batch of `global_rows` rows."""
     return abstract_batch(self.model, self.data, global_rows,
-                          _rows_spec(1, self.mesh, self.rules))
+                          sharding.batch_sharding(self.mesh, 1, self.rules))
 
 
 def abstract_batch(model: ModelConfig, data: DataConfig, global_rows: int,
@@ -221,12 +207,12 @@ def abstract_batch(model: ModelConfig, data: DataConfig, global_rows: int,
                       and isinstance(x[0], tuple))
 
 
-def to_global(batch: Mapping[str, Any], mesh, rules=sharding.RULES) -> dict[str, Any]:
+def to_global(batch: Mapping[str, Any], mesh, rules=None) -> dict[str, Any]:
   """Per-process numpy rows → global arrays split over the batch's mesh axes (each process
-  contributes its own rows; valid with several processes)."""
+  contributes its own rows; valid with several processes). `rules` None: the active table."""
   def put(x):
     x = np.asarray(x)
-    return jax.make_array_from_process_local_data(_rows_spec(x.ndim, mesh, rules), x)
+    return jax.make_array_from_process_local_data(sharding.batch_sharding(mesh, x.ndim, rules), x)
   return jax.tree.map(put, dict(batch))
 
 
@@ -276,7 +262,7 @@ def init_state(run: RunConfig, mesh) -> TrainState:
                     (param_shardings, jax.tree.map(lambda x: x.sharding, opt_state), replicated))
 
 
-def abstract_state(run: RunConfig, mesh, rules=sharding.RULES) -> TrainState:
+def abstract_state(run: RunConfig, mesh, rules=None) -> TrainState:
   """The same state as ShapeDtypeStructs carrying their shardings under `rules` (no memory)."""
   abs_model = model_lib.abstract_model(run.model)
   graphdef, abs_vars = nnx.split(abs_model)
