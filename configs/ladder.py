@@ -97,7 +97,7 @@ def size_fields(layers: int, d: int, seq: int) -> dict:
       index_topk=8 * seq // 128,
       candidate_topk_blocks=4,
       candidate_block_size=2,
-      yarn_enabled=False,  # pre-training: plain RoPE (MODEL.md §4.5)
+      yarn_enabled=False,  # pre-training: plain RoPE (docs/design.md §4.5)
       n_routed_experts=8,
       num_experts_per_tok=2,
       moe_intermediate_size=d // 2,
@@ -127,8 +127,8 @@ def ablate(model: dict, name: str) -> tuple[str, ...]:
                    = 2·sigmoid(0) = 1), hc_eps 0 (comb = 1 exactly), the mHC parameters frozen.
                    Then X' = X + F and the sublayer reads norm(pre·X) = norm(X): a pre-norm
                    residual. (The sites still exist as frozen constants; see RESULTS.md.)
-  qat              FP4 main KV and indexer, FP8 SWA KV fake quantization on (MODEL.md §9).
-  candidate_pool   the hierarchical candidate pool on (MODEL.md §5.6).
+  qat              FP4 main KV and indexer, FP8 SWA KV fake quantization on (docs/design.md §9).
+  candidate_pool   the hierarchical candidate pool on (docs/design.md §5.6).
   """
   if name == "dense_attention":
     n = model["num_hidden_layers"]

@@ -7,7 +7,7 @@
 the parameters and MoE biases of the newest (or the given) checkpoint written by `launch.train`,
 without its optimizer state or data iterator. Decoding uses `dsv41_jax.inference`: the caches in
 their stored formats (FP4 main KV, MXFP4 indexer K, FP8 SWA) and, by default, the CED prefill
-(encoder only, decoder by bounded replay of the last window, MODEL.md §5.7, §6); `--prefill=full`
+(encoder only, decoder by bounded replay of the last window, docs/design.md §5.7, §6); `--prefill=full`
 runs the exact path instead. Bad input (a work directory without a checkpoint, a checkpoint of
 another model, an empty prompt or one over the limit) stops with one line `error: …`, exit 2.
 """

@@ -1,4 +1,4 @@
-"""Inference: decode caches in their stored formats, prefill and one-token decode (MODEL.md §5.7,
+"""Inference: decode caches in their stored formats, prefill and one-token decode (docs/design.md §5.7,
 §6, §9–§10), and a `Decoder` that drives them for generation.
 
   cache.py   the global compressed KV (FP4 + E4M3, MXFP4 index K) and the FP8 SWA rings

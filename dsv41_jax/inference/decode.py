@@ -1,4 +1,4 @@
-"""Prefill and one-token decode steps over the stored caches (MODEL.md §4–§8, §5.7, §6, §10).
+"""Prefill and one-token decode steps over the stored caches (docs/design.md §4–§8, §5.7, §6, §10).
 
 One sequence per batch row, a single document (positions = row index, segment 1); every row of a
 batch sits at the same position t.
@@ -32,7 +32,7 @@ the caches need from each layer's attention input: the last W SWA keys and, at F
 entries of the complete groups and the pending partial group. Two paths:
 
   "full"  every layer over all N prompt tokens. Decode afterwards is exact (the exact path).
-  "ced"   (MODEL.md §6) the encoder over all N tokens; the decoder's global KV from the final
+  "ced"   (docs/design.md §6) the encoder over all N tokens; the decoder's global KV from the final
           encoder state H_{L/2} (`block.prefill_kv` math), and the decoder's SWA rings by bounded
           replay (§5.7): the decoder runs as one sequence over the last W prompt tokens only,
           starting at s = max(0, N − W) with empty rings. A replayed token i sees decoder window
@@ -69,7 +69,7 @@ from dsv41_jax.layers.types import CompressedKV, entry_visible
 # --- pieces shared by prefill and decode --------------------------------------------------------
 
 def _swa_key(core, x_BxTxD: jax.Array, positions_BxT: jax.Array) -> jax.Array:
-  """The layer's SWA key before quantization: RoPE(RMSNorm_w(x @ wkv)) (MODEL.md §4.2)."""
+  """The layer's SWA key before quantization: RoPE(RMSNorm_w(x @ wkv)) (docs/design.md §4.2)."""
   attn = core.attn
   dt = x_BxTxD.dtype
   kv = attn.kv_norm(jnp.einsum("btd,dc->btc", x_BxTxD, attn.wkv[...].astype(dt)))
@@ -78,7 +78,7 @@ def _swa_key(core, x_BxTxD: jax.Array, positions_BxT: jax.Array) -> jax.Array:
 
 def _entries(core, pub, src_BxGxmxD: jax.Array, g0) -> tuple[jax.Array, jax.Array]:
   """(main KV, indexer K) before quantization of the G complete groups src [B, G, m, D] whose
-  first is entry g0 (MODEL.md §5.2–5.3; the same ops as `Compressor` and `Indexer.keys`)."""
+  first is entry g0 (docs/design.md §5.2–5.3; the same ops as `Compressor` and `Indexer.keys`)."""
   comp, idx = pub.compressor, pub.indexer
   B, G, m, D = src_BxGxmxD.shape
   dt = src_BxGxmxD.dtype
@@ -100,7 +100,7 @@ def _gather_main(g: GlobalCache, topk_BxK: jax.Array) -> jax.Array:
 
 
 def _moe(cfg: ModelConfig, moe, x_BxTxD: jax.Array, bias_E: jax.Array) -> jax.Array:
-  """Routed experts (dropless) + shared expert of one MoE layer (MODEL.md §8; `MoE.__call__`
+  """Routed experts (dropless) + shared expert of one MoE layer (docs/design.md §8; `MoE.__call__`
   without the balance statistics, for text tokens)."""
   logits = jnp.einsum("btd,de->bte", x_BxTxD.astype(jnp.float32),
                       moe.router[...].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
@@ -342,7 +342,7 @@ def _shared_kv(cfg, g: GlobalCache, m: int, T: int, s: int) -> CompressedKV:
 
 def _replay(model, swa: list, glob: dict, enc: StreamState, engram_ids: dict,
             moe_bias_Lx2xE: jax.Array) -> jax.Array:
-  """Bounded replay (MODEL.md §5.7): the decoder layers over prompt rows s … T − 1 only, as one
+  """Bounded replay (docs/design.md §5.7): the decoder layers over prompt rows s … T − 1 only, as one
   sequence (`block.layer_forward`), from the final encoder state of those rows, reading the
   decoder's stored global entries (a Full layer runs as its indexer only: its entries are in the
   cache). Fills the decoder's SWA rings in `swa`; returns the last row's logits [B, V]."""
@@ -380,6 +380,6 @@ def _replay(model, swa: list, glob: dict, enc: StreamState, engram_ids: dict,
 
 
 def replay_start(cfg: ModelConfig, prompt_len: int) -> int:
-  """s = max(0, N − W): the first prompt token the CED decoder replays (MODEL.md §5.7)."""
+  """s = max(0, N − W): the first prompt token the CED decoder replays (docs/design.md §5.7)."""
   return max(0, prompt_len - cfg.sliding_window)
 
