@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import app, flags
+from absl import logging as absl_logging
 from flax import nnx
 
 from configs.common import model_config
@@ -170,6 +171,7 @@ def define_flags() -> None:
 
 def main(argv):
   del argv
+  absl_logging.set_verbosity(absl_logging.WARNING)   # orbax logs every read at INFO
   f = flags.FLAGS
   try:
     if not f.prompt.strip():

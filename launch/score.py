@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+from absl import logging as absl_logging
 from flax import nnx
 
 from dsv41_jax import inputs
@@ -90,6 +91,7 @@ def read_texts(path: str) -> list[str]:
 
 def main(argv):
   del argv
+  absl_logging.set_verbosity(absl_logging.WARNING)   # orbax logs every read at INFO
   f = flags.FLAGS
   try:
     texts = read_texts(f.data)
