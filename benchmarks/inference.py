@@ -11,7 +11,7 @@ Model: `configs/tiny.py` text only (or the checkpoint's), caches in their stored
   decoder over the last min(N, W) tokens (bounded replay). The indexer runs unchunked
   (`index_query_chunk=0`, same results) so that no loop hides work from the count (the only loop
   left is the elementwise Sinkhorn). The ratio ced / full is the figure the report puts at ≈ 0.5
-  (MODEL.md §6); the ledger's activated-parameter ratio (prefill / decode) is printed beside it.
+  (docs/design.md §6); the ledger's activated-parameter ratio (prefill / decode) is printed beside it.
 * prefill time: median of 3 runs after compilation (one program each).
 * decode: tokens/s of one-token steps at batch 1 and 8 (N-token prompt, 32 steps).
 * cache: global bytes per token from the arrays vs the ledger (tiny and Flash configs).
