@@ -46,15 +46,23 @@ from absl import app, flags
 
 from launch import scaling_fit
 
-_CONFIG = flags.DEFINE_string("config", None, "Ladder config: <file>:<grid>, e.g. "
-                              "configs/ladder.py:cpu.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Ladder directory: one sub-directory per point.")
-_ABLATIONS = flags.DEFINE_bool("ablations", False, "Run the ablations (DIR/ablations/...) instead "
-                               "of the grid.")
-_LIST = flags.DEFINE_bool("list", False, "Print each point's launch.train command; run nothing.")
-_REPORT = flags.DEFINE_string("report", None, "Redo table, fits and plots from the finished runs "
-                              "in this ladder directory; run nothing.")
-_OUT = flags.DEFINE_string("out", None, "Where the report goes (default: the ladder directory).")
+_CONFIG = _WORKDIR = _ABLATIONS = _LIST = _REPORT = _OUT = None
+
+
+def _define_flags() -> None:
+  """The command's flags, defined only when it runs as a program: tests import this module beside
+  `launch.train`, whose `--config` / `--workdir` flags would otherwise collide."""
+  global _CONFIG, _WORKDIR, _ABLATIONS, _LIST, _REPORT, _OUT
+  _CONFIG = flags.DEFINE_string("config", None, "Ladder config: <file>:<grid>, e.g. "
+                                "configs/ladder.py:cpu.")
+  _WORKDIR = flags.DEFINE_string("workdir", None, "Ladder directory: one sub-directory per point.")
+  _ABLATIONS = flags.DEFINE_bool("ablations", False, "Run the ablations (DIR/ablations/...) "
+                                 "instead of the grid.")
+  _LIST = flags.DEFINE_bool("list", False, "Print each point's launch.train command; run nothing.")
+  _REPORT = flags.DEFINE_string("report", None, "Redo table, fits and plots from the finished "
+                                "runs in this ladder directory; run nothing.")
+  _OUT = flags.DEFINE_string("out", None, "Where the report goes (default: the ladder directory).")
+
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -475,4 +483,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)
