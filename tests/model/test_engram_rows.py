@@ -81,10 +81,10 @@ def test_row_exchange_trains_like_the_dense_gradient(mesh_shape):
     params = {"table": jax.device_put(jnp.asarray(table), _row_shardings(mesh))}
     state = init_opt_state(tx, params)
     step = jax.jit(_step_fn(tx))
-    bs = testing.batch_sharding(mesh, 3)
+    bs = sharding.batch_sharding(mesh, 3)
     for i, c in zip(ids, cots):
       params, state = step(params, state, jax.device_put(jnp.asarray(i), bs),
-                           jax.device_put(jnp.asarray(c), testing.batch_sharding(mesh, 4)))
+                           jax.device_put(jnp.asarray(c), sharding.batch_sharding(mesh, 4)))
   got = np.asarray(params["table"])
   assert not np.allclose(got, table)                                 # it trained
   np.testing.assert_array_equal(got[1998:], 0.0)                     # padding untouched
@@ -105,7 +105,7 @@ def test_many_rounds_when_one_owner_gets_every_id():
   cot = jnp.asarray(rng.normal(size=(8, 7, 3, D)), jnp.float32)
   with jax.set_mesh(mesh):
     t = jax.device_put(table, _row_shardings(mesh))
-    i = jax.device_put(ids, testing.batch_sharding(mesh, 3))
+    i = jax.device_put(ids, sharding.batch_sharding(mesh, 3))
     v, vjp = jax.vjp(lambda tt: lookup.engram_lookup(tt, i), t)
     g = vjp(cot)[0]
   np.testing.assert_array_equal(np.asarray(v), np.asarray(table)[np.asarray(ids)])
@@ -124,8 +124,8 @@ def test_compiled_step_holds_no_table_shaped_gradient():
   with jax.set_mesh(mesh):
     params = {"table": jax.device_put(jnp.asarray(table), _row_shardings(mesh))}
     state = init_opt_state(tx, params)
-    args = (params, state, jax.device_put(jnp.asarray(ids[0]), testing.batch_sharding(mesh, 3)),
-            jax.device_put(jnp.asarray(cots[0]), testing.batch_sharding(mesh, 4)))
+    args = (params, state, jax.device_put(jnp.asarray(ids[0]), sharding.batch_sharding(mesh, 3)),
+            jax.device_put(jnp.asarray(cots[0]), sharding.batch_sharding(mesh, 4)))
     hlo = jax.jit(_step_fn(tx)).lower(*args).compile().as_text()
   counts = testing.count_collectives(hlo)
   # Row ids and row gradients to their owners (the forward's rows are dead code here: the loss is

@@ -96,7 +96,7 @@ def test_moe_dispatch_collectives_pinned():
   def fn(x, w1, w3, w2):
     return moe_dispatch.routed_experts(x, w, e, valid, w1, w3, w2, mode="dropless")[0]
 
-  bs = testing.batch_sharding(mesh, 3)
+  bs = sharding.batch_sharding(mesh, 3)
   ws = jax.sharding.NamedSharding(mesh, sharding.fit_spec(
       sharding.logical_to_mesh(("expert", "embed", "mlp")), mesh))
   with jax.set_mesh(mesh):
@@ -122,7 +122,7 @@ def test_dense_block_collectives_pinned():
   with jax.set_mesh(mesh):
     sh = nnx.as_pure(sharding.state_shardings(state, mesh))
     ws = [jax.device_put(state[k][...], sh[k]) for k in ("w1", "w3", "w2")]
-    xs = jax.device_put(x, testing.batch_sharding(mesh, 3))
+    xs = jax.device_put(x, sharding.batch_sharding(mesh, 3))
     counts = testing.count_collectives(_grad_step(fn).lower(xs, *ws).compile())
   # 3 gathers (each weight once, reused by the backward), 3 all-reduces (the tensor sum of the
   # forward, of the backward's input gradient, and the weight gradients over data × fsdp, which
