@@ -75,11 +75,16 @@ def unsupported(name: str, *args, **kwargs) -> str | None:
   return getattr(importlib.import_module(module), "unsupported_reason")(*args, **kwargs)
 
 
-_NOTED: set[tuple[str, str]] = set()
+_NOTED: set = set()
+
+
+def log_once(key, message: str) -> None:
+  """A warning logged once per `key` for the process (fallbacks, padding notices)."""
+  if key not in _NOTED:
+    _NOTED.add(key)
+    logging.getLogger(__name__).warning(message)
 
 
 def note_fallback(name: str, reason: str) -> None:
   """Log once per (kernel, reason) that a call of `name` runs the XLA path instead."""
-  if (name, reason) not in _NOTED:
-    _NOTED.add((name, reason))
-    logging.getLogger(__name__).warning("Pallas kernel %s falls back to XLA: %s", name, reason)
+  log_once((name, reason), f"Pallas kernel {name} falls back to XLA: {reason}")

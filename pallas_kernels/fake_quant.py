@@ -30,13 +30,13 @@ a mesh the straight-through wrappers run the kernel per batch shard (`sharded.ov
 from __future__ import annotations
 
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from pallas_kernels import log_once
 from pallas_kernels.sharded import over_batch
 
 _F32_SIGN = np.int32(-2 ** 31)
@@ -45,16 +45,6 @@ BLOCK = {"fp4_main_kv": 16, "mxfp4": 32, "fp8_swa": 32}
 # (tie point t, strict ">" for ties that round down, level q) for E2M1 on [0, 6] (§9.1).
 _E2M1_STEPS = ((0.25, True, 0.5), (0.75, False, 1.0), (1.25, True, 1.5), (1.75, False, 2.0),
                (2.5, True, 3.0), (3.5, False, 4.0), (5.0, True, 6.0))
-
-_log = logging.getLogger(__name__)
-_logged: set = set()
-
-
-def _log_once(key, msg: str) -> None:
-  if key not in _logged:
-    _logged.add(key)
-    _log.warning(msg)
-
 
 def _triton_params(num_warps: int, num_stages: int):
   from jax.experimental.pallas import triton as plt
@@ -186,7 +176,7 @@ def fake_quant_pallas(x: jax.Array, *, fmt: str, block_rows: int = 1024, interpr
     block_rows = fit
   padded = pl.cdiv(rows, block_rows) * block_rows
   if padded != rows:
-    _log_once((fmt, x.shape, block_rows),
+    log_once((fmt, x.shape, block_rows),
               f"fake_quant_pallas[{fmt}]: {rows} blocks are not tiled by {block_rows}; "
               f"padding to {padded} (one extra copy of x)")
     x2 = jnp.pad(x2, ((0, padded - rows), (0, 0)))

@@ -30,7 +30,6 @@ the VJP of a jnp restatement, which XLA fuses. Under a mesh both kernels run per
 from __future__ import annotations
 
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -39,17 +38,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.mhc import (_HIGHEST, _coefficient_rows, _col_norm, _next_pow2, _row_norm,
                                 _triton_params, param_rows)
+from pallas_kernels import log_once
 from pallas_kernels.sharded import over_batch
-
-_log = logging.getLogger(__name__)
-_logged: set = set()
-
-
-def _log_once(key, msg: str) -> None:
-  if key not in _logged:
-    _logged.add(key)
-    _log.warning(msg)
-
 
 # --- forward kernel --------------------------------------------------------------------------
 
@@ -112,7 +102,7 @@ def _site_kernel(x_ref, f_ref, c_ref, w_ref, *refs, n: int, d: int, block_d: int
 def _tokens_tiled(tokens: int, block_tokens: int, what: str) -> int:
   padded = pl.cdiv(tokens, block_tokens) * block_tokens
   if padded != tokens:
-    _log_once((what, tokens, block_tokens),
+    log_once((what, tokens, block_tokens),
               f"{what}: {tokens} tokens are not tiled by {block_tokens}; padding to {padded}")
   return padded
 
