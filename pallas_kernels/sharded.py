@@ -10,20 +10,17 @@ custom VJPs call it for their own Pallas pieces, so no parameter gradient is for
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Callable, Sequence
 
 import jax
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels import log_once
+
 # The mesh axes the model's logical "batch" axis maps to (dsv41_jax.sharding.RULES), restated
 # because pallas_kernels does not import the model.
 BATCH_AXES = ("data", "fsdp", "expert", "engram")
-
-_log = logging.getLogger(__name__)
-_logged: set = set()
-
 
 def batch_axes(mesh, lead: int) -> tuple[str, ...]:
   """The batch mesh axes (size > 1) whose product divides `lead`, dropping from the end."""
@@ -42,11 +39,10 @@ def over_batch(fn: Callable, batched: Sequence[bool]) -> Callable:
     lead = next(a.shape[0] for a, b in zip(args, batched) if b)
     axes = batch_axes(mesh, lead)
     full = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
-    if axes != full and (lead, full) not in _logged:
-      _logged.add((lead, full))
-      _log.warning("Pallas kernel %s: batch %d is not split over mesh axes %s; splitting over "
-                   "%s only (the rest see the whole batch)", getattr(fn, "__name__", fn), lead,
-                   full, axes)
+    if axes != full:
+      log_once(("over_batch", lead, full),
+               f"Pallas kernel {getattr(fn, '__name__', fn)}: batch {lead} is not split over mesh "
+               f"axes {full}; splitting over {axes} only (the rest see the whole batch)")
     if not axes:
       return fn(*args)
     spec = P(axes)
