@@ -9,7 +9,7 @@ from flax import nnx
 
 from dsv41_jax import model as M
 from dsv41_jax.vision import siglip
-from tests.model.test_vision_model import micro_config
+from tests.dsv41_jax.vision.test_pathway import micro_config
 
 
 def test_sigmoid_loss_equals_float64_loop():

@@ -12,7 +12,7 @@ from dsv41_jax.layers import indexer as idx_lib
 from dsv41_jax.layers.compressor import Compressor
 from dsv41_jax.layers.rope import layer_inv_freq
 from dsv41_jax.layers.types import CompressedKV, entry_visible
-from tests.model.test_compressor import POS, SEG, np_rms, np_rope
+from tests.dsv41_jax.layers.test_compressor import POS, SEG, np_rms, np_rope
 
 
 def _cfg(**kw):

@@ -26,9 +26,9 @@ from dsv41_jax.layer_plan import build_layer_plan
 from dsv41_jax.layers.rope import layer_inv_freq
 from dsv41_jax.model import Transformer, zero_moe_bias
 from optim.table import flatten_params, path_str
-from tests.model.test_attention import np_attend, np_rms, np_rope
-from tests.model.test_mhc import ref_hc
-from tests.model.test_moe import _np_moe, _np_route
+from tests.dsv41_jax.layers.test_attention import np_attend, np_rms, np_rope
+from tests.dsv41_jax.layers.test_mhc import ref_hc
+from tests.dsv41_jax.layers.test_moe import _np_moe, _np_route
 
 N_LAYERS, B, T = 4, 2, 12
 

@@ -34,7 +34,7 @@ def _inputs(seed, lead=(2, 9), n=4, d=32, dtype=jnp.float32):
 
 
 def _close_coefficients(got, want):
-  # The same float32 formula as the coefficient kernel (tests/kernels/test_mhc.py): only the
+  # The same float32 formula as the coefficient kernel (tests/pallas_kernels/test_mhc.py): only the
   # summation order of the n·d-term mix and RMS differs, carried by 20 Sinkhorn rounds to ~1e-6.
   for g, w in zip(got, want):
     assert g.shape == w.shape and g.dtype == jnp.float32
