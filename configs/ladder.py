@@ -66,7 +66,7 @@ GRIDS: dict[str, dict] = {
 }
 
 ABLATIONS = ("dense_attention", "full_depth_kv", "engram_off", "plain_residual", "qat",
-             "candidate_pool")
+             "candidate_pool", "adamw")
 
 
 def plan_fields(layers: int) -> dict:
@@ -114,9 +114,9 @@ def size_fields(layers: int, d: int, seq: int) -> dict:
   )
 
 
-def ablate(model: dict, name: str) -> tuple[str, ...]:
-  """Apply one ablation switch in place to a size's model fields; returns the parameter-path
-  patterns the optimizer must freeze (`optim.frozen`).
+def ablate(model: dict, name: str) -> dict:
+  """Apply one ablation switch in place to a size's model fields; returns the `optim` fields the
+  switch sets (an empty dict for the model switches).
 
   dense_attention  every layer plain causal attention: compress ratio 0 (no compressed branch,
                    no indexer) with the sliding window the whole sequence.
@@ -129,6 +129,8 @@ def ablate(model: dict, name: str) -> tuple[str, ...]:
                    residual. (The sites still exist as frozen constants; see RESULTS.md.)
   qat              FP4 main KV and indexer, FP8 SWA KV fake quantization on (docs/design.md §9).
   candidate_pool   the hierarchical candidate pool on (docs/design.md §5.6).
+  adamw            the optimizer: AdamW for every group instead of the Muon chain (`optim.chain`;
+                   same schedule, weight decays and learning-rate multipliers).
   """
   if name == "dense_attention":
     n = model["num_hidden_layers"]
@@ -144,14 +146,16 @@ def ablate(model: dict, name: str) -> tuple[str, ...]:
     model.update(engram_layer_ids=())
   elif name == "plain_residual":
     model.update(hc_mult=1, hc_init_fn_std=0.0, hc_eps=0.0)
-    return ("**/attn_hc/**", "**/ffn_hc/**")
+    return {"frozen": ("**/attn_hc/**", "**/ffn_hc/**")}
   elif name == "qat":
     model.update(fp4_main_kv=True, fp4_indexer=True, fp8_swa_kv=True)
   elif name == "candidate_pool":
     model.update(use_candidate_pool=True)
+  elif name == "adamw":
+    return {"chain": "adamw"}
   else:
     raise ValueError(f"unknown ablation {name!r}; ablations are {ABLATIONS}")
-  return ()
+  return {}
 
 
 def point_config(grid: str, size: str, steps: int, ablation: str | None = None
@@ -164,9 +168,9 @@ def point_config(grid: str, size: str, steps: int, ablation: str | None = None
                      f"{sorted(sizes)})")
   layers, d = sizes[size]
   model = size_fields(layers, d, g["seq"])
-  frozen = ablate(model, ablation) if ablation else ()
+  optim = ablate(model, ablation) if ablation else {}
   cfg = common.base_config(model=model)
-  cfg.optim.frozen = frozen
+  cfg.optim.frozen = ()
   cfg.data.seq_len = g["seq"]
   cfg.data.batch_size = g["batch"]
   # Text only: the image stream keeps a token share that the mixer needs (> 0), its spans plain
@@ -188,6 +192,7 @@ def point_config(grid: str, size: str, steps: int, ablation: str | None = None
   cfg.optim.schedule_unit = "tokens"
   cfg.optim.decay_start = 0.6 * tokens
   cfg.optim.decay_end = float(tokens)
+  cfg.optim.update(optim)
   return cfg
 
 

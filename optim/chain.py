@@ -4,13 +4,17 @@
     partition{muon: Muon + wd, adamw: Adam + wd, sinkhorn: Sinkhorn momentum + wd} →
     × (−lr(step) · group multiplier · row multiplier), frozen parameters × 0
 
+With `OptimConfig.chain = "adamw"` (the ablation baseline) the muon and sinkhorn groups take Adam
+too, each group keeping its weight decay, multipliers (Engram tables ×5 included) and schedule.
+
 Trees: the optimizer works on the parameter tree the train step holds, either the pure state
 `nnx.as_pure(nnx.state(model, nnx.Param))` (arrays at the leaves, what `nnx.Optimizer` passes to
 `tx.update`), its `to_pure_dict()`, or any pytree of arrays; `init` also accepts the same tree with
 `nnx.Param` leaves. Parameters are named by their '/'-joined path (see `optim.table`). The tree given
 to `build_optimizer` may be abstract (`jax.ShapeDtypeStruct` leaves).
 
-State: one buffer per parameter for muon and sinkhorn, two for adamw, plus a few step counters.
+State: one buffer per parameter for muon and sinkhorn, two for adamw (two for every group with
+chain="adamw"), plus a few step counters.
 `init_opt_state` creates it under `jax.jit` with each buffer sharded exactly like its parameter.
 """
 
@@ -155,19 +159,25 @@ def build_optimizer(cfg: OptimConfig, params, table: Sequence[Row] = TABLE,
   def labels(tree):
     return table_lib.map_params(lambda path, _: rows[path].group, tree)
 
-  groups = {
-      "muon": optax.chain(
-          scale_by_muon(cfg.muon_momentum, cfg.update_rms, lambda path: rows[path].headwise,
-                        cfg.muon_ns_dtype),
-          optax.add_decayed_weights(cfg.weight_decay)),
-      "adamw": optax.chain(
-          optax.scale_by_adam(b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps),
-          optax.add_decayed_weights(cfg.weight_decay)),
-      "sinkhorn": optax.chain(
-          scale_by_sinkhorn(cfg.sinkhorn_momentum, cfg.sinkhorn_iters, cfg.sinkhorn_tau,
-                            cfg.sinkhorn_eps, cfg.update_rms, sub_tables),
-          optax.add_decayed_weights(cfg.sinkhorn_weight_decay)),
-  }
+  def adamw(weight_decay):
+    return optax.chain(optax.scale_by_adam(b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps),
+                       optax.add_decayed_weights(weight_decay))
+
+  if cfg.chain == "muon":
+    groups = {
+        "muon": optax.chain(
+            scale_by_muon(cfg.muon_momentum, cfg.update_rms, lambda path: rows[path].headwise,
+                          cfg.muon_ns_dtype),
+            optax.add_decayed_weights(cfg.weight_decay)),
+        "adamw": adamw(cfg.weight_decay),
+        "sinkhorn": optax.chain(
+            scale_by_sinkhorn(cfg.sinkhorn_momentum, cfg.sinkhorn_iters, cfg.sinkhorn_tau,
+                              cfg.sinkhorn_eps, cfg.update_rms, sub_tables),
+            optax.add_decayed_weights(cfg.sinkhorn_weight_decay)),
+    }
+  else:  # "adamw": the groups keep their weight decay and learning-rate multipliers
+    groups = {"muon": adamw(cfg.weight_decay), "adamw": adamw(cfg.weight_decay),
+              "sinkhorn": adamw(cfg.sinkhorn_weight_decay)}
   parts = [_check_structure(template)]
   if frozen:
     parts.append(_zero_frozen(frozen, unfreeze_step))

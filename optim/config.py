@@ -33,6 +33,10 @@ class OptimConfig:
   # train.steps, so a --config.train.steps override moves the schedule with it); 0 = unknown.
   total_steps: int = 0
   final_lr_fraction: float = 0.1    # cosine decays to this fraction of `lr`, then holds
+  # --- the chain: "muon" (Muon for matrices, Sinkhorn-balanced momentum for embedding, head and
+  #     Engram tables, AdamW for the rest; docs/design.md §T2) or "adamw" (the ablation baseline:
+  #     AdamW for every group, each group keeping its weight decay, multipliers and schedule) ---
+  chain: str = "muon"
   # --- per-group learning-rate multipliers (table rows may add their own, e.g. Engram ×5) ---
   muon_lr_mult: float = 1.0
   adamw_lr_mult: float = 1.0
@@ -75,6 +79,8 @@ class OptimConfig:
       if not cond:
         errors.append(msg)
 
+    need(self.chain in ("muon", "adamw"),
+         f"chain must be 'muon' or 'adamw' (got {self.chain!r})")
     need(self.lr > 0, f"lr must be positive (got {self.lr})")
     need(self.warmup_steps >= 0, f"warmup_steps must be >= 0 (got {self.warmup_steps})")
     need(self.schedule_unit in ("fraction", "tokens", "steps"),

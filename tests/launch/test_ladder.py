@@ -9,7 +9,8 @@
   skips the finished point and resumes the other, a third run reruns nothing;
 * each ablation switch changes the model as intended (dense attention sees every earlier token;
   no shared decoder KV; no Engram; an exact pre-norm residual with frozen mHC; QAT changes the
-  logits; the candidate pool has a source and a consumer).
+  logits; the candidate pool has a source and a consumer; the AdamW arm changes the optimizer
+  chain only).
 """
 
 from __future__ import annotations
@@ -291,7 +292,7 @@ def test_plain_residual_is_an_exact_prenorm_residual_with_frozen_mhc():
   from optim.table import flatten_params
 
   fields = _micro_fields()
-  frozen = ladder_cfg.ablate(fields, "plain_residual")
+  frozen = ladder_cfg.ablate(fields, "plain_residual")["frozen"]
   cfg = _cfg(fields)
   site = mhc.MHCSite(cfg, nnx.Rngs(3))
   rng = np.random.default_rng(0)
@@ -334,3 +335,13 @@ def test_qat_changes_the_logits_of_the_same_parameters():
         state, _batch(cfg, tokens)))
   assert np.isfinite(out["qat"]).all()
   assert np.abs(out["qat"] - out["base"]).max() > 1e-4
+
+
+def test_adamw_ablation_changes_the_optimizer_chain_only():
+  from optim.config import optim_config
+  base = ladder_cfg.point_config("micro", "L2d32", 3)
+  arm = ladder_cfg.point_config("micro", "L2d32", 3, "adamw")
+  assert optim_config(base.optim).chain == "muon" and optim_config(arm.optim).chain == "adamw"
+  assert model_config(arm) == model_config(base)
+  assert dict(arm.optim, chain="muon") == dict(base.optim)
+  assert "adamw" in ladder_cfg.ABLATIONS

@@ -159,3 +159,35 @@ def test_nnx_optimizer_takes_the_chain():
   after = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   moved = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != b)), after, before)
   assert all(jax.tree.leaves(moved))
+
+
+def test_adamw_chain_gives_every_group_adamw_with_its_decay_and_multipliers():
+  """chain="adamw" (the ablation): no Muon or Sinkhorn state; each group's update over three steps
+  equals a float64 AdamW restatement with that group's weight decay and learning-rate multiplier."""
+  from optim.muon import MuonState
+  from optim.sinkhorn import SinkhornState
+  rng = np.random.default_rng(5)
+  params = _params(rng)
+  cfg = _cfg(chain="adamw", weight_decay=0.1, sinkhorn_weight_decay=0.05, muon_lr_mult=2.0,
+             sinkhorn_lr_mult=0.5, adamw_lr_mult=0.25)
+  tx = chain.build_optimizer(cfg, params, TABLE)
+  state = tx.init(params)
+  kinds = {type(s) for s in jax.tree.leaves(
+      state, is_leaf=lambda s: isinstance(s, (MuonState, SinkhornState)))}
+  assert not kinds & {MuonState, SinkhornState}
+  rows = table.label_params(params, TABLE)
+  mult = {"muon": (2.0, 0.1), "sinkhorn": (0.5, 0.05), "adamw": (0.25, 0.1)}
+  gs = [_grads(rng, params) for _ in range(3)]
+  outs = []
+  for g in gs:
+    u, state = tx.update(g, state, params)
+    outs.append(dict(table.flatten_params(u)))
+  p64 = {p: np.asarray(v, np.float64) for p, v in table.flatten_params(params)}
+  for path, row in rows.items():
+    lr_mult, wd = mult[row.group]
+    dirs = refs.adam([dict(table.flatten_params(g))[path] for g in gs], 0.9, 0.95, 1e-20)
+    for u, d in zip(outs, dirs):
+      want = -cfg.lr * lr_mult * (d + wd * p64[path])
+      np.testing.assert_allclose(np.asarray(u[path]), want, rtol=2e-6, atol=1e-9, err_msg=path)
+  with pytest.raises(OptimConfigError, match=r"chain must be 'muon' or 'adamw' \(got 'sgd'\)"):
+    optim_config({"chain": "sgd"})
