@@ -10,9 +10,9 @@
 Four SWA layers (CED needs an even depth; two runs of two, so the wiring is checked inside a
 scanned run and across the encoder / decoder boundary), packed rows, mHC parameters random enough
 that every coefficient is token-dependent. The sublayers are restated from their own float64
-references (`test_attention`, `test_moe`); the coefficients from `test_mhc.ref_hc`. Per-layer
-parameters are read from `nnx.state` paths by `layer_params`, the one place that knows how the
-model stores its layers. (Layer 0's e_0 is exact rather than observable: its streams are equal, so
+references (`test_sparse_attention`, `test_attention`, `test_moe`); the coefficients from
+`test_mhc.ref_hc`. Per-layer parameters are read from `nnx.state` paths by `layer_params`, the one
+place that knows how the model stores its layers. (Layer 0's e_0 is exact rather than observable: its streams are equal, so
 any positive collapse weights give the same normalised attention input.)
 """
 
@@ -26,9 +26,10 @@ from dsv41_jax.layer_plan import build_layer_plan
 from dsv41_jax.layers.rope import layer_inv_freq
 from dsv41_jax.model import Transformer, zero_moe_bias
 from optim.table import flatten_params, path_str
-from tests.dsv41_jax.layers.test_attention import np_attend, np_rms, np_rope
+from tests.dsv41_jax.layers.test_attention import np_rms, np_rope
 from tests.dsv41_jax.layers.test_mhc import ref_hc
-from tests.dsv41_jax.layers.test_moe import _np_moe, _np_route
+from tests.dsv41_jax.layers.test_moe import np_moe, np_route
+from tests.dsv41_jax.layers.test_sparse_attention import np_attend
 
 N_LAYERS, B, T = 4, 2, 12
 
@@ -101,11 +102,11 @@ def _attention(P, cfg, spec, x, pos, seg):
 
 def _moe(P, cfg, x, seg):
   image = np.zeros(seg.shape, bool)
-  w, sel, _ = _np_route(x, P["moe/router"], np.zeros((2, cfg.n_routed_experts)), image,
+  w, sel, _ = np_route(x, P["moe/router"], np.zeros((2, cfg.n_routed_experts)), image,
                         cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.gate_temp)
   experts = {k: P[f"moe/experts/{k}"] for k in ("w1", "w3", "w2")}
   experts.update({f"shared_{k}": P[f"moe/shared/{k}"] for k in ("w1", "w3", "w2")})
-  return _np_moe(experts, x, w, sel, seg != 0, cfg.swiglu_limit)
+  return np_moe(experts, x, w, sel, seg != 0, cfg.swiglu_limit)
 
 
 def reference_logits(flat, cfg, tokens, pos, seg):
