@@ -27,17 +27,18 @@ from flax import nnx  # noqa: E402
 from configs import common, small, tiny  # noqa: E402
 from dsv41_jax import model as M  # noqa: E402
 from dsv41_jax.layer_plan import build_layer_plan  # noqa: E402
-from launch.step import make_train_step  # noqa: E402
+from launch.step import engram_sub_tables, make_train_step  # noqa: E402
 from optim.chain import build_optimizer  # noqa: E402
 from optim.config import optim_config  # noqa: E402
 
 
 def step_program(cfg, B: int = 8):
   """(jitted step, abstract args) of the train step for model config `cfg`."""
-  graphdef, params = nnx.split(M.abstract_model(cfg))
+  model = M.abstract_model(cfg)
+  graphdef, params = nnx.split(model)
   params = nnx.as_pure(params)
   ocfg = optim_config(dict(tiny.get_config().optim, frozen=(), unfreeze_at="never"))
-  tx = build_optimizer(ocfg, params)
+  tx = build_optimizer(ocfg, params, sub_tables=engram_sub_tables(model))
   opt_state = jax.eval_shape(tx.init, params)
   T = cfg.seq_len
   i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)

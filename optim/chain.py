@@ -35,6 +35,11 @@ from optim.sinkhorn import scale_by_sinkhorn
 from optim.table import TABLE, Row, TableError
 
 
+# Parameters that stack several hash tables along their rows (the Engram tables, docs/design.md
+# §7.2): the Muon chain balances each of their sub-tables on its own, so it must be told the layout.
+STACKED_TABLES: tuple[str, ...] = ("**/engram/table",)
+
+
 class StepState(NamedTuple):
   count: jax.Array
 
@@ -141,14 +146,23 @@ def build_optimizer(cfg: OptimConfig, params, table: Sequence[Row] = TABLE,
 
   `sub_tables` maps the path of a sinkhorn-group parameter that stacks several tables along its
   rows (an Engram table, docs/design.md §7.2) to their ((offset, rows), ...): each is balanced on its own
-  (docs/design.md §T2) and the rows in none of them stay untouched.
+  (docs/design.md §T2) and the rows in none of them stay untouched. With the Muon chain every
+  Engram table (`STACKED_TABLES`) needs an entry: the model's layout is
+  `launch.step.engram_sub_tables(model)`; one block `((0, rows),)` balances a table whole.
 
   Raises `TableError` naming every parameter claimed by no row or by several, every frozen
-  pattern that matches nothing, and every bad `sub_tables` entry.
+  pattern that matches nothing, every bad `sub_tables` entry and every Engram table without one.
   """
   rows = table_lib.label_params(params, table)
   template = {p: tuple(v.shape) for p, v in table_lib.flatten_params(params)}
   sub_tables = table_lib.check_sub_tables(sub_tables or {}, rows, template)
+  unlaid = sorted(p for p, r in rows.items() if r.group == "sinkhorn" and p not in sub_tables
+                  and table_lib.matches_any(p, STACKED_TABLES))
+  if cfg.chain == "muon" and unlaid:
+    raise TableError(
+        f"build_optimizer: sub_tables gives no layout for the Engram tables {unlaid}; Sinkhorn "
+        "balances each (order, head) hash table on its own (docs/design.md §T2): pass "
+        "sub_tables=launch.step.engram_sub_tables(model), or ((0, rows),) to balance one whole")
   if cfg.frozen:
     table_lib.check_patterns_used(cfg.frozen, params, "frozen")
   frozen = frozenset(p for p in rows if table_lib.matches_any(p, cfg.frozen))

@@ -15,6 +15,7 @@ from configs import tiny
 from configs.common import model_config
 from dsv41_jax import model as model_lib, sharding
 from launch import aot
+from launch.step import engram_sub_tables
 from optim.chain import build_optimizer, opt_state_shardings
 from optim.config import optim_config
 
@@ -57,7 +58,8 @@ def test_analytic_bytes_match_jax_shard_shapes_and_the_real_optimizer_state(size
   mesh = sharding.make_mesh(full, jax.devices()[:math.prod(sizes.values())])
   plan = aot.analytic_plan(mcfg, full, global_batch=8, seq_len=cfg.data.seq_len)
 
-  abs_state = nnx.state(model_lib.abstract_model(mcfg), nnx.Param)
+  abs_model = model_lib.abstract_model(mcfg)
+  abs_state = nnx.state(abs_model, nnx.Param)
   shard = nnx.as_pure(sharding.state_shardings(abs_state, mesh))
   params = nnx.as_pure(abs_state)
 
@@ -67,7 +69,8 @@ def test_analytic_bytes_match_jax_shard_shapes_and_the_real_optimizer_state(size
 
   assert plan["param_bytes"] == local_bytes(params, shard)
   assert plan["total_params"] == model_lib.param_count(params)
-  tx = build_optimizer(optim_config(dict(cfg.optim)), params)
+  tx = build_optimizer(optim_config(dict(cfg.optim)), params,
+                       sub_tables=engram_sub_tables(abs_model))
   opt = jax.eval_shape(tx.init, params)
   got = local_bytes(opt, opt_state_shardings(tx, params, shard))
   n_scalars = sum(1 for x in jax.tree.leaves(opt) if x.ndim == 0)

@@ -287,6 +287,7 @@ def test_full_depth_kv_and_candidate_pool_and_engram_off_change_the_plan():
 def test_plain_residual_is_an_exact_prenorm_residual_with_frozen_mhc():
   from dsv41_jax.layers import mhc
   from dsv41_jax.layers.norm import rms_norm
+  from launch.step import engram_sub_tables
   from optim.chain import build_optimizer
   from optim.config import optim_config
   from optim.table import flatten_params
@@ -307,10 +308,11 @@ def test_plain_residual_is_an_exact_prenorm_residual_with_frozen_mhc():
                                 rms_norm(X[:, :, 0], w, cfg.rms_norm_eps))  # reads norm(X)
 
   # The optimizer never moves the mHC sites (no weight decay either); everything else moves.
-  params = nnx.as_pure(nnx.split(M.Transformer(cfg, nnx.Rngs(0)))[1])
+  model = M.Transformer(cfg, nnx.Rngs(0))
+  params = nnx.as_pure(nnx.split(model)[1])
   ocfg = optim_config(dict(base_config(model=fields).optim, frozen=frozen, warmup_steps=0,
                            schedule_unit="steps", decay_start=10, decay_end=10))
-  tx = build_optimizer(ocfg, params)
+  tx = build_optimizer(ocfg, params, sub_tables=engram_sub_tables(model))
   grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
   updates, _ = tx.update(grads, tx.init(params), params)
   moved = {p: float(jnp.abs(u).max()) for p, u in flatten_params(updates)}

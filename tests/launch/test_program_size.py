@@ -11,7 +11,7 @@ from flax import nnx
 from configs import common, small, tiny
 from dsv41_jax import model as M
 from dsv41_jax.layer_plan import build_layer_plan
-from launch.step import make_train_step
+from launch.step import engram_sub_tables, make_train_step
 from optim.chain import build_optimizer
 from optim.config import optim_config
 
@@ -33,10 +33,11 @@ def _abstract_batch(cfg, B=2):
 
 
 def _train_step_hlo_bytes(cfg) -> int:
-  graphdef, params = nnx.split(M.abstract_model(cfg))
+  model = M.abstract_model(cfg)
+  graphdef, params = nnx.split(model)
   params = nnx.as_pure(params)
   ocfg = optim_config(dict(tiny.get_config().optim, frozen=(), unfreeze_at="never"))
-  tx = build_optimizer(ocfg, params)
+  tx = build_optimizer(ocfg, params, sub_tables=engram_sub_tables(model))
   opt_state = jax.eval_shape(tx.init, params)
   step = make_train_step(cfg, graphdef, tx, ocfg.moe_bias_gamma)
   bias = jax.ShapeDtypeStruct((cfg.num_hidden_layers, 2, cfg.n_routed_experts), jnp.float32)

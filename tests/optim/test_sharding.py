@@ -53,7 +53,8 @@ def test_state_sharded_like_params_at_init_and_after_update():
   grads = jax.device_put(jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32),
                                       host), shardings)
   cfg = OptimConfig(lr=0.01, warmup_steps=0, decay_start=10, decay_end=20, schedule_unit="steps")
-  tx = chain.build_optimizer(cfg, params)
+  # The Engram table: two (prime-sized) hash tables and padding rows, as the model lays them out.
+  tx = chain.build_optimizer(cfg, params, sub_tables={f"{LAYER}/engram/table": ((0, 13), (13, 17))})
   state = chain.init_opt_state(tx, params)
 
   # one buffer per parameter, two for the adamw leaves (final_norm, attn_norm); counters scalar

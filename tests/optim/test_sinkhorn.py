@@ -135,6 +135,32 @@ def test_chain_balances_sub_tables_given_by_path():
   np.testing.assert_allclose(np.asarray(u["emb"]), ref_emb, rtol=2e-5, atol=1e-10)
 
 
+def test_engram_tables_need_a_layout_and_one_block_balances_a_table_whole():
+  """Omitting an Engram table's layout is an error naming it (the Muon chain; AdamW balances
+  nothing); the explicit whole-table layout ((0, rows),) equals the one-matrix reference."""
+  rng = np.random.default_rng(5)
+  table = (Row("emb", "sinkhorn"), Row("**/engram/table", "sinkhorn", lr_mult=5.0),
+           Row("s", "adamw"))
+  path = "runs/0/engram/table"
+  params = {"emb": jnp.asarray(rng.standard_normal((48, 16)), jnp.float32),
+            "runs": {"0": {"engram": {"table": jnp.asarray(rng.standard_normal((ROWS, 8)),
+                                                           jnp.float32)}}},
+            "s": jnp.asarray(rng.standard_normal((4,)), jnp.float32)}
+  with pytest.raises(TableError, match=r"sub_tables gives no layout for the Engram tables "
+                                       r"\['runs/0/engram/table'\]"):
+    build_optimizer(_cfg(), params, table)
+  build_optimizer(_cfg(chain="adamw"), params, table)
+  cfg = _cfg(lr=0.02)
+  tx = build_optimizer(cfg, params, table, sub_tables={path: ((0, ROWS),)})
+  g = jax.tree.map(lambda v: jnp.asarray(_skewed(rng, v.shape) if v.ndim > 1
+                                         else rng.standard_normal(v.shape), jnp.float32), params)
+  u, _ = tx.update(g, tx.init(params), params)
+  d = np.asarray(g["runs"]["0"]["engram"]["table"], np.float64) * (1 + cfg.sinkhorn_momentum)
+  ref = -cfg.lr * 5.0 * refs.rescale(refs.sinkhorn(d, K, TAU, EPS), 0.18)
+  np.testing.assert_allclose(np.asarray(u["runs"]["0"]["engram"]["table"]), ref, rtol=2e-5,
+                             atol=1e-10)
+
+
 @pytest.mark.parametrize("sub_tables, what", [
     ({"nope": BLOCKS}, "no such parameter"),
     ({"s": BLOCKS}, "only sinkhorn"),
