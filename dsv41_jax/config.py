@@ -1,8 +1,8 @@
 """Model configuration: every field of docs/design.md §1, defaulting to the full V4.1-Flash size.
 
 `ModelConfig` is frozen and validated when built: an inconsistent combination of fields raises
-`ConfigError` naming the fields involved. The layer plan (docs/design.md §2) is derived from it once,
-in `dsv41_jax.layer_plan`.
+`ConfigError` (`dsv41_jax.errors`) naming the fields involved. The layer plan (docs/design.md §2)
+is derived from it once, in `dsv41_jax.layer_plan`.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-
-class ConfigError(ValueError):
-  """A model configuration whose fields contradict each other; the message names them."""
+from dsv41_jax.errors import ConfigError
+from dsv41_jax.layer_plan import build_layer_plan
+from dsv41_jax.vision.config import VisionConfig
 
 
 def _flash_compress_ratios() -> tuple[int, ...]:
@@ -116,7 +116,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   dtype: str = "bfloat16"
   # The vision pathway (ViT + projector, `dsv41_jax.vision.config.VisionConfig`); None = text only.
-  vision: "VisionConfig | None" = None
+  vision: VisionConfig | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
@@ -230,11 +230,9 @@ def _validate(c: ModelConfig) -> None:
   need(c.engram_n_heads > 0 and c.engram_head_dim > 0,
        "engram_n_heads and engram_head_dim must be positive")
   if c.vision is not None:
-    from dsv41_jax.vision.config import VisionConfig
     need(isinstance(c.vision, VisionConfig),
          f"vision must be a VisionConfig or None (got {type(c.vision).__name__})")
   if errors:
     raise ConfigError("; ".join(errors))
   # The plan's own checks (every Reuse layer has a source, ratios agree) live beside the plan.
-  from dsv41_jax.layer_plan import build_layer_plan
   build_layer_plan(c)

@@ -21,7 +21,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, TYPE_CHECKING
 
-if TYPE_CHECKING:
+from dsv41_jax.errors import ConfigError
+
+if TYPE_CHECKING:  # the config builds its plan at validation: a runtime import would be a circle
   from dsv41_jax.config import ModelConfig
 
 Mode = Literal["swa", "full", "reindex", "reuse"]
@@ -158,8 +160,6 @@ class LayerPlan:
 
 def build_layer_plan(cfg: "ModelConfig") -> LayerPlan:
   """Derive the plan from the config; raise `ConfigError` naming the fields on inconsistency."""
-  from dsv41_jax.config import ConfigError
-
   n_enc = cfg.num_hidden_layers // 2
   kv_ids = set(cfg.kv_source_layer_ids)
   idx_ids = set(cfg.index_source_layer_ids)

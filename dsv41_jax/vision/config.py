@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dsv41_jax.config import ConfigError
+from dsv41_jax.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
