@@ -66,6 +66,9 @@ class ModelConfig:
   hc_mult: int = 4
   hc_sinkhorn_iters: int = 20
   hc_eps: float = 1e-6
+  # The residual: "mhc" (hc_mult streams mixed by mHC sites, docs/design.md §3) or "plain" (the
+  # ablation baseline: one stream, X ← X + F(norm(X)), no mHC parameters; needs hc_mult = 1).
+  residual: str = "mhc"
   engram_layer_ids: tuple[int, ...] = (1, 14)
   engram_max_ngram_size: int = 4
   engram_n_heads: int = 8
@@ -193,6 +196,9 @@ def _validate(c: ModelConfig) -> None:
        "attn_query_chunk and index_query_chunk must be >= 0 (0 = the whole row)")
   need(c.moe_capacity_factor > 0, f"moe_capacity_factor must be positive (got {c.moe_capacity_factor})")
   need(c.kernels in ("xla", "pallas"), f"kernels must be 'xla' or 'pallas' (got {c.kernels!r})")
+  need(c.residual in ("mhc", "plain"), f"residual must be 'mhc' or 'plain' (got {c.residual!r})")
+  need(c.residual == "mhc" or c.hc_mult == 1,
+       f"residual='plain' is one stream: hc_mult must be 1 (got {c.hc_mult})")
   n = c.num_hidden_layers
   for name in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids"):
     ids = getattr(c, name)
