@@ -1,7 +1,7 @@
 """Model FLOPs per token: the one formula behind `train_flops_per_token` in the ledger and MFU.
 
     train_flops/token = 3 × forward_flops/token            (backward ≈ 2 × forward)
-    forward_flops/token = 2 × Σ activated matrix parameters (routed experts at k/E, no look-ups)
+    forward_flops/token = 2 × Σ activated parameters (routed experts at k/E, no look-ups)
                         + Σ_layers 4 · H · D · (w̄ + k̄_l)     (q·k and p·v over the keys attended)
                         + Σ_index-layers 2 · H_I · D_I · n̄_l  (indexer scores over visible entries)
 
@@ -19,7 +19,7 @@ MFU does not reward wasted work. It leaves out, by design:
   * remat: the recomputed forward (another ~1× forward with layer remat),
   * the optimizer (Muon's Newton–Schulz matmuls are per step, not per token), the vision tower.
 
-Cross-check (tests/model/test_flops.py, benchmarks/RESULTS.md "MFU formula vs XLA"): XLA's
+Cross-check (tests/dsv41_jax/test_flops.py, benchmarks/RESULTS.md "MFU formula vs XLA"): XLA's
 `cost_analysis()['flops']` of jax.grad(loss) on one CPU device, four unrolled layers (d 256, T 64,
 no remat, capacity buffers of exactly n·k/E rows) is 1.067 × this formula: its dot ops alone are
 1.025 × (the attention excess above), the remaining 4.2 points are elementwise ops. With remat
@@ -33,6 +33,8 @@ import numpy as np
 
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layer_plan import build_layer_plan
+from dsv41_jax.model import abstract_params
+from dsv41_jax.param_paths import per_layer_params
 
 
 def _mean_min(T: int, cap: float, m: int = 1) -> float:
@@ -41,12 +43,11 @@ def _mean_min(T: int, cap: float, m: int = 1) -> float:
 
 
 def active_matrix_params(cfg: ModelConfig, state=None) -> float:
-  """Activated matrix parameters per token (decode path: all layers and the head).
+  """Activated parameters per token (decode path: all layers and the head).
 
+  Every layer parameter but the Engram tables (look-ups): the per-layer vectors (norm scales, mHC
+  base and scale, attention sinks, Engram q_w/k_w) count too, 3.5e-5 of the total at Flash.
   `state` is the model's abstract parameter state when the caller already has it."""
-  from dsv41_jax.ledger import per_layer_params
-  from dsv41_jax.model import abstract_params
-
   k_over_e = cfg.num_experts_per_tok / cfg.n_routed_experts
   total = 0.0
   state = abstract_params(cfg) if state is None else state
@@ -55,7 +56,7 @@ def active_matrix_params(cfg: ModelConfig, state=None) -> float:
       if rest.startswith("head"):
         total += size
       continue
-    if rest.startswith("engram/table") or not _is_matrix(rest):
+    if rest.startswith("engram/table"):
       continue
     total += size * (k_over_e if rest.startswith("moe/experts/") else 1.0)
   return total
@@ -63,17 +64,9 @@ def active_matrix_params(cfg: ModelConfig, state=None) -> float:
 
 def routed_expert_params_per_token(cfg: ModelConfig) -> float:
   """The routed-expert part of `active_matrix_params`: k/E of every layer's expert weights."""
-  from dsv41_jax.ledger import per_layer_params
-  from dsv41_jax.model import abstract_params
-
   k_over_e = cfg.num_experts_per_tok / cfg.n_routed_experts
   return sum(size * k_over_e for layer, rest, size in per_layer_params(cfg, abstract_params(cfg))
              if layer is not None and rest.startswith("moe/experts/"))
-
-
-def _is_matrix(rest: str) -> bool:
-  leaf = rest.rsplit("/", 1)[-1]
-  return leaf not in ("scale", "base", "attn_sink", "q_w", "k_w")
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:

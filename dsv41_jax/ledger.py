@@ -15,54 +15,11 @@ the report is typed in here. Conventions (docs/design.md §1 "Sanity checks", §
 
 from __future__ import annotations
 
-import re
-from typing import Iterator
-
-import jax
-import numpy as np
-from flax import nnx
-
 from dsv41_jax import cache_layout, flops
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layer_plan import build_layer_plan
-
-_LAYER_PATH = re.compile(r"^runs/(\d+)/([^/]+)/(.*)$")
-
-
-def _path_str(path) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
-def iter_params(state: nnx.State) -> Iterator[tuple[str, tuple[int, ...]]]:
-  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-    yield _path_str(path), tuple(leaf.shape)
-
-
-def per_layer_params(cfg: ModelConfig, state: nnx.State):
-  """Yield (layer id or None, path within the layer, per-layer element count) for every param.
-
-  A run's `core/...` stacks hold one row per layer of the run, its `<kind>/...` stacks one row per
-  layer of that kind, and its `engram/...` belongs to the run's first layer (`layer_plan.Run`).
-  """
-  plan = build_layer_plan(cfg)
-  for path, shape in iter_params(state):
-    m = _LAYER_PATH.match(path)
-    size = int(np.prod(shape))
-    if not m:
-      yield None, path, size
-      continue
-    run = plan.runs[int(m.group(1))]
-    group, rest = m.group(2), m.group(3)
-    if group == "engram":
-      yield run.first_layer, f"engram/{rest}", size
-      continue
-    if group == "core":
-      layers = [l.index for l in run.layers]
-    else:
-      k = next(k for k, spec in enumerate(run.kinds) if spec.kind_name == group)
-      layers = run.layers_of_kind(k)
-    for layer in layers:
-      yield layer, rest, size // len(layers)
+from dsv41_jax.model import abstract_params
+from dsv41_jax.param_paths import per_layer_params
 
 
 def _is_engram_table(rest: str) -> bool:
@@ -74,8 +31,6 @@ def _is_vision(path: str) -> bool:
 
 
 def ledger(cfg: ModelConfig) -> dict[str, float]:
-  from dsv41_jax.model import abstract_params
-
   state = abstract_params(cfg)
   plan = build_layer_plan(cfg)
   k_over_e = cfg.num_experts_per_tok / cfg.n_routed_experts

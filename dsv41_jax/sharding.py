@@ -40,6 +40,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from dsv41_jax.param_paths import path_str
+
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "engram", "tensor")
 BATCH = ("data", "fsdp", "expert", "engram")
 
@@ -180,11 +182,6 @@ def param_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
   return tuple(meta["logical_axes"])
 
 
-def _path_str(keypath) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-                  for k in keypath)
-
-
 def _is_var(x) -> bool:
   return isinstance(x, nnx.Variable)
 
@@ -201,7 +198,7 @@ def state_partition_specs(state, rules: Rules | None = None):
     if isinstance(v, nnx.Variable):
       ndim = v.ndim if hasattr(v, "ndim") else len(v.shape)
       return v.replace(logical_to_mesh(param_axes(v), ndim, rules, strict=True,
-                                       name=_path_str(keypath)))
+                                       name=path_str(keypath)))
     return P()
   return jax.tree_util.tree_map_with_path(spec, state, is_leaf=_is_var)
 
@@ -215,7 +212,7 @@ def state_shardings(state, mesh: Mesh, rules: Rules | None = None):
   def one(keypath, v):
     if not isinstance(v, nnx.Variable):
       return NamedSharding(mesh, P())
-    name = _path_str(keypath)
+    name = path_str(keypath)
     ndim = v.ndim if hasattr(v, "ndim") else len(v.shape)
     s = fit_spec(logical_to_mesh(param_axes(v), ndim, rules, strict=True, name=name), mesh)
     check_divisible(tuple(v.shape), s, sizes, name)

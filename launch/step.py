@@ -21,6 +21,7 @@ from flax import nnx
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layers.engram import Engram
 from dsv41_jax.loss import cross_entropy, objective
+from dsv41_jax.param_paths import path_str
 from optim.moe_bias import update_moe_bias
 
 MODEL_KEYS = ("tokens", "positions", "segment_ids", "image_mask", "engram_ids", "images",
@@ -30,7 +31,7 @@ MODEL_KEYS = ("tokens", "positions", "segment_ids", "image_mask", "engram_ids", 
 def engram_sub_tables(model: nnx.Module) -> dict[str, tuple[tuple[int, int], ...]]:
   """Parameter path of each Engram table → ((offset, rows), ...) of its (order, head) sub-tables
   (docs/design.md §7.2); the padding rows after the last one belong to none."""
-  return {"/".join(map(str, path)) + "/table": tuple(zip(m.sub_table_offsets, m.sub_table_sizes))
+  return {path_str(path) + "/table": tuple(zip(m.sub_table_offsets, m.sub_table_sizes))
           for path, m in nnx.iter_modules(model) if isinstance(m, Engram)}
 
 

@@ -33,6 +33,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from dsv41_jax.param_paths import path_str
+
 GROUPS: tuple[str, ...] = ("muon", "adamw", "sinkhorn")
 # Optimizer-state buffers each group keeps per parameter element (momentum; Adam's two moments).
 STATE_BUFFERS: Mapping[str, int] = {"muon": 1, "adamw": 2, "sinkhorn": 1}
@@ -130,22 +132,7 @@ TABLE: tuple[Row, ...] = (
 )
 
 
-# --- paths ------------------------------------------------------------------------------------
-
-def _key_name(key) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
-def path_str(keypath: Sequence[Any]) -> str:
-  """'/'-joined path of a jax key path; a trailing `.value` of an nnx.Variable is dropped."""
-  keys = list(keypath)
-  if keys and isinstance(keys[-1], jax.tree_util.GetAttrKey) and keys[-1].name == "value":
-    keys = keys[:-1]
-  return "/".join(_key_name(k) for k in keys)
-
+# --- paths: a parameter's name is `dsv41_jax.param_paths.path_str` of its key path -------------
 
 def _is_variable(x) -> bool:
   return isinstance(x, nnx.Variable)
