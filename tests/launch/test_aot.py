@@ -1,5 +1,6 @@
-"""launch.aot: mesh parsing, the analytic per-device plan against jax's own shard shapes and the
-real optimizer state, the CLI (errors, analytic fallback), and (slow) the compiled plan."""
+"""launch.aot and launch.memory_plan: mesh parsing, the analytic per-device plan against jax's own
+shard shapes and the real optimizer state, the CLI (errors, analytic fallback), and (slow) the
+compiled plan."""
 
 import math
 import os
@@ -14,7 +15,7 @@ from flax import nnx
 from configs import tiny
 from configs.common import model_config
 from dsv41_jax import model as model_lib, sharding
-from launch import aot
+from launch import aot, memory_plan
 from launch.step import engram_sub_tables
 from optim.chain import build_optimizer, opt_state_shardings
 from optim.config import optim_config
@@ -23,29 +24,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_parse_mesh_and_errors():
-  assert aot.parse_mesh("data:8,expert:4") == {"data": 8, "expert": 4}
-  assert aot.resolve_mesh({"data": -1, "expert": 4}, 32)["data"] == 8
+  assert memory_plan.parse_mesh("data:8,expert:4") == {"data": 8, "expert": 4}
+  assert memory_plan.resolve_mesh({"data": -1, "expert": 4}, 32)["data"] == 8
   for bad, words in [("dta:8", "unknown mesh axis 'dta'"), ("data=8", "not AXIS:SIZE"),
                      ("data:x", "not an integer"), ("data:0", "positive"),
                      ("data:-1,fsdp:-1", "at most one"), ("data:2,data:2", "twice"),
                      ("", "empty mesh")]:
-    with pytest.raises(aot.PlanError, match=words):
-      aot.parse_mesh(bad)
-  with pytest.raises(aot.PlanError, match="has 12 positions but there are 8 devices"):
-    aot.resolve_mesh({"data": 3, "expert": 4}, 8)
-  with pytest.raises(aot.PlanError, match="does not divide the 8 devices"):
-    aot.resolve_mesh({"data": -1, "expert": 3}, 8)
-  with pytest.raises(aot.PlanError, match="unknown mesh axes"):
-    aot.parse_rules("engram_rows=engram+rows")
-  assert aot.parse_rules("engram_rows=engram+fsdp")["engram_rows"] == ("engram", "fsdp")
+    with pytest.raises(memory_plan.PlanError, match=words):
+      memory_plan.parse_mesh(bad)
+  with pytest.raises(memory_plan.PlanError, match="has 12 positions but there are 8 devices"):
+    memory_plan.resolve_mesh({"data": 3, "expert": 4}, 8)
+  with pytest.raises(memory_plan.PlanError, match="does not divide the 8 devices"):
+    memory_plan.resolve_mesh({"data": -1, "expert": 3}, 8)
+  with pytest.raises(memory_plan.PlanError, match="unknown mesh axes"):
+    memory_plan.parse_rules("engram_rows=engram+rows")
+  assert memory_plan.parse_rules("engram_rows=engram+fsdp")["engram_rows"] == ("engram", "fsdp")
 
 
 def test_global_batch():
-  assert aot.global_batch_for(None, 8, 32) == (32, aot.global_batch_for(None, 8, 32)[1])
-  assert "rounded up" in aot.global_batch_for(None, 8, 32)[1]
-  assert aot.global_batch_for(64, 8, 32) == (64, "")
-  with pytest.raises(aot.PlanError, match="multiple of 32"):
-    aot.global_batch_for(48, 8, 32)
+  assert memory_plan.global_batch_for(None, 8, 32)[0] == 32
+  assert "rounded up" in memory_plan.global_batch_for(None, 8, 32)[1]
+  assert memory_plan.global_batch_for(64, 8, 32) == (64, "")
+  with pytest.raises(memory_plan.PlanError, match="multiple of 32"):
+    memory_plan.global_batch_for(48, 8, 32)
 
 
 @pytest.mark.parametrize("sizes", [{"data": 2, "expert": 4}, {"fsdp": 2, "tensor": 2, "engram": 2}])
@@ -54,9 +55,9 @@ def test_analytic_bytes_match_jax_shard_shapes_and_the_real_optimizer_state(size
   leaves of `tx.init` (abstract) with `opt_state_shardings`, counters included (a few bytes)."""
   cfg = tiny.get_config()
   mcfg = model_config(cfg)
-  full = aot.resolve_mesh(sizes, math.prod(sizes.values()))
+  full = memory_plan.resolve_mesh(sizes, math.prod(sizes.values()))
   mesh = sharding.make_mesh(full, jax.devices()[:math.prod(sizes.values())])
-  plan = aot.analytic_plan(mcfg, full, global_batch=8, seq_len=cfg.data.seq_len)
+  plan = memory_plan.analytic_plan(mcfg, full, global_batch=8, seq_len=cfg.data.seq_len)
 
   abs_model = model_lib.abstract_model(mcfg)
   abs_state = nnx.state(abs_model, nnx.Param)
@@ -87,18 +88,18 @@ def test_activation_estimate_terms():
   """The estimate's terms follow its formula: logits and carries scale with rows, the masked
   global branch grows quadratically in T while "gather" grows linearly."""
   mcfg = model_config(tiny.get_config())
-  one = aot.activation_bytes(mcfg, 1, 128, {"data": 1})
-  two = aot.activation_bytes(mcfg, 2, 128, {"data": 1})
+  one = memory_plan.activation_bytes(mcfg, 1, 128, {"data": 1})
+  two = memory_plan.activation_bytes(mcfg, 2, 128, {"data": 1})
   for k in ("carries", "layer_work", "logits", "total"):
     assert two[k] == pytest.approx(2 * one[k])
   assert one["logits"] == 3 * 128 * mcfg.vocab_size * 4
   layers = len(model_lib.build_layer_plan(mcfg).layers)
   assert one["carries"] == (layers + 1) * 128 * mcfg.hc_mult * mcfg.hidden_size * 4
-  tp = aot.activation_bytes(mcfg, 1, 128, {"tensor": 2})
+  tp = memory_plan.activation_bytes(mcfg, 1, 128, {"tensor": 2})
   assert tp["logits"] == one["logits"] / 2
-  masked = [aot.activation_bytes(mcfg, 1, T, {})["layer_work"] for T in (512, 1024, 2048)]
-  gathered = [aot.activation_bytes(mcfg.replace(global_attn_impl="gather"), 1, T, {})["layer_work"]
-              for T in (512, 1024, 2048)]
+  masked = [memory_plan.activation_bytes(mcfg, 1, T, {})["layer_work"] for T in (512, 1024, 2048)]
+  gather = mcfg.replace(global_attn_impl="gather")
+  gathered = [memory_plan.activation_bytes(gather, 1, T, {})["layer_work"] for T in (512, 1024, 2048)]
   assert masked[2] - masked[1] > 1.9 * (masked[1] - masked[0])
   assert gathered[2] - gathered[1] == pytest.approx(2 * (gathered[1] - gathered[0]), rel=0.05)
 
@@ -123,11 +124,11 @@ def test_cli_errors_and_analytic_fallback():
 def test_compiled_plan_arguments_are_params_optimizer_and_batch():
   """XLA's per-device argument bytes = analytic parameters + optimizer state + the batch shard."""
   cfg = tiny.get_config()
-  sizes = aot.resolve_mesh({"data": 2, "expert": 2}, 4)
+  sizes = memory_plan.resolve_mesh({"data": 2, "expert": 2}, 4)
   gb = 4
   cfg.data.batch_size = gb
   out = aot.compiled_plan(cfg, sizes, gb)
-  plan = aot.analytic_plan(model_config(cfg), sizes, gb, cfg.data.seq_len)
+  plan = memory_plan.analytic_plan(model_config(cfg), sizes, gb, cfg.data.seq_len)
   batch = aot.abstract_batch(cfg, model_config(cfg), gb)
   batch_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(batch)) / 4
   m = out["memory"]
@@ -153,6 +154,6 @@ def test_small_configs_keep_flash_layout_and_plan():
     now = (mcfg.hidden_size, mcfg.num_hidden_layers, mcfg.n_routed_experts)
     assert all(a > b for a, b in zip(now, last)), name
     last = now
-  sizes = aot.resolve_mesh({"data": 2, "expert": 4}, 8)
-  plan = aot.analytic_plan(model_config(small.get_config("s1")), sizes, 8, 256)
+  sizes = memory_plan.resolve_mesh({"data": 2, "expert": 4}, 8)
+  plan = memory_plan.analytic_plan(model_config(small.get_config("s1")), sizes, 8, 256)
   assert plan["rows_per_device"] == 1 and plan["opt_bytes"] >= plan["param_bytes"]

@@ -1,6 +1,7 @@
-"""launch.aot as a checked memory plan: Flash fits 512 H200s (≤ 120 GiB per device, mesh and rules
-printed), and the plan's estimate of parameters + gradients + activations agrees with XLA's memory
-analysis of the compiled gradient step of a scaled-down model on fake CPU devices within 25 %."""
+"""launch.memory_plan (as launch.aot prints it) as a checked memory plan: Flash fits 512 H200s
+(≤ 120 GiB per device, mesh and rules printed), and the plan's estimate of parameters + gradients +
+activations agrees with XLA's memory analysis of the compiled gradient step of a scaled-down model
+on fake CPU devices within 25 %."""
 
 import math
 import os
@@ -12,7 +13,7 @@ import pytest
 from configs import flash
 from configs.common import model_config
 from dsv41_jax import sharding
-from launch import aot
+from launch import aot, memory_plan
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import micro_config  # noqa: E402
@@ -42,19 +43,20 @@ def test_flash_fits_512_devices_with_mesh_and_rules_printed():
 
 
 def test_estimate_agrees_with_compiled_gradient_step():
-  """Micro model at a shape outside the calibration of `aot.SCORE_COPIES` (T = 128, 256, 512 on
-  data 2 × fsdp 2): T = 320 on expert 2 × engram 2 (expert-parallel MoE, Engram row exchange)."""
+  """Micro model at a shape outside the calibration of `memory_plan.SCORE_COPIES` (T = 128, 256,
+  512 on data 2 × fsdp 2): T = 320 on expert 2 × engram 2 (expert-parallel MoE, Engram row
+  exchange)."""
   cfg = micro_config.get_config()
   T, B = 320, 8
   cfg.data.seq_len = T
   cfg.model.seq_len = T
-  sizes = aot.resolve_mesh({"expert": 2, "engram": 2}, 4)
+  sizes = memory_plan.resolve_mesh({"expert": 2, "engram": 2}, 4)
   mesh = sharding.make_mesh(sizes, jax.devices()[:4])
   low = aot.lower_args(cfg, mesh, B)
   compiled, _ = aot.compile_grad_step(low)
   m = aot.memory_stats(compiled)
   got = m["argument"] + m["output"] - m["alias"] + m["temp"]
-  plan = aot.analytic_plan(model_config(cfg), sizes, B, T)
+  plan = memory_plan.analytic_plan(model_config(cfg), sizes, B, T)
   want = plan["param_bytes"] + plan["grad_bytes"] + plan["activation_bytes"]["total"]
   assert plan["activation_bytes"]["total"] > 10 * plan["param_bytes"]    # activations dominate
   assert abs(want / got - 1) <= 0.25, (want / 2**20, got / 2**20)
@@ -63,12 +65,12 @@ def test_estimate_agrees_with_compiled_gradient_step():
 def test_rules_what_if_changes_activation_layouts():
   """`--rules` runs the compiled plan under the whole table: the model's own constraints follow."""
   cfg = micro_config.get_config()
-  sizes = aot.resolve_mesh({"data": 2, "fsdp": 2}, 4)
+  sizes = memory_plan.resolve_mesh({"data": 2, "fsdp": 2}, 4)
   mesh = sharding.make_mesh(sizes, jax.devices()[:4])
-  rules = aot.parse_rules("batch=data")
+  rules = memory_plan.parse_rules("batch=data")
   low = aot.lower_args(cfg, mesh, 8, rules)
   assert low.args[3]["tokens"].sharding.spec[0] == "data"
   with jax.set_mesh(mesh), sharding.use_rules(low.rules):
     assert sharding.batch_spec(mesh)[0] == "data"
-  with pytest.raises(aot.PlanError, match=r"wq_a.*mapped twice"):
-    aot.param_shards(model_config(cfg), sizes, aot.parse_rules("q_lora=fsdp"))
+  with pytest.raises(memory_plan.PlanError, match=r"wq_a.*mapped twice"):
+    memory_plan.param_shards(model_config(cfg), sizes, memory_plan.parse_rules("q_lora=fsdp"))
