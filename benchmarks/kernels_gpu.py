@@ -49,7 +49,7 @@ from pallas_kernels import mhc as mhc_kernel  # noqa: E402
 from pallas_kernels import mhc_site  # noqa: E402
 
 HC = dict(iters=20, hc_eps=1e-6, norm_eps=1e-20)
-COPY = {"gbs": 4300.0, "source": "TRAINING.md §5 (not measured in this run)"}
+COPY = {"gbs": 4300.0, "source": "docs/design.md §T5 (not measured in this run)"}
 T0 = time.perf_counter()
 
 

@@ -43,7 +43,7 @@ def compress(x_BxTxD: jax.Array, wkv_DxC: jax.Array, wgate_DxC: jax.Array | None
   """
   if m == 1:
     if wgate_DxC is not None:
-      raise ValueError("compress: m = 1 has no gate (MODEL.md §5.2); pass wgate_DxC=None")
+      raise ValueError("compress: m = 1 has no gate (docs/design.md §5.2); pass wgate_DxC=None")
     return jnp.einsum("btd,dc->btc", x_BxTxD, wkv_DxC.astype(x_BxTxD.dtype))
   if wgate_DxC is None:
     raise ValueError(f"compress: m = {m} > 1 needs the gate weight wgate")

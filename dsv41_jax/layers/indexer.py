@@ -182,7 +182,8 @@ class Indexer(nnx.Module):
     `candidate_out` is None unless this layer is the candidate source.
     """
     if self.candidate_role == "consumer" and candidate is None:
-      raise ValueError("a candidate consumer needs the source layer's candidate pool (MODEL.md §5.6)")
+      raise ValueError("a candidate consumer needs the source layer's candidate pool "
+                       "(docs/design.md §5.6)")
     inv_freq = np.asarray(self.inv_freq if inv_freq is None else inv_freq)
     c_q = jax.lax.stop_gradient(c_q_BxTxQ)
     x = jax.lax.stop_gradient(x_BxTxD)
@@ -209,7 +210,8 @@ def score_and_select(q_BxTxHxI, w_BxTxH, kv: CompressedKV, segment_ids_BxT, *, k
   one-time log line.
   """
   if kernels == "pallas":
-    reason = ("the candidate pool (MODEL.md §5.6) has no kernel" if make_pool or candidate is not None
+    reason = ("the candidate pool (docs/design.md §5.6) has no kernel"
+              if make_pool or candidate is not None
               else pallas_kernels.unsupported("indexer_score_and_select", q_BxTxHxI, kv.index_k_BxNxI))
     if reason is None:
       topk, picked = pallas_kernels.kernel("indexer_score_and_select")(
