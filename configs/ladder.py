@@ -123,10 +123,8 @@ def ablate(model: dict, name: str) -> dict:
   full_depth_kv    no CED sharing: every decoder layer is a Full layer projecting its own
                    compressed KV (and indexer) from its own hidden state.
   engram_off       no Engram layers.
-  plain_residual   one residual stream with identity mHC: hc_mult 1, fn 0, post base 0 (so post
-                   = 2·sigmoid(0) = 1), hc_eps 0 (comb = 1 exactly), the mHC parameters frozen.
-                   Then X' = X + F and the sublayer reads norm(pre·X) = norm(X): a pre-norm
-                   residual. (The sites still exist as frozen constants; see RESULTS.md.)
+  plain_residual   the standard pre-norm residual, X ← X + F(norm(X)), one stream and no mHC
+                   parameters (`residual="plain"`, hc_mult 1).
   qat              FP4 main KV and indexer, FP8 SWA KV fake quantization on (docs/design.md §9).
   candidate_pool   the hierarchical candidate pool on (docs/design.md §5.6).
   adamw            the optimizer: AdamW for every group instead of the Muon chain (`optim.chain`;
@@ -145,8 +143,7 @@ def ablate(model: dict, name: str) -> dict:
   elif name == "engram_off":
     model.update(engram_layer_ids=())
   elif name == "plain_residual":
-    model.update(hc_mult=1, hc_init_fn_std=0.0, hc_eps=0.0)
-    return {"frozen": ("**/attn_hc/**", "**/ffn_hc/**")}
+    model.update(residual="plain", hc_mult=1)
   elif name == "qat":
     model.update(fp4_main_kv=True, fp4_indexer=True, fp8_swa_kv=True)
   elif name == "candidate_pool":

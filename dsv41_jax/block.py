@@ -10,6 +10,10 @@ top-k; SWA: window only), then the MoE, each through an mHC site:
   f_pre, f_post, f_comb = hc_ffn(X)
   X = f_postᵀ·MoE(ffn_norm(collapse(X, a_pre))) + f_combᵀ X ;   pre_mix ← f_pre
 
+With `cfg.residual == "plain"` (the ablation baseline) there are no sites: one stream, pre_mix = 1
+throughout (so collapse reads the stream as it is), and each sublayer adds its output,
+X ← X + F(norm(X)) — the standard pre-norm residual.
+
 Weights are split by what varies between layers: `LayerCore` holds what every layer has (the two
 mHC sites and norms, attention, MoE) and `Publisher` what only Full / Reindex layers have (the
 compressor and the indexer). `layer_forward` is the layer as a function of those weights, with the
@@ -76,15 +80,17 @@ class LayerAux(NamedTuple):
 
 
 class LayerCore(nnx.Module):
-  """The weights every layer has: `attn_hc`, `ffn_hc`, `attn_norm`, `ffn_norm`, `attn`, `moe`.
+  """The weights every layer has: `attn_hc`, `ffn_hc` (mHC only), `attn_norm`, `ffn_norm`, `attn`,
+  `moe`.
 
   `spec` only fixes the RoPE frequencies, which a run's layers share (same compression ratio).
   """
 
   def __init__(self, cfg: ModelConfig, spec: LayerSpec, rngs: nnx.Rngs):
     d = cfg.hidden_size
-    self.attn_hc = mhc.MHCSite(cfg, rngs)
-    self.ffn_hc = mhc.MHCSite(cfg, rngs)
+    if cfg.residual == "mhc":
+      self.attn_hc = mhc.MHCSite(cfg, rngs)
+      self.ffn_hc = mhc.MHCSite(cfg, rngs)
     self.attn_norm = RMSNorm(d, cfg.rms_norm_eps, rngs)
     self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps, rngs)
     self.attn = Attention(cfg, spec, rngs)
@@ -100,6 +106,25 @@ class Publisher(nnx.Module):
     if spec.owns_compressor:
       self.compressor = Compressor(cfg, spec, rngs)
     self.indexer = Indexer(cfg, spec, rngs, query_chunk=cfg.index_query_chunk)
+
+
+def site_coefficients(cfg: ModelConfig, site: str, core: LayerCore, X_BxTxNxD: jax.Array,
+                      pre_in_BxTxN: jax.Array):
+  """(pre, post, comb) of the layer's `site` ("attn_hc" / "ffn_hc") on the streams X; with the
+  plain residual (no sites) (pre_in, None, None): the next collapse reads as this one did."""
+  if cfg.residual == "plain":
+    return pre_in_BxTxN, None, None
+  return getattr(core, site)(X_BxTxNxD)
+
+
+def site_output(X_BxTxNxD: jax.Array, post_BxTxN, comb_BxTxNxN, f_out_BxTxD: jax.Array
+                ) -> jax.Array:
+  """The streams after a sublayer: `mhc.expand(X, post, comb, F)`, or X + F for the plain residual
+  (post None), in float32, X's dtype out."""
+  if post_BxTxN is None:
+    out = X_BxTxNxD.astype(jnp.float32) + f_out_BxTxD.astype(jnp.float32)[..., None, :]
+    return out.astype(X_BxTxNxD.dtype)
+  return mhc.expand(X_BxTxNxD, post_BxTxN, comb_BxTxNxN, f_out_BxTxD)
 
 
 def _compressed_kv(core: LayerCore, pub: Publisher, src_BxTxD, ctx: Context) -> CompressedKV:
@@ -156,7 +181,7 @@ def layer_forward(cfg: ModelConfig, kinds: Sequence[LayerSpec], core: LayerCore,
   global_branch = kinds[0].reads_global_kv    # one compression ratio per run: all or none
 
   # --- attention site ---
-  a_pre, a_post, a_comb = core.attn_hc(X)
+  a_pre, a_post, a_comb = site_coefficients(cfg, "attn_hc", core, X, state.pre_mix_BxTxN)
   x = core.attn_norm(mhc.collapse(X, state.pre_mix_BxTxN)).astype(cfg.dtype)
   c_q = core.attn.q_latent(x)
   kv, topk, candidate, scores = state.kv, state.topk_BxTxK, state.candidate, None
@@ -180,14 +205,14 @@ def layer_forward(cfg: ModelConfig, kinds: Sequence[LayerSpec], core: LayerCore,
     elif any(owns):
       idx_loss = jax.lax.switch(kind_index, [kl if o else (lambda: jnp.zeros((), jnp.float32))
                                              for o in owns])
-  X = mhc.expand(X, a_post, a_comb, y)
+  X = site_output(X, a_post, a_comb, y)
 
   # --- MoE site ---
-  f_pre, f_post, f_comb = core.ffn_hc(X)
+  f_pre, f_post, f_comb = site_coefficients(cfg, "ffn_hc", core, X, a_pre)
   x = core.ffn_norm(mhc.collapse(X, a_pre)).astype(cfg.dtype)
   y, moe_aux = core.moe(x, segment_ids_BxT=ctx.segment_ids_BxT,
                         image_mask_BxT=ctx.image_mask_BxT, bias_2xE=moe_bias_2xE)
-  X = mhc.expand(X, f_post, f_comb, y)
+  X = site_output(X, f_post, f_comb, y)
 
   new_state = StreamState(X.astype(state.X_BxTxNxD.dtype), f_pre, kv, topk, candidate)
   aux = LayerAux(moe_aux["balance_loss"], idx_loss, moe_aux["load_2xE"],

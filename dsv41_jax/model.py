@@ -94,7 +94,8 @@ class Transformer(nnx.Module):
     return sharding.constrain(h, ("batch", "seq", "embed"))
 
   def initial_state(self, h_BxTxD: jax.Array) -> StreamState:
-    """X⁰ = the embedding broadcast to every stream; pre_mix = e_0 (docs/design.md §3.3)."""
+    """X⁰ = the embedding broadcast to every stream; pre_mix = e_0 (docs/design.md §3.3). The
+    plain residual has one stream (hc_mult 1), so pre_mix = e_0 = 1 reads it as it is."""
     n = self.cfg.hc_mult
     B, T, D = h_BxTxD.shape
     X = jnp.broadcast_to(h_BxTxD[:, :, None, :], (B, T, n, D)).astype(jnp.float32)

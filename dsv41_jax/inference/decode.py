@@ -21,6 +21,7 @@ Decode step at position t (`decode_step`), layer by layer, with the layer's weig
                   window and the entries are both passed as gathered keys), then the output path
   MoE site        f_pre, f_post, f_comb = ffn_hc(X); routed (dropless) + shared experts
   head            final_norm(collapse(X, pre_mix)) @ head → logits [B, V]
+  (the plain residual, `cfg.residual == "plain"`: no sites, X ← X + F; `block.site_output`)
 
 The step's keys are the values the caches hold (`cache.py`: the stored formats, or the forward
 pass's own values), so with `stored_formats=False` it equals the forward pass up to float rounding,
@@ -52,7 +53,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.block import Context, StreamState, encoder_final_input, layer_forward
+from dsv41_jax.block import (Context, StreamState, encoder_final_input, layer_forward,
+                             site_coefficients, site_output)
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.inference import cache as cache_lib
 from dsv41_jax.inference.cache import DecodeCache, GlobalCache, SWACache
@@ -208,7 +210,7 @@ def _layers_step(model, X, pre, cache: DecodeCache, t, engram_ids, moe_bias_Lx2x
     core, pub, engram = model.layer(i)
     if engram is not None:
       X, _ = engram(X, engram_ids[i], jnp.ones((B, 1), bool))
-    a_pre, a_post, a_comb = core.attn_hc(X)
+    a_pre, a_post, a_comb = site_coefficients(cfg, "attn_hc", core, X, pre)
     x = core.attn_norm(mhc.collapse(X, pre)).astype(dt)
     c_q = core.attn.q_latent(x)
     sel = valid = None
@@ -223,10 +225,10 @@ def _layers_step(model, X, pre, cache: DecodeCache, t, engram_ids, moe_bias_Lx2x
       sel_idx = topk[spec.index_source]
       sel, valid = _gather_main(g, sel_idx), sel_idx >= 0
     y, swa[i] = _attention_step(cfg, core, x, c_q, pos, t, swa[i], sel, valid)
-    X = mhc.expand(X, a_post, a_comb, y)
-    f_pre, f_post, f_comb = core.ffn_hc(X)
+    X = site_output(X, a_post, a_comb, y)
+    f_pre, f_post, f_comb = site_coefficients(cfg, "ffn_hc", core, X, a_pre)
     x = core.ffn_norm(mhc.collapse(X, a_pre)).astype(dt)
-    X = mhc.expand(X, f_post, f_comb, _moe(cfg, core.moe, x, moe_bias_Lx2xE[i, 0]))
+    X = site_output(X, f_post, f_comb, _moe(cfg, core.moe, x, moe_bias_Lx2xE[i, 0]))
     pre = f_pre
   return X, pre, DecodeCache(tuple(swa), glob)
 
