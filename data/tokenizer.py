@@ -71,6 +71,10 @@ class TokenizerHandle:
   def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+  def save(self, path: str) -> None:
+    """Write the tokenizer, special tokens included, as a `tokenizer.json` (`load_tokenizer`)."""
+    self._tok.save(path)
+
   def __getstate__(self):
     return {"json": self._tok.to_str(), "source": self.source}
 

@@ -119,7 +119,7 @@ def load_model(workdir: str, step: int | None = None,
   model = nnx.merge(graphdef, restored["params"])
   tok = make_tokenizer(cfg)
   cmap = build_compression_map(lambda i: tok.decode([i]), tok.vocab_size,
-                               raw_token=lambda i: tok._tok.id_to_token(i) or "")
+                               raw_token=lambda i: tok.id_to_token(i) or "")
   return LoadedModel(model, restored["moe_bias"], cfg, tok, cmap, step)
 
 

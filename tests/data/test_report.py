@@ -21,7 +21,7 @@ def test_segment_lengths_reference():
 
 def test_report_figures(corpus_dir, small_tok, tmp_path, monkeypatch):
   path = str(tmp_path / "tok.json")
-  small_tok._tok.save(path)
+  small_tok.save(path)
   cfg = make_cfg(corpus_dir, tokenizer_path=path, batch_size=3)
   r = data_report.report(cfg, 40)
   assert r["rows"] == 42 and r["padding_fraction"] == 0.0
@@ -35,7 +35,7 @@ def test_report_figures(corpus_dir, small_tok, tmp_path, monkeypatch):
 
 def test_command_line_overrides(corpus_dir, small_tok, tmp_path):
   path = str(tmp_path / "tok.json")
-  small_tok._tok.save(path)
+  small_tok.save(path)
   d = corpus_dir
   args = [sys.executable, "-m", "launch.data_report", "--config=configs/tiny.py", "--rows=8",
           "--json", "--config.data.seq_len=256", f"--config.data.tokenizer_path={path}",

@@ -42,6 +42,15 @@ def test_pickle_keeps_behaviour(small_tok):
   assert clone.special_ids == small_tok.special_ids
 
 
+def test_save_then_load_keeps_behaviour(small_tok, tmp_path):
+  path = str(tmp_path / "tokenizer.json")
+  small_tok.save(path)
+  loaded = tokenizer.load_tokenizer(path)
+  text = "saved tokenizers encode the same <|image_pad|>"
+  np.testing.assert_array_equal(loaded.encode(text), small_tok.encode(text))
+  assert loaded.special_ids == small_tok.special_ids and loaded.vocab_size == small_tok.vocab_size
+
+
 def test_user_tokenizer_gets_missing_specials(tmp_path):
   vocab = {chr(c): i for i, c in enumerate(range(97, 123))}
   tok = Tokenizer(models.WordLevel(vocab, unk_token="a"))
