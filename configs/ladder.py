@@ -23,13 +23,14 @@ CPU ladder (9 points, text only, seq 128, batch 8):
 (benchmarks/RESULTS.md, "Scaling ladder and ablations on CPU": a point took 9-14 min on the
 2-core box shared by ~6 jobs, mostly compilation; far less on idle cores.)
 
-GPU ladder (one H200, each point one `launch.train` call well inside a 10-minute device call:
-the largest point, L16d512 × 4000 steps × 16 × 1024 tokens = 66 M tokens at 4.5e8 FLOP/token,
-is 3.0e16 FLOP, ~3.4 min at 15 % MFU plus compilation, which must stay within the rest of the
-call: see RESULTS.md "Train step on one H200"). Not run yet:
+GPU ladder (one H200, each point one `launch.train` call inside a 10-minute device call).
+Sized from measured H200 runs (benchmarks/RESULTS.md, "Train step on one H200", 2026-11-30):
+start-up ~25 s, compilation 29-35 s, a step 0.19 s (L8d256) to 0.55 s (L16d512) at 16 × 1024
+tokens; so the largest point, L16d512 × 800 steps (13 M tokens), is ~8.5 min with its held-out
+evaluation:
 
   python -m launch.ladder --config=configs/ladder.py:gpu --workdir=/tmp/ladder_gpu --list
-  python -m launch.train --config=configs/ladder.py:gpu/L16d512/4000 --workdir=/tmp/ladder_gpu/L16d512_4000
+  python -m launch.train --config=configs/ladder.py:gpu/L16d512/800 --workdir=/tmp/ladder_gpu/L16d512_800
   python -m launch.ladder --report /tmp/ladder_gpu --out=benchmarks/ladder/gpu
 
 (`--list` prints each point's `launch.train` command, one per device call; `--report` then reads
@@ -56,10 +57,10 @@ GRIDS: dict[str, dict] = {
                 steps=(60, 120, 240), seq=128, batch=8, lr=1e-2, warmup=10,
                 ablation_size="L10d32", ablation_steps=60, seeds=(0, 1), xla_flags=FAST_CPU),
     # One H200: widths 256-512, seq 1024, batch 16 (16 K tokens a step); every point fits one
-    # 10-minute device call (see the docstring).
+    # 10-minute device call (measured step times in the docstring).
     "gpu": dict(sizes={"L8d256": (8, 256), "L12d384": (12, 384), "L16d512": (16, 512)},
-                steps=(1000, 2000, 4000), seq=1024, batch=16, lr=2e-3, warmup=100,
-                ablation_size="L12d384", ablation_steps=2000, seeds=(0, 1), xla_flags=""),
+                steps=(200, 400, 800), seq=1024, batch=16, lr=2e-3, warmup=50,
+                ablation_size="L12d384", ablation_steps=400, seeds=(0, 1), xla_flags=""),
     # The launch test's two points: tests/launch/micro_config.py's scale (two layers, seq 32).
     "micro": dict(sizes={"L2d32": (2, 32)}, steps=(3, 6), seq=32, batch=4, lr=3e-3, warmup=1,
                   ablation_size="L2d32", ablation_steps=3, seeds=(0,), xla_flags=FAST_CPU),
