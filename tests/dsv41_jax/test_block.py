@@ -1,4 +1,7 @@
-"""The single-pass mHC wiring of the whole model (docs/design.md §3.3) against a float64 restatement.
+"""dsv41_jax/block.py: the layer as the model stacks it.
+
+1. The single-pass mHC wiring of the whole model (docs/design.md §3.3) against a float64
+restatement:
 
   pre_mix ← e_0
   for each layer:
@@ -11,18 +14,28 @@ Four SWA layers (CED needs an even depth; two runs of two, so the wiring is chec
 scanned run and across the encoder / decoder boundary), packed rows, mHC parameters random enough
 that every coefficient is token-dependent. The sublayers are restated from their own float64
 references (`test_sparse_attention`, `test_attention`, `test_moe`); the coefficients from
-`test_mhc.ref_hc`. Per-layer parameters are read from `nnx.state` paths by `layer_params`, the one
-place that knows how the model stores its layers. (Layer 0's e_0 is exact rather than observable: its streams are equal, so
-any positive collapse weights give the same normalised attention input.)
+`test_mhc.ref_hc`. Per-layer parameters are found in `nnx.state` by `layer_path`, the one place
+that knows how the model stores its layers. (Layer 0's e_0 is exact rather than observable: its
+streams are equal, so any positive collapse weights give the same normalised attention input.)
+
+2. What a layer reads from the layers before it, observed on the streams entering every layer of
+`unrolled_forward` (the model's per-layer pieces one layer at a time, no runs and no scan; its
+logits equal the scanned model's): an Engram layer changes nothing before it (§7.3), and a Reuse
+layer attends with the latest top-k of its run, so a Reindex layer in between changes what the
+Reuse layers after it read (§2, §5.5).
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
+from dsv41_jax import testing
+from dsv41_jax.block import Context, StreamState, layer_forward
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layer_plan import build_layer_plan
+from dsv41_jax.layers import mhc
 from dsv41_jax.layers.rope import layer_inv_freq
 from dsv41_jax.model import Transformer, zero_moe_bias
 from optim.table import flatten_params, path_str
@@ -44,18 +57,27 @@ def _cfg() -> ModelConfig:
       dtype="float32", remat=False)
 
 
+def layer_path(plan, layer: int, name: str) -> tuple[str, int | None]:
+  """Where layer `layer`'s parameter `name` is stored: (path in `nnx.state`, row of the stack).
+  `name` is a path inside the layer: "core/attn/wo_b" (every layer), "publisher/indexer/wq_b"
+  (Full and Reindex layers), "engram/table" (the run's Engram layer; not stacked, row None).
+  Adapt this when the storage changes."""
+  r, i = plan.run_of(layer)
+  run = plan.runs[r]
+  part, rest = name.split("/", 1)
+  if part == "core":
+    return f"runs/{r}/core/{rest}", i
+  if part == "publisher" and plan[layer].owns_indexer:
+    return f"runs/{r}/{run.kinds[run.kind_of[i]].kind_name}/{rest}", run.slot_of[i]
+  if part == "engram" and run.engram_layer == layer:
+    return f"runs/{r}/engram/{rest}", None
+  raise KeyError(f"layer {layer} ({plan[layer].mode}) has no parameter {name}")
+
+
 def layer_params(flat: dict[str, np.ndarray], cfg: ModelConfig, layer: int) -> dict:
-  """Layer `layer`'s parameters, un-stacked, keyed by their path inside the layer
-  ("attn_hc/fn", "attn/wq_a", "moe/experts/w1", ...). Adapt this when the storage changes."""
-  plan = build_layer_plan(cfg)
-  if hasattr(plan, "run_of"):                     # runs/<r>/core/..., stacked per run
-    r, i = plan.run_of(layer)
-    prefix = f"runs/{r}/core/"
-  else:                                           # segments/<s>/layers/<j>/..., stacked repeats
-    s, seg = next((s, g) for s, g in enumerate(plan.segments)
-                  if g.first_layer <= layer < g.first_layer + g.repeats * len(g.unit))
-    i, j = divmod(layer - seg.first_layer, len(seg.unit))
-    prefix = f"segments/{s}/layers/{j}/"
+  """Layer `layer`'s core parameters, un-stacked, keyed by their path inside the core
+  ("attn_hc/fn", "attn/wq_a", "moe/experts/w1", ...)."""
+  prefix, i = layer_path(build_layer_plan(cfg), layer, "core/")
   return {p[len(prefix):]: v[i] for p, v in flat.items() if p.startswith(prefix)}
 
 
@@ -152,3 +174,142 @@ def test_model_logits_equal_the_single_pass_restatement():
   want = reference_logits(flat, cfg, tokens, pos, seg)
   scale = np.abs(want).max()
   np.testing.assert_allclose(np.asarray(logits, np.float64), want, rtol=0, atol=3e-6 * scale)
+
+
+# --- 2. what a layer reads from the layers before it ---------------------------------------------
+
+
+def unrolled_forward(model: Transformer, batch: dict, bias_Lx2xE: jax.Array
+                     ) -> tuple[list[StreamState], jax.Array]:
+  """The streams entering each layer and leaving the last (L + 1 `StreamState`s), and the logits,
+  by the model's per-layer pieces (`Transformer.layer`, `block.layer_forward`) one layer at a time:
+  no runs, no scan; an Engram layer's memory looked up and injected at that layer."""
+  cfg, plan = model.cfg, model.plan
+  ctx = Context(jnp.asarray(batch["positions"]), jnp.asarray(batch["segment_ids"]),
+                jnp.asarray(batch["image_mask"]), {l: jnp.asarray(v)
+                                                   for l, v in batch["engram_ids"].items()})
+  token_mask = (ctx.segment_ids_BxT > 0) & ~ctx.image_mask_BxT
+  state = model.initial_state(model.embed_tokens(jnp.asarray(batch["tokens"])))
+  states = []
+  for spec in plan:
+    if spec.index == plan.num_encoder_layers:     # the decoder builds its own compressed KV (§6)
+      state = StreamState(state.X_BxTxNxD, state.pre_mix_BxTxN)
+    if spec.owns_compressor and state.topk_BxTxK is None:
+      # the first Full layer of a half selects anew; nothing earlier to carry
+      B, T = ctx.segment_ids_BxT.shape
+      state = state._replace(topk_BxTxK=jnp.zeros((B, T, 0), jnp.int32))
+    states.append(state)
+    core, pub, engram = model.layer(spec.index)
+    inject = None
+    if engram is not None:
+      memory = engram.memory(ctx.engram_ids[spec.index])
+      inject = lambda X, engram=engram, memory=memory: engram.inject(X, memory, token_mask)
+    state, _ = layer_forward(cfg, [spec], core, [pub], state, ctx, bias_Lx2xE[spec.index],
+                             engram=inject)
+  states.append(state)
+  x = model.final_norm(mhc.collapse(state.X_BxTxNxD, state.pre_mix_BxTxN)).astype(cfg.dtype)
+  logits = jnp.einsum("btd,dv->btv", x, model.head[...].astype(cfg.dtype),
+                      preferred_element_type=jnp.float32)
+  return states, logits
+
+
+def with_row(params, path: str, row: int | None, value):
+  """`params` with row `row` of the stacked parameter at `path` set to `value` (with `row` None,
+  the whole parameter)."""
+  def put(key, leaf):
+    if path_str(key) != path:
+      return leaf
+    return jnp.broadcast_to(value, leaf.shape) if row is None else leaf.at[row].set(value)
+  return jax.tree_util.tree_map_with_path(put, params)
+
+
+@pytest.fixture(scope="module")
+def reads():
+  """tiny_config with Reuse on both sides of a Reindex in the decoder run (4 Full, 5 Reuse,
+  6 Reindex, 7 Reuse) and Engram at layer 2, inside the encoder's scanned run (1 Full, 2 Reuse +
+  Engram, 3 Reuse); the scanned model and `unrolled_forward`, each compiled once."""
+  cfg = testing.tiny_config(index_source_layer_ids=(1, 4, 6), engram_layer_ids=(2,))
+  plan = build_layer_plan(cfg)
+  assert [l.mode for l in plan] == ["swa", "full", "reuse", "reuse", "full", "reuse", "reindex",
+                                    "reuse"]
+  graphdef, params = nnx.split(Transformer(cfg, nnx.Rngs(5)))
+  params = nnx.as_pure(params)
+  rng = np.random.default_rng(6)
+  batch = testing.packed_batch(cfg, rng)
+  bias = jnp.asarray(rng.normal(size=(cfg.num_hidden_layers, 2, cfg.n_routed_experts)) * 0.1,
+                     jnp.float32)
+  model = jax.jit(lambda p: nnx.merge(graphdef, p)(batch, bias))
+  unrolled = jax.jit(lambda p: unrolled_forward(nnx.merge(graphdef, p), batch, bias))
+
+  def run(p):
+    """(streams entering each layer and after the last, the model's logits and aux); the
+    unrolled logits equal the scanned model's (the tolerance of test_model's scan-vs-unrolled)."""
+    logits, aux = model(p)
+    states, logits_u = unrolled(p)
+    np.testing.assert_allclose(np.asarray(logits_u), np.asarray(logits), rtol=1e-6, atol=1e-6)
+    return states, np.asarray(logits), {k: np.asarray(v) for k, v in aux.items()}
+
+  return cfg, plan, params, batch, rng, run
+
+
+def test_engram_changes_nothing_before_its_layer(reads):
+  """Engram at layer ℓ = 2 with a zeroed and a random table: the streams entering layers 0…ℓ are
+  bitwise equal, those leaving ℓ and every later layer differ; the model's per-layer balance loss
+  agrees (equal before ℓ, different from ℓ on) and only layer ℓ's gate is open."""
+  cfg, plan, params, batch, rng, run = reads
+  ell = 2
+  path, row = layer_path(plan, ell, "engram/table")
+  shape = np.shape(dict(flatten_params(params))[path])
+  states, logits, aux = {}, {}, {}
+  for name, table in (("zero", np.zeros(shape)), ("random", rng.standard_normal(shape))):
+    states[name], logits[name], aux[name] = run(with_row(params, path, row,
+                                                        jnp.asarray(table, jnp.float32)))
+  real = batch["segment_ids"] > 0
+  for i, (s0, s1) in enumerate(zip(states["zero"], states["random"])):
+    if i <= ell:
+      np.testing.assert_array_equal(np.asarray(s1.X_BxTxNxD), np.asarray(s0.X_BxTxNxD))
+      np.testing.assert_array_equal(np.asarray(s1.pre_mix_BxTxN), np.asarray(s0.pre_mix_BxTxN))
+    else:
+      delta = np.abs(np.asarray(s1.X_BxTxNxD) - np.asarray(s0.X_BxTxNxD))[real]
+      assert delta.max() > 1e-2, (i, delta.max())
+  balance = {k: a["balance_loss"] for k, a in aux.items()}
+  np.testing.assert_array_equal(balance["random"][:ell], balance["zero"][:ell])
+  assert np.all(balance["random"][ell:] != balance["zero"][ell:])
+  assert np.abs(logits["random"] - logits["zero"]).max() > 1e-2
+  gate = aux["random"]["engram_gate_N"]
+  assert np.all(gate[ell] > 0) and not np.any(np.delete(gate, ell, axis=0))
+
+
+def test_reuse_reads_the_latest_top_k_of_its_run(reads):
+  """Layer 6 (Reindex) sits between the Reuse layers 5 and 7. With its attention output projection
+  zeroed, layer 6's own selection cannot reach the streams through its attention; a new draw of its
+  indexer query weights then changes only the top-k it publishes. Layer 7 attends with that top-k:
+  its output changes. The streams entering layers 0…7 (layer 5 included) and the top-k layer 5
+  reads are bitwise unchanged."""
+  cfg, plan, params, batch, rng, run = reads
+  reindex, before, after = 6, 5, 7
+  assert (plan[reindex].mode, plan[before].mode, plan[after].mode) == ("reindex", "reuse", "reuse")
+  wo_b, row = layer_path(plan, reindex, "core/attn/wo_b")
+  base = with_row(params, wo_b, row, 0.0)
+  flat = dict(flatten_params(base))
+  new = base
+  for name in ("publisher/indexer/wq_b", "publisher/indexer/weights_proj"):
+    path, slot = layer_path(plan, reindex, name)
+    shape = np.shape(flat[path])[1:]
+    new = with_row(new, path, slot, jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[0]),
+                                                jnp.float32))
+  (s0, logits0, aux0), (s1, logits1, aux1) = run(base), run(new)
+
+  topk = lambda s, i: np.asarray(s[i].topk_BxTxK)
+  np.testing.assert_array_equal(topk(s1, before), topk(s0, before))       # layer 4's selection
+  np.testing.assert_array_equal(topk(s1, reindex), topk(s0, reindex))
+  assert np.any(topk(s1, after) != topk(s0, after))                       # layer 6 selected anew
+  for i in range(after + 1):
+    np.testing.assert_array_equal(np.asarray(s1[i].X_BxTxNxD), np.asarray(s0[i].X_BxTxNxD))
+  real = batch["segment_ids"] > 0
+  delta = np.abs(np.asarray(s1[after + 1].X_BxTxNxD) - np.asarray(s0[after + 1].X_BxTxNxD))[real]
+  assert delta.max() > 1e-2, delta.max()
+  # the scanned model: every layer up to the Reindex routes the same streams; layer 7 does not
+  np.testing.assert_array_equal(aux1["balance_loss"][:after], aux0["balance_loss"][:after])
+  assert aux1["balance_loss"][after] != aux0["balance_loss"][after]
+  assert np.abs(logits1 - logits0).max() > 1e-3
