@@ -1,5 +1,5 @@
 """launch/step.py: a step whose loss or gradients are not finite applies nothing, even though every
-parameter is finite (docs/design.md §T2, §T6).
+parameter is finite (docs/design.md §T2, §T6); the evaluation step's sums against float64.
 
 The step is generic in the model: it merges the graphdef it is given and reads the model's call
 interface (`(logits, aux)` from `(inputs, moe_bias, train_vit=...)`). A toy module with that
@@ -14,14 +14,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dsv41_jax import testing
 from dsv41_jax.config import ModelConfig
-from launch.step import make_train_step
+from launch.step import make_eval_step, make_train_step
 from optim.chain import build_optimizer
 from optim.config import OptimConfig
 from optim.table import Row
 
 V, D, L, E = 16, 8, 1, 4
 HUGE = 3e38   # finite in float32; (+HUGE) − (−HUGE) overflows
+BATCH_CFG = testing.tiny_config(vocab_size=V, engram_layer_ids=())   # the batch layout only
 
 
 @jax.custom_vjp
@@ -73,12 +75,16 @@ def _setup(poison: bool):
 
 
 def _batch(rng, huge_row: bool = False):
-  tokens = rng.integers(1, V, size=(3, 6)).astype(np.int32)   # token 0 only where put below
-  targets = rng.integers(0, V, size=(3, 6)).astype(np.int32)
+  """Three packed rows (`testing.packed_batch`, padding token 1). With `huge_row`, row 1's first
+  loss position holds token 0 with target 1, and token 0 occurs nowhere else."""
+  batch = testing.packed_batch(BATCH_CFG, rng, batch_size=3, pad_id=1)
   if huge_row:
-    tokens[1, 2], targets[1, 2] = 0, 1
-  return dict(tokens=jnp.asarray(tokens), targets=jnp.asarray(targets),
-              loss_mask=jnp.ones((3, 6), bool))
+    tokens = batch["tokens"]
+    tokens[tokens == 0] = 2
+    t = int(np.argmax(batch["loss_mask"][1]))
+    tokens[1, t:t + 2] = (0, 1)
+    batch = testing.make_batch(BATCH_CFG, tokens, batch["segment_ids"], pad_id=1)
+  return batch
 
 
 def _leaves_equal(a, b):
@@ -122,3 +128,33 @@ def test_finite_step_applies_everything():
     assert not np.array_equal(np.asarray(x), np.asarray(y))
   assert not _leaves_equal(new_opt, opt_state)
   assert not _leaves_equal(new_bias, bias)
+
+
+def test_eval_step_sums_cross_entropy_tokens_and_bytes():
+  """`make_eval_step` against float64 numpy: Σ cross-entropy over the loss positions, their
+  count, and Σ token_bytes[target] over them (the bits-per-byte denominator).
+
+  Tolerance: each float32 logit is a sum of D = 8 products of unit size, off by ≲ D·2⁻²⁴·3 ≈ 1.5e-6;
+  a cross-entropy term (≈ 3.3) by twice that, so the sum of n ≈ 80 terms by ≲ 1e-6 relative; the
+  float32 tree sum and the mean's rescaling by n add ≲ (log₂ n + 2)·2⁻²⁴ ≈ 5e-7. Measured: ≤ 1.4e-7.
+  Summing every position instead of the loss positions is off by 10–30 % here."""
+  model = Toy(False, nnx.Rngs(3))
+  graphdef, params = nnx.split(model)
+  params = nnx.as_pure(params)
+  rng = np.random.default_rng(4)
+  batch = _batch(rng)
+  token_bytes = rng.integers(1, 5, size=V).astype(np.int32)
+  bias = jnp.zeros((L, 2, E), jnp.float32)
+  total, n, n_bytes = jax.jit(make_eval_step(ModelConfig(), graphdef))(params, bias, batch,
+                                                                      jnp.asarray(token_bytes))
+
+  p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  logits = (p["embed"][batch["tokens"]] * p["scale"]) @ p["w"]
+  m = logits.max(-1, keepdims=True)
+  lse = (m + np.log(np.exp(logits - m).sum(-1, keepdims=True)))[..., 0]
+  picked = np.take_along_axis(logits, batch["targets"][..., None], -1)[..., 0]
+  mask = batch["loss_mask"]
+  assert 0 < mask.sum() < mask.size
+  np.testing.assert_allclose(float(total), (lse - picked)[mask].sum(), rtol=2e-6)
+  assert int(n) == mask.sum()
+  assert int(n_bytes) == token_bytes[batch["targets"]][mask].sum()
