@@ -12,23 +12,17 @@ is comparable as time, not as rate). global_probs is computed and detached, as i
 from __future__ import annotations
 
 import argparse
-import time
+import os
+import sys
 from functools import partial
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dsv41_jax.layers import sparse_attention as sa
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
-
-def bench(f, *args, n=5):
-  jax.block_until_ready(f(*args))
-  t = time.perf_counter()
-  for _ in range(n):
-    out = f(*args)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - t) / n
+from benchmarks.common import header, median_seconds  # noqa: E402
+from dsv41_jax.layers import sparse_attention as sa  # noqa: E402
 
 
 def main():
@@ -41,7 +35,7 @@ def main():
   ap.add_argument("--m", type=int, default=2)
   ap.add_argument("--K", type=int, default=64)
   ap.add_argument("--dtype", default="float32")
-  ap.add_argument("--n", type=int, default=5)
+  ap.add_argument("--n", type=int, default=5, help="timed calls after the warm-up (median)")
   ap.add_argument("--no-reference", action="store_true")
   ap.add_argument("--query-chunk", type=int, default=None, help="rows per chunk (attend query_chunk)")
   ap.add_argument("--impls", default="masked,gather,window", help="which of masked,gather,window")
@@ -77,13 +71,13 @@ def main():
   if not a.no_reference:
     fns["dense reference"] = partial(loss, sa.attend_reference)
   useful = 3 * 4 * B * T * H * (W + K) * D
-  print(f"{jax.__version__} {jax.devices()[0].device_kind}  B{B} T{T} H{H} D{D} W{W} m{m} "
-        f"N{N} K{K} {a.dtype}, query_chunk {qc}, forward+backward")
+  print(header())
+  print(f"B{B} T{T} H{H} D{D} W{W} m{m} N{N} K{K} {a.dtype}, query_chunk {qc}, forward+backward")
   for name, fn in fns.items():
     # Inputs are arguments, not closed-over constants, so XLA cannot fold the mask at compile time.
     step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 2, 3), has_aux=True))
     try:
-      t = bench(step, q, kv, g, sink, seg, topk, n=a.n)
+      t = median_seconds(step, q, kv, g, sink, seg, topk, reps=a.n)
       print(f"  {name:16s} {t * 1e3:9.2f} ms  {useful / t / 1e12:8.3f} useful TFLOP/s")
     except Exception as e:  # an out-of-memory size is a result too
       print(f"  {name:16s} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 
@@ -24,6 +23,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks.common import header, md_header  # noqa: E402
 from configs import common, small, tiny  # noqa: E402
 from dsv41_jax import model as M  # noqa: E402
 from dsv41_jax.layer_plan import build_layer_plan  # noqa: E402
@@ -70,9 +70,9 @@ def main():
   ap.add_argument("--tiny", action="store_true", help="configs/tiny.py's own plan (12 layers)")
   args = ap.parse_args()
   base = common.model_config(tiny.get_config()).replace(vision=None)
-  print(f"machine: {platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}")
-  print("| layers | StableHLO bytes | dot_general | trace+lower s | compile s | fusions |")
-  print("|---|---|---|---|---|---|")
+  print(header())
+  print(md_header("layers", "StableHLO bytes", "dot_general", "trace+lower s", "compile s",
+                  "fusions"))
   cfgs = [("tiny", base)] if args.tiny else [(str(L), base.replace(**small.layout(L)))
                                               for L in args.layers]
   for name, cfg in cfgs:

@@ -24,15 +24,14 @@ import argparse
 import json
 import os
 import sys
-import time
 from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from benchmarks.common import elapsed, header, time_calls
 from dsv41_jax.layers import indexer as ix
 from dsv41_jax.layers import sparse_attention as sa
 from dsv41_jax.layers.types import CompressedKV, entry_visible
@@ -40,7 +39,6 @@ from pallas_kernels import indexer as kx
 from pallas_kernels import sparse_attention as ks
 
 CEILING = 790e12
-START = time.perf_counter()
 ROWS: list[dict] = []
 
 
@@ -55,20 +53,8 @@ def emit(**row):
     json.dump(ROWS, f, indent=1)
 
 
-def timed(fn, *args, reps):
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  first = time.perf_counter() - t0
-  ts = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t0)
-  return float(np.median(ts)), first
-
-
 def guarded(label, f):
-  if time.perf_counter() - START > ARGS.deadline:
+  if elapsed() > ARGS.deadline:
     emit(kind="skipped", label=label, why="deadline")
     return None
   try:
@@ -139,14 +125,14 @@ def attn_bench(B, T, xla_impl, interp, reps, H=16, D=256, W=128, m=2, K=512,
     kf, kg = attn_fns(partial(ks.sparse_attend, interpret=interp, block_k=bk, block_k_bwd=bkb,
                               num_warps=nw), W, D)
     for mode, f, mult in (("fwd", kf, 1), ("fwd+bwd", kg, 3)):
-      r = guarded(f"attn {shape} {name} {mode}", lambda: timed(f, *x, reps=reps))
+      r = guarded(f"attn {shape} {name} {mode}", lambda: time_calls(f, *x, reps=reps))
       if r:
         res[(name, mode)] = r[0]
         emit(kind="attn", shape=shape, impl=name, mode=mode, ms=1e3 * r[0], first_s=r[1],
              tflops=mult * fl / r[0] / 1e12, of_ceiling=mult * fl / r[0] / CEILING)
   xf, xg = attn_fns(partial(sa.attend, impl=xla_impl), W, D)
   for mode, f, mult in (("fwd", xf, 1), ("fwd+bwd", xg, 3)):
-    r = guarded(f"attn {shape} xla {xla_impl} {mode}", lambda: timed(f, *x, reps=reps))
+    r = guarded(f"attn {shape} xla {xla_impl} {mode}", lambda: time_calls(f, *x, reps=reps))
     if r:
       res[("xla", mode)] = r[0]
       emit(kind="attn", shape=shape, impl=f"xla {xla_impl}", mode=mode, ms=1e3 * r[0], first_s=r[1],
@@ -198,8 +184,8 @@ def idx_bench(T, interp, reps, xla=True, H=32, I=128, K=512, variants=((64, 64, 
   for bt, bn, nw in variants:
     name = f"pallas t{bt} n{bn} w{nw}"
     f = jax.jit(partial(kx.masked_scores, block_t=bt, block_n=bn, num_warps=nw, interpret=interp))
-    t = guarded(f"idx {shape} {name} scores", lambda: timed(f, q, w, idx_k, seg, pos, seg,
-                                                           jnp.arange(T), reps=reps))
+    t = guarded(f"idx {shape} {name} scores",
+                lambda: time_calls(f, q, w, idx_k, seg, pos, seg, jnp.arange(T), reps=reps))
     if t:
       rate(name, "scores only", t)
   bt, bn, nw = variants[0]
@@ -208,7 +194,7 @@ def idx_bench(T, interp, reps, xla=True, H=32, I=128, K=512, variants=((64, 64, 
   g = jax.jit(jax.grad(lambda q, w, k: jnp.sum(sel(q, w, k, seg, pos, seg)[1] * r),
                        argnums=(0, 1, 2)))
   for mode, fn in (("fwd (scores+top-k)", f), ("fwd+bwd", g)):
-    t = guarded(f"idx {shape} pallas {mode}", lambda: timed(fn, q, w, idx_k, reps=reps))
+    t = guarded(f"idx {shape} pallas {mode}", lambda: time_calls(fn, q, w, idx_k, reps=reps))
     if t:
       rate(f"pallas t{bt} n{bn} w{nw}", mode, t)
   if xla:
@@ -217,13 +203,13 @@ def idx_bench(T, interp, reps, xla=True, H=32, I=128, K=512, variants=((64, 64, 
     g = jax.jit(jax.grad(lambda q, w, k: jnp.sum(
         ix.score_and_select(q, w, kv(k), seg, k=K, query_chunk=512)[1] * r), argnums=(0, 1, 2)))
     for mode, fn in (("fwd (scores+top-k)", f), ("fwd+bwd", g)):
-      t = guarded(f"idx {shape} xla {mode}", lambda: timed(fn, q, w, idx_k, reps=reps))
+      t = guarded(f"idx {shape} xla {mode}", lambda: time_calls(fn, q, w, idx_k, reps=reps))
       if t:
         rate("xla chunk512", mode, t)
 
 
 def table():
-  print(f"\njax {jax.__version__} {jax.devices()[0].device_kind}  ({time.perf_counter() - START:.0f} s)")
+  print(f"\n{header()}\n({elapsed():.0f} s)")
   for r in ROWS:
     if r["kind"] in ("attn", "indexer"):
       print(f"{r['kind']:7s} {r['shape']:28s} {r['impl']:22s} {r['mode']:19s} {r['ms']:9.2f} ms "

@@ -11,10 +11,15 @@ Each setting runs `launch.data_report.report` (tokens/s = row positions / second
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
-from absl import app, flags
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+from benchmarks.common import header, md_header  # noqa: E402
 
 _ROWS = flags.DEFINE_integer("rows", 1000, "Packed rows per setting.")
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["4096"], "Row lengths to measure.")
@@ -41,9 +46,9 @@ def run(seq_len: int, workers: int, rows: int) -> dict:
 
 def main(argv):
   del argv
-  print("| seq_len | batch | workers/stream | rows | tokens/s | batches/s | first batch | padding "
-        "| mm share |")
-  print("|---|---|---|---|---|---|---|---|---|")
+  print(header())
+  print(md_header("seq_len", "batch", "workers/stream", "rows", "tokens/s", "batches/s",
+                  "first batch", "padding", "mm share"))
   for seq_len in map(int, _SEQ_LENS.value):
     for workers in map(int, _WORKERS.value):
       r = run(seq_len, workers, _ROWS.value)

@@ -17,26 +17,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dsv41_jax import sharding
-from dsv41_jax.config import ModelConfig
-from dsv41_jax.engram import hashing, lookup
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-
-def _median_time(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t)
-  return float(np.median(times))
+from benchmarks.common import median_seconds  # noqa: E402
+from dsv41_jax import sharding  # noqa: E402
+from dsv41_jax.config import ModelConfig  # noqa: E402
+from dsv41_jax.engram import hashing, lookup  # noqa: E402
 
 
 def main():
@@ -58,15 +53,15 @@ def main():
   fwd_bwd = jax.jit(jax.value_and_grad(lambda t, i: jnp.sum(lookup.engram_lookup(t, i) * cot)))
   out = {"rows": rows, "dim": args.dim, "tokens": args.tokens, "heads": args.heads,
          "backend": jax.default_backend(), "devices": jax.device_count()}
-  out["gather_ms"] = 1e3 * _median_time(gather, table, ids, repeats=args.repeats)
-  out["fwd_bwd_ms"] = 1e3 * _median_time(fwd_bwd, table, ids, repeats=args.repeats)
+  out["gather_ms"] = 1e3 * median_seconds(gather, table, ids, reps=args.repeats)
+  out["fwd_bwd_ms"] = 1e3 * median_seconds(fwd_bwd, table, ids, reps=args.repeats)
 
   if jax.device_count() > 1:
     mesh = sharding.make_mesh({"engram": jax.device_count()})
     with jax.set_mesh(mesh):
       t_s = jax.device_put(table, NamedSharding(mesh, P("engram", None)))
-      out["sharded_gather_ms"] = 1e3 * _median_time(gather, t_s, ids, repeats=args.repeats)
-      out["sharded_fwd_bwd_ms"] = 1e3 * _median_time(fwd_bwd, t_s, ids, repeats=args.repeats)
+      out["sharded_gather_ms"] = 1e3 * median_seconds(gather, t_s, ids, reps=args.repeats)
+      out["sharded_fwd_bwd_ms"] = 1e3 * median_seconds(fwd_bwd, t_s, ids, reps=args.repeats)
 
   # Host hashing: the flash hash constants (24 ids per token) on a packed row of `tokens` tokens.
   cfg = ModelConfig()

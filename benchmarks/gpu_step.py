@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks.common import header, md_header  # noqa: E402
 from configs import small  # noqa: E402
 from configs.common import MeshConfig  # noqa: E402
 from dsv41_jax import flops, model as model_lib  # noqa: E402
@@ -179,9 +180,9 @@ def main():
     if args.json:
       with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)
-  print("\n| size | params | batch × seq | init s | compile s | step ms | tok/s | MFU | peak GiB "
-        "| fwd+bwd ms | optimizer ms | host ms |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+  print("\n" + header())
+  print(md_header("size", "params", "batch × seq", "init s", "compile s", "step ms", "tok/s", "MFU",
+                  "peak GiB", "fwd+bwd ms", "optimizer ms", "host ms"))
   for r in rows:
     print(f"| {r['size']} | {r['params'] / 1e9:.2f} B | {r['batch']} × {r['seq']} | "
           f"{r['init_s']:.1f} | {r['compile_s']:.1f} | {r['step_s'] * 1e3:.1f} | "

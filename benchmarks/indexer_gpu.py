@@ -18,26 +18,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from benchmarks.common import header, md_header, median_seconds
 from dsv41_jax.layers.indexer import score_and_select
 from dsv41_jax.layers.types import CompressedKV
-
-
-def _time(fn, *args, reps: int) -> float:
-  jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t0)
-  return float(np.median(ts))
 
 
 def run_case(t: int, chunk: int, h: int, d: int, k: int, reps: int, dtype) -> dict:
@@ -60,8 +49,8 @@ def run_case(t: int, chunk: int, h: int, d: int, k: int, reps: int, dtype) -> di
   f = jax.jit(fwd)
   g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
   temp = g.lower(q, w, idx_k).compile().memory_analysis().temp_size_in_bytes
-  t_f = _time(f, q, w, idx_k, reps=reps)
-  t_g = _time(g, q, w, idx_k, reps=reps)
+  t_f = median_seconds(f, q, w, idx_k, reps=reps)
+  t_g = median_seconds(g, q, w, idx_k, reps=reps)
   flops = 2.0 * t * t * h * d
   return dict(T=t, chunk=chunk, fwd_ms=1e3 * t_f, fwdbwd_ms=1e3 * t_g,
               tflops=flops / t_f / 1e12, temp_gib=temp / 2**30)
@@ -78,9 +67,9 @@ def main():
   else:
     cases = [(16384, c) for c in (512, 2048)] + [(65536, c) for c in (512,)]
     h, d, k = 32, 128, 512
-  print(f"device: {jax.devices()[0].device_kind}; H_I={h} D_I={d} k={k} bf16 q/k\n")
-  print("| T | query_chunk | fwd ms | fwd TFLOP/s | fwd+bwd ms | bwd temp GiB |")
-  print("|---|---|---|---|---|---|")
+  print(header())
+  print(f"H_I={h} D_I={d} k={k} bf16 q/k\n")
+  print(md_header("T", "query_chunk", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "bwd temp GiB"))
   for t, c in cases:
     try:
       o = run_case(t, c, h, d, k, args.reps, jnp.bfloat16)

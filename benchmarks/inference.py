@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import sys
 import time
 
@@ -38,19 +36,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks.common import command, machine, median_seconds
 from configs.common import model_config
 from dsv41_jax import cache_layout, ledger, model as M
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.inference import Decoder, cache as C, decode
+from launch.aot import xla_flops
 
 QAT = dict(fp4_main_kv=True, fp4_indexer=True, fp8_swa_kv=True)
 UNCHUNKED = dict(index_query_chunk=0, attn_query_chunk=0)
-
-
-def _flops(compiled) -> float:
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return float(cost["flops"])
 
 
 def prefill_figures(dec: Decoder, N: int, reps: int = 3) -> dict:
@@ -61,14 +55,9 @@ def prefill_figures(dec: Decoder, N: int, reps: int = 3) -> dict:
   args = (dec.params, cache, jnp.asarray(tokens), ids, dec.moe_bias)
   out = {"N": N}
   for depth in ("full", "ced"):
-    flops = _flops(dec._prefill.lower(*args, depth).compile())
-    times = []
-    for _ in range(reps + 1):
-      t0 = time.perf_counter()
-      logits, _ = dec.prefill(tokens, N + 1, depth)
-      jax.block_until_ready(logits)
-      times.append(time.perf_counter() - t0)
-    out[depth] = {"flops": flops, "seconds": statistics.median(times[1:])}
+    flops = xla_flops(dec._prefill.lower(*args, depth).compile())
+    seconds = median_seconds(lambda: dec.prefill(tokens, N + 1, depth)[0], reps=reps)
+    out[depth] = {"flops": flops, "seconds": seconds}
   out["flops_ratio"] = out["ced"]["flops"] / out["full"]["flops"]
   out["time_ratio"] = out["ced"]["seconds"] / out["full"]["seconds"]
   return out
@@ -141,8 +130,7 @@ def main():
     from configs.tiny import get_config
     cfg = model_config(get_config()).replace(vision=None, **QAT, **UNCHUNKED)
     model, bias, cmap = M.init_model(cfg, 0), M.zero_moe_bias(cfg), None
-  results: dict = {"command": " ".join(["python", "benchmarks/inference.py", *sys.argv[1:]]),
-                   "machine": f"{platform.node()} {jax.devices()[0].device_kind} x{jax.device_count()}"}
+  results: dict = {"command": command(), "machine": machine()}
   cfg_q = cfg.replace(**QAT, **UNCHUNKED)
   lg = ledger.ledger(cfg_q)
   results["ledger_active_prefill_over_decode"] = lg["active_params_prefill"] / lg["active_params_decode"]

@@ -33,7 +33,6 @@ import argparse
 import functools
 import os
 import sys
-import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,6 +41,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.common import elapsed, header, log, md_header, median_seconds  # noqa: E402
 from dsv41_jax import quant  # noqa: E402
 from dsv41_jax.layers import mhc  # noqa: E402
 from pallas_kernels import fake_quant as fq_kernel  # noqa: E402
@@ -50,18 +50,6 @@ from pallas_kernels import mhc_site  # noqa: E402
 
 HC = dict(iters=20, hc_eps=1e-6, norm_eps=1e-20)
 COPY = {"gbs": 4300.0, "source": "docs/design.md §T5 (not measured in this run)"}
-T0 = time.perf_counter()
-
-
-def _time(fn, args, reps: int) -> float:
-  """Median milliseconds of `reps` calls after one compile-and-warm-up call."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return 1e3 * float(np.median(times))
 
 
 def _max_diff(a, b) -> float:
@@ -77,11 +65,11 @@ def _nbytes(*trees) -> int:
 def bench_pair(name, shape_txt, ref_fn, kern_fns, args, reps, moved=None):
   """Rows for one case: the XLA reference and each Pallas variant (label -> fn)."""
   rows = []
-  _log(f"{name} {shape_txt}: xla reference")
+  log(f"{name} {shape_txt}: xla reference")
   try:
     ref_out = ref_fn(*args)
     moved = moved or _nbytes(args, ref_out)
-    ref_ms = _time(ref_fn, args, reps)
+    ref_ms = 1e3 * median_seconds(ref_fn, *args, reps=reps)
     rows.append((name, shape_txt, "xla", ref_ms, moved, None, 0.0))
   except Exception as e:  # keep going: a failing case is reported, not fatal
     rows.append((name, shape_txt, f"xla FAILED: {type(e).__name__}: {str(e)[:200]}", None, 0, None,
@@ -89,11 +77,11 @@ def bench_pair(name, shape_txt, ref_fn, kern_fns, args, reps, moved=None):
     traceback.print_exc()
     return rows
   for label, fn in kern_fns.items():
-    _log(f"{name} {shape_txt}: pallas {label}")
+    log(f"{name} {shape_txt}: pallas {label}")
     try:
       out = fn(*args)
       diff = _max_diff(out, ref_out)
-      ms = _time(fn, args, reps)
+      ms = 1e3 * median_seconds(fn, *args, reps=reps)
       rows.append((name, shape_txt, f"pallas {label}", ms, moved, ref_ms / ms, diff))
     except Exception as e:
       rows.append((name, shape_txt, f"pallas {label} FAILED: {type(e).__name__}: {str(e)[:300]}",
@@ -105,7 +93,7 @@ def bench_pair(name, shape_txt, ref_fn, kern_fns, args, reps, moved=None):
 def copy_case(reps: int, size: int = 1 << 30):
   """The copy ceiling: x -> x + 1 over 2 GiB of bf16 (bytes read + written)."""
   x = jnp.ones((size,), jnp.bfloat16)
-  ms = _time(jax.jit(lambda v: v + 1), (x,), reps)
+  ms = 1e3 * median_seconds(jax.jit(lambda v: v + 1), x, reps=reps)
   moved = 2 * x.size * 2
   COPY.update(gbs=moved / ms / 1e6, source="measured in this run (x + 1 on 2 GiB bf16)")
   return [("copy", "[2^30] bf16", "xla x+1", ms, moved, None, None)]
@@ -208,8 +196,8 @@ def hc_case(tokens: int, n: int, d: int, interpret: bool, reps: int):
                     (X, fn, base, scale), reps)
 
 
-HEADER = ("| kernel | shape | impl | ms | min bytes moved | GB/s | of copy | speed-up vs xla | "
-          "max abs diff vs xla |\n|---|---|---|---|---|---|---|---|---|")
+HEADER = md_header("kernel", "shape", "impl", "ms", "min bytes moved", "GB/s", "of copy",
+                   "speed-up vs xla", "max abs diff vs xla")
 
 
 def row_md(row) -> str:
@@ -220,11 +208,6 @@ def row_md(row) -> str:
   return (f"| {name} | {shape} | {impl} | {ms:.3f} | {moved / 2**20:.1f} MiB | {gbs:.0f} | "
           f"{gbs / COPY['gbs']:.0%} | {'—' if ratio is None else f'{ratio:.2f}×'} | "
           f"{'—' if diff is None else f'{diff:.2e}'} |")
-
-
-def _log(msg: str) -> None:
-  print(f"[{time.strftime('%H:%M:%S')} +{time.perf_counter() - T0:.0f}s] {msg}", file=sys.stderr,
-        flush=True)
 
 
 def main(argv=None):
@@ -246,8 +229,8 @@ def main(argv=None):
   if a.smoke:
     a.entries, a.reps, shapes = 256, 2, [(48, 64)]
   dev = jax.devices()[0]
-  print(f"jax {jax.__version__}, backend {jax.default_backend()}, device {dev.device_kind}, "
-        f"kernels {'interpreted' if interpret else 'compiled (Triton, explicit CompilerParams)'}\n")
+  print(header())
+  print(f"kernels {'interpreted' if interpret else 'compiled (Triton, explicit CompilerParams)'}\n")
   cases = {
       "copy": [lambda: copy_case(a.reps, 1 << (16 if a.smoke else 30))],
       "quant": [lambda: quant_case(a.entries, interpret, a.sweep, a.reps)],
@@ -260,8 +243,8 @@ def main(argv=None):
   rows = []
   for name in a.cases.split(","):
     for case in cases[name]:
-      if time.perf_counter() - T0 > a.budget_s:
-        _log(f"budget of {a.budget_s:.0f} s spent: skipping the rest of {name}")
+      if elapsed() > a.budget_s:
+        log(f"budget of {a.budget_s:.0f} s spent: skipping the rest of {name}")
         continue
       new = case()
       rows += new

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -25,18 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import header, md_header, median_seconds
 from dsv41_jax.layers import moe_dispatch
 from dsv41_jax.layers.moe import route
-
-
-def _time(fn, *args, reps: int) -> float:
-  jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t0)
-  return float(np.median(ts))
 
 
 def dense_reference(x_NxD, weights_NxK, experts_NxK, w1, w3, w2, limit):
@@ -90,18 +80,17 @@ def main():
   cap = moe_dispatch.expert_capacity(n, k, e, args.capacity_factor)
   _, dropped = moe_dispatch.routed_experts(x, weights, experts, valid, w1, w3, w2,
                                            mode="capacity", capacity_factor=args.capacity_factor)
-  print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}; tokens {n}, d {d}, f {f}, "
-        f"E {e}, k {k}, {dt.name}; capacity {cap} per expert (factor {args.capacity_factor}), "
-        f"dropped {float(dropped.mean()):.3%} of pairs")
-  print("| method | fwd ms | fwd tokens/s | fwd TFLOP/s | fwd+bwd ms | fwd+bwd tokens/s | "
-        "fwd+bwd TFLOP/s |")
-  print("|---|---|---|---|---|---|---|")
+  print(header())
+  print(f"tokens {n}, d {d}, f {f}, E {e}, k {k}, {dt.name}; capacity {cap} per expert (factor "
+        f"{args.capacity_factor}), dropped {float(dropped.mean()):.3%} of pairs")
+  print(md_header("method", "fwd ms", "fwd tokens/s", "fwd TFLOP/s", "fwd+bwd ms",
+                  "fwd+bwd tokens/s", "fwd+bwd TFLOP/s"))
   for name in names:
     fwd = jax.jit(method(name))
     loss = lambda x, w1, w3, w2, fn=method(name): (fn(x, w1, w3, w2) * r).sum()
     bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-    t_f = _time(fwd, x, w1, w3, w2, reps=args.reps)
-    t_b = _time(bwd, x, w1, w3, w2, reps=args.reps)
+    t_f = median_seconds(fwd, x, w1, w3, w2, reps=args.reps)
+    t_b = median_seconds(bwd, x, w1, w3, w2, reps=args.reps)
     print(f"| {name} | {t_f * 1e3:.2f} | {n / t_f:,.0f} | {useful / t_f / 1e12:.3f} | "
           f"{t_b * 1e3:.2f} | {n / t_b:,.0f} | {3 * useful / t_b / 1e12:.3f} |")
 

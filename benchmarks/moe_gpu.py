@@ -30,7 +30,6 @@ import json
 import os
 import signal
 import sys
-import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,27 +38,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.common import elapsed, header, log, md_header, median_seconds  # noqa: E402
 from dsv41_jax.layers import moe_dispatch  # noqa: E402
 from pallas_kernels import grouped_matmul as gm  # noqa: E402
 
-T0 = time.perf_counter()
 HIGHEST = jax.lax.Precision.HIGHEST
 F32 = jnp.float32
-
-
-def _log(msg):
-  print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
-
-
-def _time(fn, args, reps: int) -> float:
-  """Median ms of `reps` calls after a compile-and-warm-up call."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t)
-  return 1e3 * float(np.median(times))
 
 
 def skewed_sizes(rng, rows: int, experts: int, spread: float, empty: int = 2) -> np.ndarray:
@@ -104,7 +88,7 @@ def grouped_case(name, rows, k, n, sizes_np, plans, reps, smoke, results):
   flops = 2.0 * float(sizes_np.sum()) * k * n
   shape_txt = (f"{rows} rows ({int(sizes_np.sum())} in groups), {k}->{n}, E={e}, groups "
                f"min/mean/max {sizes_np.min()}/{sizes_np.mean():.0f}/{sizes_np.max()}")
-  _log(f"{name}: {shape_txt}")
+  log(f"{name}: {shape_txt}")
   row = dict(case=name, shape=shape_txt, useful_gflop_fwd=flops / 1e9)
   results.append(row)
   ref_y, ref_dx, ref_dw = jax.jit(_references, static_argnums=4)(
@@ -123,12 +107,12 @@ def grouped_case(name, rows, k, n, sizes_np, plans, reps, smoke, results):
       try:
         fn = jax.jit(fn)
         err = _rel(fn(*args), ref)
-        ms = _time(fn, args, reps)
+        ms = 1e3 * median_seconds(fn, *args, reps=reps)
         timings[label] = dict(ms=ms, tflops=flops / ms / 1e9, rel_err=err, cfg=dataclasses.asdict(cfg))
-        _log(f"  {product} {label}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s rel err {err:.1e}")
+        log(f"  {product} {label}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s rel err {err:.1e}")
       except Exception as ex:  # a config that does not compile is reported, not fatal
         timings[label] = dict(error=f"{type(ex).__name__}: {str(ex)[:300]}")
-        _log(f"  {product} {label}: FAILED {type(ex).__name__}: {str(ex)[:300]}")
+        log(f"  {product} {label}: FAILED {type(ex).__name__}: {str(ex)[:300]}")
     row[f"mgpu_{product}_sweep"] = timings
     ok = {lab: t for lab, t in timings.items() if "ms" in t}
     if ok:
@@ -148,9 +132,9 @@ def grouped_case(name, rows, k, n, sizes_np, plans, reps, smoke, results):
       row["mgpu_exact"] = bool(row["mgpu_rel_err"]["y"] <= 1e-5 and row["mgpu_rel_err"]["dx"] <= 1e-3
                                and row["mgpu_rel_err"]["dw"] <= 1e-3
                                and not any(bool(jnp.isnan(a.astype(F32)).any()) for a in (y, dx, dw)))
-      row["mgpu_fwd_ms"] = _time(fwd, (x, w, sizes), reps)
-      row["mgpu_fwdbwd_ms"] = _time(fb, (x, w, sizes), reps)
-      _log(f"  mgpu fwd {row['mgpu_fwd_ms']:.3f} ms, fwd+bwd {row['mgpu_fwdbwd_ms']:.3f} ms, "
+      row["mgpu_fwd_ms"] = 1e3 * median_seconds(fwd, x, w, sizes, reps=reps)
+      row["mgpu_fwdbwd_ms"] = 1e3 * median_seconds(fb, x, w, sizes, reps=reps)
+      log(f"  mgpu fwd {row['mgpu_fwd_ms']:.3f} ms, fwd+bwd {row['mgpu_fwdbwd_ms']:.3f} ms, "
            f"rel err {row['mgpu_rel_err']}")
     except Exception as ex:
       row["mgpu_error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
@@ -163,21 +147,21 @@ def grouped_case(name, rows, k, n, sizes_np, plans, reps, smoke, results):
   bm = jax.jit(lambda xb, w: jnp.einsum("ecd,edf->ecf", xb, w, preferred_element_type=F32))
   bl = lambda xb, w: jnp.sum(jnp.einsum("ecd,edf->ecf", xb, w, preferred_element_type=F32) * rb)
   bfb = jax.jit(jax.value_and_grad(bl, argnums=(0, 1)))
-  row["capacity_fwd_ms"] = _time(bm, (xb, w), reps)
-  row["capacity_fwdbwd_ms"] = _time(bfb, (xb, w), reps)
+  row["capacity_fwd_ms"] = 1e3 * median_seconds(bm, xb, w, reps=reps)
+  row["capacity_fwdbwd_ms"] = 1e3 * median_seconds(bfb, xb, w, reps=reps)
   del xb, rb
 
   # ragged_dot (XLA) and its own VJP: slow on the GPU (docs/design.md §T7), so few repetitions and
   # only while the run has time left.
-  if time.perf_counter() - T0 > 120 and not smoke:
-    _log("  ragged_dot skipped: time budget")
+  if elapsed() > 120 and not smoke:
+    log("  ragged_dot skipped: time budget")
     return
   rd = jax.jit(lambda x, w, s: jax.lax.ragged_dot(x, w, s, preferred_element_type=F32))
   rl = lambda x, w, s: jnp.sum(jax.lax.ragged_dot(x, w, s, preferred_element_type=F32) * r)
   rfb = jax.jit(jax.value_and_grad(rl, argnums=(0, 1)))
-  row["ragged_dot_fwd_ms"] = _time(rd, (x, w, sizes), max(2, reps // 5))
-  row["ragged_dot_fwdbwd_ms"] = _time(rfb, (x, w, sizes), max(2, reps // 5))
-  _log(f"  done: { {k: round(v, 3) for k, v in row.items() if k.endswith('_ms')} }")
+  row["ragged_dot_fwd_ms"] = 1e3 * median_seconds(rd, x, w, sizes, reps=max(2, reps // 5))
+  row["ragged_dot_fwdbwd_ms"] = 1e3 * median_seconds(rfb, x, w, sizes, reps=max(2, reps // 5))
+  log(f"  done: { {k: round(v, 3) for k, v in row.items() if k.endswith('_ms')} }")
 
 
 def routed_experts_case(tokens, d, f, e, k, reps, smoke, results):
@@ -197,7 +181,7 @@ def routed_experts_case(tokens, d, f, e, k, reps, smoke, results):
   row = dict(case="s3 routed experts", shape=f"{tokens} tokens × top-{k}, d={d}, f={f}, E={e}",
              useful_gflop_fwd=flops / 1e9, impl_auto=moe_dispatch.resolve_grouped_matmul_impl("auto"))
   results.append(row)
-  _log(f"routed experts: {row['shape']} (auto -> {row['impl_auto']})")
+  log(f"routed experts: {row['shape']} (auto -> {row['impl_auto']})")
   outs = {}
   for label, kw in (("dropless auto", dict(mode="dropless", impl="auto")),
                     ("dropless ragged_dot", dict(mode="dropless", impl="ragged_dot")),
@@ -209,10 +193,10 @@ def routed_experts_case(tokens, d, f, e, k, reps, smoke, results):
     try:
       outs[label] = (fwd(x, w1, w3, w2), fb(x, w1, w3, w2)[1])
       n = max(2, reps // 5) if "ragged" in label else reps
-      row[f"{label} fwd ms"] = _time(fwd, (x, w1, w3, w2), n)
-      row[f"{label} fwd+bwd ms"] = _time(fb, (x, w1, w3, w2), n)
+      row[f"{label} fwd ms"] = 1e3 * median_seconds(fwd, x, w1, w3, w2, reps=n)
+      row[f"{label} fwd+bwd ms"] = 1e3 * median_seconds(fb, x, w1, w3, w2, reps=n)
       row[f"{label} fwd+bwd TFLOP/s"] = 3 * flops / row[f"{label} fwd+bwd ms"] / 1e9
-      _log(f"  {label}: fwd {row[f'{label} fwd ms']:.3f} ms, fwd+bwd {row[f'{label} fwd+bwd ms']:.3f} ms")
+      log(f"  {label}: fwd {row[f'{label} fwd ms']:.3f} ms, fwd+bwd {row[f'{label} fwd+bwd ms']:.3f} ms")
     except Exception as ex:
       row[f"{label} error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
       traceback.print_exc()
@@ -220,7 +204,7 @@ def routed_experts_case(tokens, d, f, e, k, reps, smoke, results):
     (ya, ga), (yr, gr) = outs["dropless auto"], outs["dropless ragged_dot"]
     row["auto vs ragged_dot rel err"] = dict(
         y=_rel(ya, yr), **{f"d{n}": _rel(a, b) for n, a, b in zip(("x", "w1", "w3", "w2"), ga, gr)})
-    _log(f"  auto vs ragged_dot: {row['auto vs ragged_dot rel err']}")
+    log(f"  auto vs ragged_dot: {row['auto vs ragged_dot rel err']}")
 
 
 def main():
@@ -230,8 +214,8 @@ def main():
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
   dev = jax.devices()[0]
-  _log(f"jax {jax.__version__}, {dev.platform} {getattr(dev, 'device_kind', '')}, "
-       f"cc {getattr(dev, 'compute_capability', '-')}, SMs {getattr(dev, 'core_count', '-')}")
+  print(header(), flush=True)
+  log(f"cc {getattr(dev, 'compute_capability', '-')}, SMs {getattr(dev, 'core_count', '-')}")
   T = gm.TileConfig
   if args.smoke:
     c = T(64, 64, 64, 2, 1)
@@ -255,7 +239,7 @@ def main():
   try:
     run_cases(plans, reps, args.smoke, results, args.out)
   except KeyboardInterrupt:
-    _log("interrupted: writing what was measured")
+    log("interrupted: writing what was measured")
   finally:
     report(results, dev, args.out)
 
@@ -272,8 +256,8 @@ def run_cases(plans, reps, smoke, results, out):
             ("s3 down", 16384 * 4, 512, 1024, 48, 655, 0.9)] if not smoke else
            [("§7", 384, 128, 128, 8, 0, 1.2), ("s3 up", 256, 128, 64, 6, 9, 0.9)])
   for name, rows, k, n, e, pad, spread in cases:
-    if time.perf_counter() - T0 > 150:
-      _log(f"skipping {name}: time budget")
+    if elapsed() > 150:
+      log(f"skipping {name}: time budget")
       continue
     sizes = skewed_sizes(rng, rows - pad, e, spread)
     try:
@@ -285,7 +269,7 @@ def run_cases(plans, reps, smoke, results, out):
     best = results[-1].get("mgpu_best", {})
     if len(best) == 3:  # later shapes reuse §7's picks (one compile per product, not three)
       plans = {p: {lab: plans[p][lab]} for p, lab in best.items()}
-  if time.perf_counter() - T0 < 160:
+  if elapsed() < 160:
     try:
       routed_experts_case(*((16384, 1024, 512, 48, 4) if not smoke else (128, 128, 64, 8, 4)),
                           reps, smoke, results)
@@ -300,8 +284,8 @@ def report(results, dev, out):
   with open(os.path.join(out, "moe_gpu.json"), "w") as fh:
     json.dump(dict(jax=jax.__version__, device=str(dev), results=results), fh, indent=1,
               default=str)
-  print("\n| case | method | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | rel err y/dx/dw |")
-  print("|---|---|---|---|---|---|---|")
+  print("\n" + md_header("case", "method", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s",
+                         "rel err y/dx/dw"))
   fmt = lambda v, p=3: "—" if v is None else f"{v:.{p}f}"
   for row in results:
     if "mgpu_best" not in row:
@@ -322,7 +306,7 @@ def report(results, dev, out):
       print("ERROR", row["case"], row.get("error") or row.get("mgpu_error"))
     if row["case"] == "s3 routed experts":
       print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
-  _log("done")
+  log("done")
 
 
 if __name__ == "__main__":

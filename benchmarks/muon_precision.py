@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.common import header, md_header  # noqa: E402
 from optim.muon import muon_direction  # noqa: E402
 
 UPDATE_RMS = 0.18
@@ -40,9 +41,8 @@ def main():
   ap.add_argument("--seed", type=int, default=0)
   args = ap.parse_args()
   rng = np.random.default_rng(args.seed)
-  print(f"jax {jax.__version__}, backend {jax.default_backend()}")
-  print("| shape | precision | σ min | σ max | update RMS | RMS / 0.18 |")
-  print("|---|---|---|---|---|---|")
+  print(header())
+  print(md_header("shape", "precision", "σ min", "σ max", "update RMS", "RMS / 0.18"))
   for shape in args.shapes:
     m, n = (int(x) for x in shape.split("x"))
     g = gradient_like(rng, m, n).astype(np.float32)

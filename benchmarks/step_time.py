@@ -27,6 +27,7 @@ import jax  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.common import header  # noqa: E402
 from configs import flash, small, tiny  # noqa: E402
 from configs.common import MeshConfig  # noqa: E402
 from dsv41_jax import flops, model as model_lib  # noqa: E402
@@ -110,6 +111,7 @@ def main():
   ap.add_argument("--seq", type=int, default=256, help="s1 sequence length")
   ap.add_argument("--images", action="store_true", help="rows with (empty) image slots")
   args = ap.parse_args()
+  print(header(), flush=True)
   if args.only in (None, "plan"):
     flash_plan()
   if args.only in (None, "tiny"):

@@ -16,11 +16,14 @@ import collections
 import json
 import math
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import header, md_header  # noqa: E402
 
 
 def unigram_entropy(cfg) -> tuple[float, int]:
@@ -57,11 +60,10 @@ def main():
   from configs import tiny
   h, n = unigram_entropy(tiny.get_config())
   last = evals[-1]
-  print(f"machine: {platform.machine()}, {os.cpu_count()} cores")
-  print(f"command: {' '.join(cmd[1:])}")
-  print("| wall s | steps | median step s | held-out loss (nats/token) | bits/byte | "
-        "unigram entropy of held-out targets | held-out tokens |")
-  print("|---|---|---|---|---|---|---|")
+  print(header())
+  print(f"train command: python {' '.join(cmd[1:])}")
+  print(md_header("wall s", "steps", "median step s", "held-out loss (nats/token)", "bits/byte",
+                  "unigram entropy of held-out targets", "held-out tokens"))
   med = sorted(r["step_time"] for r in steps)[len(steps) // 2]
   print(f"| {wall:.0f} | {last['step']} | {med:.3f} | {last['eval/loss']:.3f} | "
         f"{last['eval/bits_per_byte']:.3f} | {h:.3f} | {n:,} |")

@@ -1,0 +1,76 @@
+"""What the benchmark scripts share: how a call is timed, the header naming the run, table headers.
+
+Timing (`time_calls`, `median_seconds`): one first call, which compiles and warms up and is timed
+apart, then `reps` calls, each waited on with `jax.block_until_ready` so asynchronous dispatch
+never hides device time; a script reports the median of those calls.
+
+The header (`header`: `command` and `machine`) gives the command line and the machine (date in
+UTC, jax version, backend, devices, host cores), so every printed table says where its figures
+come from.
+
+Imports only the standard library, numpy and jax, so GPU-only scripts run without the data stack.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+START = time.perf_counter()
+
+
+def elapsed() -> float:
+  """Seconds since the benchmark started (since this module was imported)."""
+  return time.perf_counter() - START
+
+
+def log(msg: str) -> None:
+  """A progress line on stderr: wall-clock time and seconds since the start."""
+  print(f"[{time.strftime('%H:%M:%S')} +{elapsed():.0f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def time_calls(fn: Callable, *args, reps: int) -> tuple[float, float]:
+  """(median seconds of `reps` calls of `fn(*args)`, seconds of the first call before them, which
+  compiles and warms up)."""
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  first = time.perf_counter() - t0
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times)), first
+
+
+def median_seconds(fn: Callable, *args, reps: int) -> float:
+  """Median seconds of `reps` calls of `fn(*args)` after one compile-and-warm-up call."""
+  return time_calls(fn, *args, reps=reps)[0]
+
+
+def command() -> str:
+  """The command line that is running, as typed from the repository root."""
+  return " ".join(["python", os.path.relpath(sys.argv[0]), *sys.argv[1:]])
+
+
+def machine() -> str:
+  """Date (UTC), jax version, backend, devices and host cores."""
+  devices = jax.devices()
+  return (f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, jax {jax.__version__}, "
+          f"{jax.default_backend()} backend, {len(devices)} × {devices[0].device_kind}, "
+          f"{os.cpu_count()} host cores")
+
+
+def header() -> str:
+  """Two lines to print above a table: `command()` and `machine()`."""
+  return f"command: {command()}\nmachine: {machine()}"
+
+
+def md_header(*columns: str) -> str:
+  """A markdown table's header row and separator."""
+  return "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns)
