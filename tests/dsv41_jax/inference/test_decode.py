@@ -1,4 +1,4 @@
-"""`dsv41_jax.inference`: cache formats, cache bytes, and prefill + decode against the forward pass.
+"""`dsv41_jax.inference` (decode.py and the Decoder): prefill + decode against the forward pass.
 
 One micro model (`testing.tiny_config`: SWA, Full m = 2, Reuse, Engram in the encoder; Full m = 1
 candidate source + three Reindex candidate consumers in the decoder; window 8, top-4 of the
@@ -13,7 +13,8 @@ instead of block-local, T = 1 einsums): |Δlogit| ≲ 1e-6 per unit of logit acr
 entry or top-k slot moves logits by ≥ 1e-3. With the stored formats (FP4 / FP8 codes) decode is the
 forward pass with the QAT quantizers on, but a rounding-level difference can move a value across a
 code boundary, so no float tolerance holds for it end to end: the codes are tested bit for bit
-against the fake quantizers, and the end-to-end divergence is measured (benchmarks/inference.py).
+against the fake quantizers (test_cache.py), and the end-to-end divergence is measured
+(benchmarks/inference.py).
 """
 
 import jax
@@ -21,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax import cache_layout, model as M, quant, testing
-from dsv41_jax.config import ModelConfig
+from dsv41_jax import model as M
 from dsv41_jax.inference import Decoder, cache as C, decode
+from tests.dsv41_jax.inference.test_cache import micro_config
 
 T = 32
 ATOL = 2e-5
@@ -31,9 +32,7 @@ ATOL = 2e-5
 
 @pytest.fixture(scope="module")
 def cfg():
-  return testing.tiny_config(index_head_dim=32, use_candidate_pool=True, candidate_source_layer_id=4,
-                             candidate_block_size=2, candidate_topk_blocks=2,
-                             moe_dispatch="capacity", moe_capacity_factor=2.0)
+  return micro_config()
 
 
 @pytest.fixture(scope="module")
@@ -56,40 +55,6 @@ def decode_from(dec, tokens, logits, cache, start):
     logits, cache = dec.step(cache, tokens, t)
     out.append(np.asarray(logits)[0])
   return np.stack(out)
-
-
-# --- formats and bytes ---------------------------------------------------------------------------
-
-@pytest.mark.parametrize("encode,decode_fn,fq", [
-    (C.encode_fp4_main_kv, C.decode_fp4_main_kv, quant.fp4_main_kv),
-    (C.encode_mxfp4, C.decode_mxfp4, quant.mxfp4),
-    (C.encode_fp8_swa, C.decode_fp8_swa, quant.fp8_swa)])
-def test_stored_codes_decode_to_the_fake_quantizer_bit_for_bit(encode, decode_fn, fq):
-  rng = np.random.default_rng(1)
-  # Blocks spanning many binades, exact ties of the E2M1 grid, zeros and a negative zero block.
-  x = rng.standard_normal((3, 5, 64)) * np.exp2(rng.integers(-12, 12, (3, 5, 1)))
-  x[0, 0, :16] = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2) * 0.5
-  x[0, 1, :32] = 0.0
-  x[0, 2, :32] = -0.0
-  x = jnp.asarray(x, jnp.float32)
-  for run in (lambda f, *a: f(*a), lambda f, *a: jax.jit(f)(*a)):
-    codes = run(encode, x)
-    got = np.asarray(run(decode_fn, *codes))
-    want = np.asarray(fq(x))
-    np.testing.assert_array_equal(got.view(np.uint32) & 0x7FFFFFFF, want.view(np.uint32) & 0x7FFFFFFF)
-    np.testing.assert_array_equal(got, want)
-
-
-@pytest.mark.parametrize("which", ["tiny", "flash"])
-def test_cache_bytes_per_token_from_the_arrays_equal_the_ledger(cfg, which):
-  c = cfg if which == "tiny" else ModelConfig()
-  max_len = 64
-  cache = C.init_cache(c, 2, max_len)
-  layout = cache_layout.global_kv_layout(c)
-  assert C.global_bytes_per_token(cache, max_len) == layout.bytes_per_token
-  assert C.swa_bytes_per_sequence(cache) == cache_layout.swa_kv_bytes_per_sequence(c)
-  if which == "flash":
-    assert layout.bytes_per_token == 890
 
 
 # --- prefill and decode against the forward pass -------------------------------------------------
