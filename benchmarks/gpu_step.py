@@ -75,7 +75,8 @@ def _median_seconds(fn, args_fn, n: int) -> float:
   return float(np.median(times))
 
 
-def bench(spec: str, B: int, T: int, steps: int, split: bool) -> dict:
+def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str | None = None
+          ) -> dict:
   """`spec` is a size of configs/small.py, optionally "/noremat" (no layer rematerialisation)."""
   size, _, variant = spec.partition("/")
   cfg = small.get_config(size)
@@ -126,6 +127,12 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool) -> dict:
     losses.append(float(m["loss"]))
     times.append(time.perf_counter() - t0)
   out["step_s"] = float(np.median(times[1:]))
+  if profile_dir:  # two more steps under the profiler; benchmarks/trace_summary.py reads them
+    with jax.profiler.trace(os.path.join(profile_dir, spec.replace("/", "_")),
+                            create_perfetto_trace=True):
+      for _ in range(2):
+        state[0], state[1], state[2], m = compiled(state[0], state[1], state[2], batch)
+        float(m["loss"])
   out["losses"] = losses
   out["tokens_per_s"] = B * T / out["step_s"]
   out["flops_per_token"] = flops.train_flops_per_token(mcfg.replace(seq_len=T))
@@ -138,7 +145,7 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool) -> dict:
         f"losses {losses[0]:.3f} → {losses[-1]:.3f}", flush=True)
 
   if split:
-    params, opt_state = state[0], state[1]
+    params, opt_state, bias = state  # the step donated the initial arrays
 
     def loss_fn(p, batch):
       logits, aux = nnx.merge(graphdef, p)(model_inputs(batch), bias)
@@ -172,11 +179,12 @@ def main():
   ap.add_argument("--steps", type=int, default=6)
   ap.add_argument("--no_split", action="store_true")
   ap.add_argument("--json", default=None)
+  ap.add_argument("--profile", default=None, help="directory for a profile of two more steps")
   args = ap.parse_args()
   batches = args.batch if len(args.batch) == len(args.sizes) else args.batch[:1] * len(args.sizes)
   rows = []
   for size, B in zip(args.sizes, batches):
-    rows.append(bench(size, B, args.seq, args.steps, not args.no_split))
+    rows.append(bench(size, B, args.seq, args.steps, not args.no_split, args.profile))
     if args.json:
       with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)
