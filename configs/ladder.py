@@ -50,7 +50,7 @@ FAST_CPU = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_pass
 # compiles in ~10 s instead of ~22 s (loaded 2-core box), numbers again equal to float rounding
 # (3e-7 in the parameters after 3 steps). Their steps are slower, so the cpu grid keeps FAST_CPU:
 # at L10d96 compilation takes 13 s less but a step 2.14 s instead of 1.73 s (idle box), a loss
-# from 35 steps on.
+# from ~30 steps on.
 FASTER_CPU = FAST_CPU + " --xla_cpu_use_fusion_emitters=false"
 
 # Each grid: sizes (name -> layers, width), budgets in steps, the batch and sequence of every point,
