@@ -249,7 +249,8 @@ def plan(cfg: ml_collections.ConfigDict, mesh_text: str, *, batch: int | None = 
   mcfg = model_config(cfg)
   axes, ways = batch_ways(sizes, rules)
   gb, note = global_batch_for(batch, cfg.data.batch_size, ways)
-  a_plan = analytic_plan(mcfg, sizes, gb, cfg.data.seq_len, rules)
+  a_plan = analytic_plan(mcfg, sizes, gb, cfg.data.seq_len, rules,
+                         cfg.optim.get("chain", "muon"))
   a_plan["batch_note"] = note
   compiled = None
   reason = ""

@@ -6,8 +6,9 @@ From shapes and shardings alone, per device,
   parameters   Σ_leaves Π_d ⌈n_d / ways_d⌉ · itemsize(param_dtype), ways_d = product of the mesh
                axes that dimension d is split over,
   gradients    the same (gradients take their parameters' dtype and sharding),
-  optimizer    Σ_leaves buffers(group) · the same, buffers = 1 for muon / sinkhorn, 2 for adamw
-               (`optim.table.STATE_BUFFERS`; groups from `optim.table.label_params`),
+  optimizer    Σ_leaves buffers(group) · the same, buffers = 1 for muon / sinkhorn, 2 for adamw,
+               and 2 for every group under `optim.chain = "adamw"` (`optim.table.state_buffers`;
+               groups from `optim.table.label_params`),
   activations  an estimate (`activation_bytes`), whose formula is in that function's docstring.
 The batch is split over the mesh axes of the logical axis "batch"; b = global batch / those ways.
 
@@ -243,13 +244,13 @@ def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int])
 
 
 def analytic_plan(cfg: ModelConfig, sizes: Mapping[str, int], global_batch: int, seq_len: int,
-                  rules=None) -> dict[str, Any]:
+                  rules=None, chain: str = "muon") -> dict[str, Any]:
   """Per-device bytes of parameters, gradients, optimizer state and activations (see module doc)."""
   rules = dict(sharding.active_rules() if rules is None else rules)
   rows = param_shards(cfg, sizes, rules)
   item = jnp.dtype(cfg.param_dtype).itemsize
   params = sum(r[3] for r in rows) * item
-  opt = sum(table_lib.STATE_BUFFERS[r[4]] * r[3] for r in rows) * item
+  opt = sum(table_lib.state_buffers(r[4], chain) * r[3] for r in rows) * item
   axes, ways = batch_ways(sizes, rules)
   if global_batch % ways:
     raise PlanError(f"global batch {global_batch} does not split over the {ways} batch shards "

@@ -40,6 +40,12 @@ GROUPS: tuple[str, ...] = ("muon", "adamw", "sinkhorn")
 STATE_BUFFERS: Mapping[str, int] = {"muon": 1, "adamw": 2, "sinkhorn": 1}
 
 
+def state_buffers(group: str, chain: str = "muon") -> int:
+  """Buffers per element that `group` keeps under `OptimConfig.chain`: with "adamw" every group is
+  AdamW (two moments)."""
+  return STATE_BUFFERS["adamw"] if chain == "adamw" else STATE_BUFFERS[group]
+
+
 class TableError(ValueError):
   """A parameter tree and the optimizer table disagree; the message names the paths or rows."""
 

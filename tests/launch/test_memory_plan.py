@@ -74,3 +74,28 @@ def test_rules_what_if_changes_activation_layouts():
     assert sharding.batch_spec(mesh)[0] == "data"
   with pytest.raises(memory_plan.PlanError, match=r"wq_a.*mapped twice"):
     memory_plan.param_shards(model_config(cfg), sizes, memory_plan.parse_rules("q_lora=fsdp"))
+
+
+@pytest.mark.parametrize("chain_name", ["muon", "adamw"])
+def test_optimizer_bytes_equal_the_built_optimizer_state(chain_name):
+  """One device: the plan's optimizer bytes are the bytes of the state `build_optimizer` makes
+  (shapes only), for the Muon chain and for `optim.chain = "adamw"` (two moments everywhere)."""
+  import numpy as np
+  from flax import nnx
+  from dsv41_jax import model as model_lib
+  from launch.step import engram_sub_tables
+  from optim.chain import build_optimizer
+  from optim.config import optim_config
+
+  cfg = micro_config.get_config()
+  mcfg = model_config(cfg)
+  abs_model = model_lib.abstract_model(mcfg)
+  params = nnx.as_pure(nnx.split(abs_model)[1])
+  ocfg = optim_config({**dict(cfg.optim), "chain": chain_name, "tokens_per_step": 1024})
+  tx = build_optimizer(ocfg, params, sub_tables=engram_sub_tables(abs_model))
+  state = jax.eval_shape(tx.init, params)
+  got = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state)
+            if len(x.shape) > 0)
+  sizes = memory_plan.resolve_mesh({"data": 1}, 1)
+  plan = memory_plan.analytic_plan(mcfg, sizes, 1, cfg.data.seq_len, chain=chain_name)
+  assert plan["opt_bytes"] == got
