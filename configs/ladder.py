@@ -20,8 +20,9 @@ CPU ladder (9 points, text only, seq 128, batch 8):
   python -m launch.ladder --config=configs/ladder.py:cpu --workdir=/tmp/ladder_cpu --ablations
   python -m launch.ladder --report /tmp/ladder_cpu --out=benchmarks/ladder
 
-(benchmarks/RESULTS.md, "Scaling ladder and ablations on CPU": a point took 9-14 min on the
-2-core box shared by ~6 jobs, mostly compilation; far less on idle cores.)
+(benchmarks/RESULTS.md, "Scaling ladder and ablations on CPU": the 9 points took 35 min from a
+cold compilation cache on a 2-core box shared with other jobs, 1-7 min a point; the 16 ablation
+runs 18 min.)
 
 GPU ladder (one H200, each point one `launch.train` call inside a 10-minute device call).
 Sized from measured H200 runs (benchmarks/RESULTS.md, "Train step on one H200", 2026-11-30):
