@@ -36,6 +36,7 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -480,8 +481,17 @@ def main(argv):
   except LadderError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  except KeyboardInterrupt:  # Ctrl-C or SIGTERM (below): the running point saved and stopped
+    print("interrupted: the point in progress is stopped (saving a checkpoint if it was training) "
+          "and recorded as interrupted; run the same command again to resume", file=sys.stderr)
+    sys.exit(130)
+
+
+def _raise_interrupt(signum, frame):
+  raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
+  signal.signal(signal.SIGTERM, _raise_interrupt)
   _define_flags()
   app.run(main)

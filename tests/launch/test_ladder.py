@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -210,6 +212,40 @@ def test_micro_ladder_end_to_end_with_failure_and_resume(tmp_path, env):
   with open(tmp_path / "report" / "ladder.json") as f:
     points = {p["name"]: p for p in json.load(f)["points"]}
   assert points["L2d32_6"]["eval_loss"] == second["eval_loss"]
+
+
+def test_sigterm_stops_the_running_point_and_exits_130(tmp_path, env):
+  """SIGTERM (or Ctrl-C) to the ladder stops the running point's process, records the point as
+  interrupted and exits 130 with a line saying how to resume; no training process is left over."""
+  slow = tmp_path / "slow_ladder.py"
+  slow.write_text(textwrap.dedent("""
+      import sys, time
+      from configs import ladder
+
+      def get_config(arg=None):
+        if sys.argv[0].endswith("train.py"):   # the point's process, not the ladder itself
+          print("point started", flush=True)
+          time.sleep(120)
+        return ladder.get_config(arg)
+      """))
+  work = tmp_path / "work"
+  proc = subprocess.Popen([sys.executable, "-m", "launch.ladder", f"--config={slow}:micro",
+                           f"--workdir={work}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  log = work / "L2d32_3" / "train.log"
+  deadline = time.time() + TIMEOUT
+  while not (log.exists() and "point started" in log.read_text()):
+    assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGTERM)
+  out = proc.communicate(timeout=60)[0]
+  assert proc.returncode == 130, out
+  assert "run the same command again to resume" in out
+  record = ladder.read_record(str(work / "L2d32_3"))
+  assert record["status"] == "interrupted"
+  assert not (work / "L2d32_6").exists()   # nothing after the interrupted point started
+  ps = subprocess.run(["pgrep", "-f", str(slow)], capture_output=True, text=True)
+  assert ps.stdout.strip() == "", ps.stdout
 
 
 # --- ablation switches ----------------------------------------------------------------------------
