@@ -128,6 +128,9 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str |
     times.append(time.perf_counter() - t0)
   out["step_s"] = float(np.median(times[1:]))
   if profile_dir:  # two more steps under the profiler; benchmarks/trace_summary.py reads them
+    os.makedirs(profile_dir, exist_ok=True)
+    with open(os.path.join(profile_dir, spec.replace("/", "_") + ".hlo.txt"), "w") as f:
+      f.write(compiled.as_text())
     with jax.profiler.trace(os.path.join(profile_dir, spec.replace("/", "_")),
                             create_perfetto_trace=True):
       for _ in range(2):
