@@ -75,6 +75,11 @@ class LayerSpec:
   def reads_global_kv(self) -> bool:
     return self.mode != "swa"
 
+  def entries(self, T: int) -> int:
+    """Compressed KV entries this layer reads for a row of T tokens: ⌈T / m⌉ (the row zero-padded
+    to whole blocks of its compress ratio m, docs/design.md §5.2); 0 for a sliding-window layer."""
+    return -(-T // self.compress_ratio) if self.reads_global_kv else 0
+
 
 @dataclasses.dataclass(frozen=True)
 class Run:

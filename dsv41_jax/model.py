@@ -188,8 +188,7 @@ class Transformer(nnx.Module):
     if not first.reads_global_kv:
       return StreamState(state.X_BxTxNxD, state.pre_mix_BxTxN)
     B, T = ctx.segment_ids_BxT.shape
-    m = first.compress_ratio
-    n_entries = -(-T // m)
+    n_entries = first.entries(T)
     kv, topk, cand = state.kv, state.topk_BxTxK, state.candidate
     if kv is None or kv.main_kv_BxNxD.shape[1] != n_entries:
       if not first.owns_compressor:

@@ -219,7 +219,7 @@ def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int])
     att = b * T * Ht * Dh * a + b * Ht * T * (prev + 1) * S * 4
     scores = 0.0
     if spec.compress_ratio:
-      n_ent = -(-T // spec.compress_ratio)
+      n_ent = spec.entries(T)
       K = min(cfg.index_topk, n_ent)
       if cfg.global_attn_impl == "masked":
         scores += b * Ht * T * n_ent * 4

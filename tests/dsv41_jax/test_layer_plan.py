@@ -138,3 +138,20 @@ def test_random_plans_match_the_rules_of_section_2():
       assert key(prev[-1]) != key(nxt[0]) or (any(plan[i].engram for i in prev)
                                               and plan[nxt[0]].engram)
   assert 40 < rejected < 160
+
+
+def test_entries_are_the_compressor_blocks_a_layer_reads():
+  """`LayerSpec.entries(T)`: ⌈T / m⌉ compressed entries for a layer that reads the global KV (the
+  compressor's zero-padded blocks), 0 for a sliding-window layer; checked against the compressor's
+  own output length on Flash's plan."""
+  import jax.numpy as jnp
+  from dsv41_jax.layers.compressor import _group
+  plan = build_layer_plan(ModelConfig())
+  for T in (1, 2, 3, 127, 128, 129, 4096, 4097):
+    for spec in plan:
+      if spec.mode == "swa":
+        assert spec.entries(T) == 0
+      else:
+        m = spec.compress_ratio
+        want = _group(jnp.zeros((1, T, 1)), m).shape[1]
+        assert spec.entries(T) == want == int(np.ceil(T / m)), (spec.index, T)
