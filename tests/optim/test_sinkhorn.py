@@ -171,27 +171,3 @@ def test_bad_sub_tables_are_named(sub_tables, what):
   params = {"emb": jnp.zeros((4, 4)), "tab": jnp.zeros((ROWS, 8)), "s": jnp.zeros((4,))}
   with pytest.raises(TableError, match=what):
     build_optimizer(_cfg(), params, TABLE, sub_tables=sub_tables)
-
-
-def test_engram_sub_tables_of_the_model_are_its_hash_tables():
-  """The layout launch code passes (`launch.step.engram_sub_tables`) is that of docs/design.md §7.2."""
-  from flax import nnx
-
-  from configs.common import model_config
-  from dsv41_jax import model as model_lib
-  from dsv41_jax.engram import hashing
-  from launch.step import engram_sub_tables
-  from optim import table as table_lib
-  from tests.launch import micro_config
-
-  mcfg = model_config(micro_config.get_config())
-  abstract = model_lib.abstract_model(mcfg)
-  layout = engram_sub_tables(abstract)
-  shapes = {p: v.shape for p, v in table_lib.flatten_params(nnx.state(abstract, nnx.Param))}
-  want = set()
-  for layer in mcfg.engram_layer_ids:
-    hp = hashing.engram_hash_params(mcfg, layer)
-    want.add(tuple(zip(hp.offsets.reshape(-1).tolist(), hp.primes.reshape(-1).tolist())))
-  assert set(layout.values()) == want and len(layout) == len(mcfg.engram_layer_ids)
-  for path, blocks in layout.items():
-    assert path.endswith("engram/table") and shapes[path][-2] >= sum(n for _, n in blocks)
