@@ -47,7 +47,7 @@ def per_layer_params(cfg: "ModelConfig", state):
   """Yield (layer id or None, path within the layer, per-layer element count) for every param.
 
   A run's `core/...` stacks hold one row per layer of the run, its `<kind>/...` stacks one row per
-  layer of that kind, and its `engram/...` belongs to the run's first layer (`layer_plan.Run`).
+  layer of that kind, and its `engram/...` belongs to the run's Engram layer (`layer_plan.Run`).
   """
   plan = build_layer_plan(cfg)
   for path, shape in iter_params(state):
@@ -59,7 +59,7 @@ def per_layer_params(cfg: "ModelConfig", state):
     run = plan.runs[int(m.group(1))]
     group, rest = m.group(2), m.group(3)
     if group == "engram":
-      yield run.first_layer, f"engram/{rest}", size
+      yield run.engram_layer, f"engram/{rest}", size
       continue
     if group == "core":
       layers = [l.index for l in run.layers]
