@@ -21,8 +21,8 @@ CPU ladder (9 points, text only, seq 128, batch 8):
   python -m launch.ladder --report /tmp/ladder_cpu --out=benchmarks/ladder
 
 (benchmarks/RESULTS.md, "Scaling ladder and ablations on CPU": the 9 points took 35 min from a
-cold compilation cache on a 2-core box shared with other jobs, 1-7 min a point; the 16 ablation
-runs 18 min.)
+cold compilation cache on a 2-core box shared with other jobs, 1-7 min a point; the 32 ablation
+runs, 8 arms × 4 seeds, about 32 min.)
 
 GPU ladder (one H200, each point one `launch.train` call inside a 10-minute device call).
 Sized from measured H200 runs (benchmarks/RESULTS.md, "Train step on one H200", 2026-11-30):
@@ -63,7 +63,8 @@ GRIDS: dict[str, dict] = {
     # compile with LLVM's cheap passes (`xla_flags`: speed only, equal to float rounding).
     "cpu": dict(sizes={"L8d32": (8, 32), "L8d64": (8, 64), "L10d96": (10, 96)},
                 steps=(60, 120, 240), seq=128, batch=8, lr=1e-2, warmup=10,
-                ablation_size="L10d32", ablation_steps=60, seeds=(0, 1), xla_flags=FAST_CPU),
+                ablation_size="L10d32", ablation_steps=60, seeds=(0, 1, 2, 3),
+                xla_flags=FAST_CPU),
     # One H200: widths 256-512, seq 1024, batch 16 (16 K tokens a step); every point fits one
     # 10-minute device call (measured step times in the docstring).
     "gpu": dict(sizes={"L8d256": (8, 256), "L12d384": (12, 384), "L16d512": (16, 512)},
