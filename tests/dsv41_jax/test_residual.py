@@ -20,9 +20,10 @@ import pytest
 from flax import nnx
 
 from configs.common import base_config, model_config
-from dsv41_jax import inputs, ledger, model as M
+from dsv41_jax import ledger, model as M, testing
 from dsv41_jax.errors import ConfigError
 from dsv41_jax.param_paths import per_layer_params
+from launch.step import model_inputs
 from optim.table import flatten_params
 from tests.launch import micro_config
 
@@ -34,11 +35,9 @@ def _micro(**changes):
 
 
 def _batch(cfg, tokens):
-  B, T = tokens.shape
-  seg = np.ones((B, T), np.int32)
-  return {"tokens": jnp.asarray(tokens), "positions": jnp.broadcast_to(jnp.arange(T), (B, T)),
-          "segment_ids": jnp.asarray(seg),
-          "engram_ids": {k: jnp.asarray(v) for k, v in inputs.engram_ids(cfg, tokens, seg).items()}}
+  """One document per row, the model's keys as training makes them (`dsv41_jax.testing`)."""
+  batch = model_inputs(testing.make_batch(cfg, tokens, np.ones_like(tokens)))
+  return jax.tree.map(jnp.asarray, batch)
 
 
 def _shapes(cfg):

@@ -31,9 +31,10 @@ from flax import nnx
 
 from configs import ladder as ladder_cfg
 from configs.common import base_config, model_config
-from dsv41_jax import inputs, model as M
+from dsv41_jax import model as M, testing
 from dsv41_jax.layer_plan import build_layer_plan
 from launch import ladder, scaling_fit
+from launch.step import model_inputs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MICRO = os.path.join(REPO, "tests", "launch", "micro_config.py")
@@ -262,11 +263,9 @@ def _cfg(fields):
 
 
 def _batch(cfg, tokens):
-  B, T = tokens.shape
-  seg = np.ones((B, T), np.int32)
-  return {"tokens": jnp.asarray(tokens), "positions": jnp.broadcast_to(jnp.arange(T), (B, T)),
-          "segment_ids": jnp.asarray(seg),
-          "engram_ids": {k: jnp.asarray(v) for k, v in inputs.engram_ids(cfg, tokens, seg).items()}}
+  """One document per row, the model's keys as training makes them (`dsv41_jax.testing`)."""
+  batch = model_inputs(testing.make_batch(cfg, tokens, np.ones_like(tokens)))
+  return jax.tree.map(jnp.asarray, batch)
 
 
 def _embedding_grad(cfg, t):
