@@ -31,6 +31,8 @@ xla_flags.apply_defaults()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from benchmarks.common import header  # noqa: E402
+
 _FUSION = re.compile(r"=\s*\S+\s+fusion\(")
 _CUSTOM = re.compile(r"custom-call\(")
 
@@ -71,13 +73,10 @@ def run_step(config: str, parts, batch: int | None, seq: int | None):
   from dsv41_jax.loss import objective
   from launch import setup
   from launch.step import model_inputs
-  import importlib.util
+  from launch.ladder import load_config_file
 
   path, _, arg = config.partition(":")
-  spec = importlib.util.spec_from_file_location("_probe_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  cfg = module.get_config(arg or None)
+  cfg = load_config_file(path, arg or None)
   if batch:
     cfg.data.batch_size = batch
   if seq:
@@ -139,8 +138,7 @@ def main():
   s.add_argument("--batch", type=int, default=None)
   s.add_argument("--seq", type=int, default=None)
   args = ap.parse_args()
-  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, "
-        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
+  print(header(), f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", sep="\n", flush=True)
   if args.what == "chain":
     run_chain(args.kernels)
   else:

@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchmarks.common import header, md_header  # noqa: E402
+from benchmarks.common import header, md_header, median_seconds  # noqa: E402
 from configs import small  # noqa: E402
 from configs.common import MeshConfig  # noqa: E402
 from dsv41_jax import flops, model as model_lib  # noqa: E402
@@ -62,17 +62,6 @@ def packed_rows(mcfg, B: int, T: int, seed: int) -> dict[str, np.ndarray]:
   loss_mask[:, -1] = False
   return dict(tokens=tok, targets=np.roll(tok, -1, 1), loss_mask=loss_mask, segment_ids=seg,
               positions=pos, image_mask=np.zeros((B, T), bool))
-
-
-def _median_seconds(fn, args_fn, n: int) -> float:
-  times = []
-  for _ in range(n):
-    args = args_fn()
-    jax.block_until_ready(args)
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
 
 
 def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str | None = None
@@ -164,10 +153,10 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str |
         return optax.apply_updates(p, u), s
 
       upd = jax.jit(update).lower(grads, opt_state, params).compile()
-    out["fwd_bwd_s"] = _median_seconds(fb, lambda: (params, batch), steps)
-    out["optimizer_s"] = _median_seconds(upd, lambda: (grads, opt_state, params), steps)
+    out["fwd_bwd_s"] = median_seconds(fb, params, batch, reps=steps)
+    out["optimizer_s"] = median_seconds(upd, grads, opt_state, params, reps=steps)
     rows_np = packed_rows(mcfg, B, T, 1)  # the adapter's work (hashing, transfer), timed
-    out["host_s"] = _median_seconds(adapter, lambda: (rows_np,), 3)
+    out["host_s"] = median_seconds(adapter, rows_np, reps=3)
     print(f"[{spec}] split: forward+backward {out['fwd_bwd_s'] * 1e3:.1f} ms, optimizer "
           f"{out['optimizer_s'] * 1e3:.1f} ms, host batch preparation {out['host_s'] * 1e3:.1f} ms",
           flush=True)
