@@ -292,7 +292,7 @@ def _run(cfg: ml_collections.ConfigDict, workdir: str, stop: _Stop,
   rows = setup.global_batch(run, mesh)
   log.info("mesh %s over %d devices, %d process(es); global batch %d rows",
            dict(mesh.shape), mesh.size, jax.process_count(), rows)
-  for warning in schedule.outside_run(run.optim, tcfg.steps):
+  for warning in schedule.notes(run.optim, tcfg.steps):
     log.warning("schedule: %s", warning)
   primary = jax.process_index() == 0
   ckpt_lib.check_or_write_config(workdir, cfg.to_dict(), primary)

@@ -4,6 +4,11 @@
     partition{muon: Muon + wd, adamw: Adam + wd, sinkhorn: Sinkhorn momentum + wd} →
     × (−lr(step) · group multiplier · row multiplier), frozen parameters × 0
 
+The schedule is data: `tx.update(grads, state, params, schedule=schedule_of(cfg))` reads the
+peak rate and the boundaries from `schedule` (an `optim.schedule.Schedule`, traced when the step
+is jitted), so one compiled step serves every `train.steps`; without it, the chain uses the
+config's schedule as constants.
+
 With `OptimConfig.chain = "adamw"` (the ablation baseline) the muon and sinkhorn groups take Adam
 too, each group keeping its weight decay, multipliers (Engram tables ×5 included) and schedule.
 
@@ -30,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from optim import table as table_lib
 from optim.config import OptimConfig
 from optim.muon import scale_by_muon
-from optim.schedule import boundaries, learning_rate
+from optim.schedule import Schedule, boundaries, learning_rate, schedule_of
 from optim.sinkhorn import scale_by_sinkhorn
 from optim.table import TABLE, Row, TableError
 
@@ -76,51 +81,55 @@ def _check_structure(template: Mapping[str, tuple[int, ...]]) -> optax.GradientT
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _active(count, path: str, frozen: frozenset[str], unfreeze_step: int | None):
-  """1 for trainable parameters, 0 for frozen ones (until `unfreeze_step`, if any)."""
+def _active(count, path: str, frozen: frozenset[str], unfreeze: bool, schedule: Schedule):
+  """1 for trainable parameters, 0 for frozen ones (until the decay starts, if `unfreeze`)."""
   if path not in frozen:
     return jnp.float32(1.0)
-  if unfreeze_step is None:
+  if not unfreeze:
     return jnp.float32(0.0)
-  return (count >= unfreeze_step).astype(jnp.float32)
+  return (count.astype(jnp.float32) >= schedule.decay_start).astype(jnp.float32)
 
 
-def _zero_frozen(frozen: frozenset[str], unfreeze_step: int | None) -> optax.GradientTransformation:
+def _zero_frozen(cfg: OptimConfig, frozen: frozenset[str], unfreeze: bool
+                 ) -> optax.GradientTransformationExtraArgs:
   """Zero the gradients of frozen parameters, so they move no momentum and no clipping norm."""
 
   def init_fn(params):
     del params
     return StepState(count=jnp.zeros([], jnp.int32))
 
-  def update_fn(updates, state, params=None):
-    del params
+  def update_fn(updates, state, params=None, *, schedule: Schedule | None = None, **extra):
+    del params, extra
+    sc = schedule_of(cfg) if schedule is None else schedule
     out = table_lib.map_params(
-        lambda path, g: g * _active(state.count, path, frozen, unfreeze_step).astype(g.dtype),
+        lambda path, g: g * _active(state.count, path, frozen, unfreeze, sc).astype(g.dtype),
         updates)
     return out, StepState(count=optax.safe_increment(state.count))
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _scale_by_lr(cfg: OptimConfig, multiplier: Mapping[str, float], frozen: frozenset[str],
-                 unfreeze_step: int | None) -> optax.GradientTransformation:
-  """u ← −lr(step) · multiplier[path] · u; frozen parameters get 0 (no weight decay either)."""
+                 unfreeze: bool) -> optax.GradientTransformationExtraArgs:
+  """u ← −lr(step) · multiplier[path] · u; frozen parameters get 0 (no weight decay either).
+  lr(step) follows the `schedule` extra argument, else the config's schedule."""
 
   def init_fn(params):
     del params
     return StepState(count=jnp.zeros([], jnp.int32))
 
-  def update_fn(updates, state, params=None):
-    del params
-    lr = learning_rate(cfg, state.count)
+  def update_fn(updates, state, params=None, *, schedule: Schedule | None = None, **extra):
+    del params, extra
+    sc = schedule_of(cfg) if schedule is None else schedule
+    lr = learning_rate(sc, state.count)
 
     def leaf(path, u):
-      scale = -lr * multiplier[path] * _active(state.count, path, frozen, unfreeze_step)
+      scale = -lr * multiplier[path] * _active(state.count, path, frozen, unfreeze, sc)
       return (u * scale).astype(u.dtype)
 
     return table_lib.map_params(leaf, updates), StepState(count=optax.safe_increment(state.count))
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _group_lr_mult(cfg: OptimConfig) -> dict[str, float]:
@@ -166,7 +175,7 @@ def build_optimizer(cfg: OptimConfig, params, table: Sequence[Row] = TABLE,
   if cfg.frozen:
     table_lib.check_patterns_used(cfg.frozen, params, "frozen")
   frozen = frozenset(p for p in rows if table_lib.matches_any(p, cfg.frozen))
-  unfreeze_step = None if cfg.unfreeze_at == "never" else boundaries(cfg).decay_start
+  unfreeze = cfg.unfreeze_at == "decay_start"
   group_mult = _group_lr_mult(cfg)
   multiplier = {p: group_mult[r.group] * _row_lr_mult(cfg, r) for p, r in rows.items()}
 
@@ -194,11 +203,11 @@ def build_optimizer(cfg: OptimConfig, params, table: Sequence[Row] = TABLE,
               "sinkhorn": adamw(cfg.sinkhorn_weight_decay)}
   parts = [_check_structure(template)]
   if frozen:
-    parts.append(_zero_frozen(frozen, unfreeze_step))
+    parts.append(_zero_frozen(cfg, frozen, unfreeze))
   if cfg.clip_norm > 0:
     parts.append(optax.clip_by_global_norm(cfg.clip_norm))
   parts.append(optax.partition(groups, labels))
-  parts.append(_scale_by_lr(cfg, multiplier, frozen, unfreeze_step))
+  parts.append(_scale_by_lr(cfg, multiplier, frozen, unfreeze))
   return optax.chain(*parts)
 
 

@@ -10,16 +10,27 @@ With step s counted from 0 (the s-th update), W warm-up steps and the decay wind
 f = `final_lr_fraction` (0.1). D0 and D1 come from the config as fractions of the run
 (`schedule_unit="fraction"`: round(x · total_steps), so the schedule follows `train.steps`), in
 steps, or in tokens divided by `tokens_per_step` and rounded up (the first step that starts at or
-after the token boundary). `outside_run` names absolute boundaries that a run of a given length
-never reaches, for the launcher to warn about.
+after the token boundary).
+
+A fractional schedule scales with the run; its warm-up, given in steps, is cut to end where the
+decay starts when the run is too short to hold it (`Boundaries.scaled_from` records the configured
+length, `notes` words it for the launcher). An absolute schedule (steps, tokens) states its own
+boundaries: a warm-up past its decay start is an error, and `notes` names the boundaries a run of
+a given length never reaches.
+
+The schedule as data (`Schedule`, `schedule_of`): peak rate, boundaries and final fraction as
+float32 scalars, the input the compiled train step reads (`optim.chain`: `tx.update(...,
+schedule=...)`), so a new `train.steps` or `optim.lr` runs the same compiled program.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 
 from optim.config import OptimConfig, OptimConfigError
 
@@ -29,10 +40,11 @@ class Boundaries:
   warmup: int
   decay_start: int
   decay_end: int
+  scaled_from: int | None = None  # the configured warm-up, when a short run cut it to `warmup`
 
 
 def boundaries(cfg: OptimConfig) -> Boundaries:
-  """Schedule boundaries in steps."""
+  """Schedule boundaries in steps (a fractional schedule's warm-up cut to fit a short run)."""
   if cfg.schedule_unit == "fraction" and cfg.total_steps <= 0:
     raise OptimConfigError("schedule_unit='fraction' needs total_steps (the run's length; "
                            "configs/common.py links it to train.steps)")
@@ -43,22 +55,25 @@ def boundaries(cfg: OptimConfig) -> Boundaries:
     if cfg.schedule_unit == "steps":
       return int(round(x))
     return int(math.ceil(x / cfg.tokens_per_step - 1e-9))
-  b = Boundaries(cfg.warmup_steps, steps(cfg.decay_start), steps(cfg.decay_end))
-  if b.warmup > b.decay_start:
-    where = (f" = {cfg.decay_start} × total_steps {cfg.total_steps}"
-             if cfg.schedule_unit == "fraction" else "")
-    raise OptimConfigError(f"warm-up ({b.warmup} steps) ends after decay_start "
-                           f"({b.decay_start} steps{where}); shorten warmup_steps or move "
-                           "decay_start")
-  return b
+  d0, d1 = steps(cfg.decay_start), steps(cfg.decay_end)
+  if cfg.warmup_steps <= d0:
+    return Boundaries(cfg.warmup_steps, d0, d1)
+  if cfg.schedule_unit == "fraction":  # the run is shorter than the warm-up assumes
+    return Boundaries(d0, d0, d1, scaled_from=cfg.warmup_steps)
+  raise OptimConfigError(f"warm-up ({cfg.warmup_steps} steps) ends after decay_start ({d0} steps); "
+                         "shorten warmup_steps or move decay_start")
 
 
-def outside_run(cfg: OptimConfig, run_steps: int) -> list[str]:
-  """Warnings for schedule boundaries a run of `run_steps` steps never reaches (empty if none).
-
-  A fractional schedule always fits; an absolute one (steps, tokens) set for another run length
-  would otherwise end the run at the peak learning rate, silently."""
+def notes(cfg: OptimConfig, run_steps: int) -> list[str]:
+  """One-line warnings about the schedule of a run of `run_steps` steps (empty if none): a
+  warm-up scaled to fit a short run, or absolute boundaries the run never reaches (which would
+  otherwise end the run at the peak learning rate, silently)."""
   b = boundaries(cfg)
+  if b.scaled_from is not None:
+    return [f"the run is too short for optim.warmup_steps = {b.scaled_from}: the warm-up is scaled "
+            f"to {b.warmup} steps, ending where the decay starts (optim.decay_start = "
+            f"{cfg.decay_start:g} × train.steps {cfg.total_steps} = step {b.decay_start}); set "
+            "--config.optim.warmup_steps to choose another"]
   unit = "" if cfg.schedule_unit == "steps" else f" ({cfg.schedule_unit})"
   fix = "set optim.schedule_unit='fraction' with decay_start / decay_end as fractions of the run"
   if b.decay_start >= run_steps:
@@ -73,21 +88,40 @@ def outside_run(cfg: OptimConfig, run_steps: int) -> list[str]:
   return []
 
 
-def lr_factor(cfg: OptimConfig, step) -> jnp.ndarray:
-  """lr(step) / peak, as float32 (traceable: `step` may be a jax integer)."""
+class Schedule(NamedTuple):
+  """The schedule as the train step's input: float32 scalars (numpy on the host, traced inside
+  jit), boundaries in steps. Step counts far past 2^24 lose float32 precision (a token boundary
+  of a tiny batch); the rate then moves at most one step early or late."""
+
+  lr: np.ndarray
+  warmup: np.ndarray
+  decay_start: np.ndarray
+  decay_end: np.ndarray
+  final_fraction: np.ndarray
+
+
+def schedule_of(cfg: OptimConfig) -> Schedule:
+  """The config's schedule as data (`boundaries`, peak `lr`, `final_lr_fraction`)."""
   b = boundaries(cfg)
+  return Schedule(*(np.float32(v) for v in (cfg.lr, b.warmup, b.decay_start, b.decay_end,
+                                            cfg.final_lr_fraction)))
+
+
+def lr_factor(schedule: Schedule | OptimConfig, step) -> jnp.ndarray:
+  """lr(step) / peak, as float32; `schedule` is a `Schedule` (host values or traced) or the
+  config it comes from, `step` a Python or jax integer."""
+  sc = schedule_of(schedule) if isinstance(schedule, OptimConfig) else schedule
   s = jnp.asarray(step, jnp.float32)
-  f = cfg.final_lr_fraction
-  warm = (s + 1.0) / max(b.warmup, 1)
-  # Boundaries enter as Python floats: a token-count boundary can exceed the int32 range.
-  d0, d1 = float(b.decay_start), float(b.decay_end)
-  span = max(d1 - d0, 1.0)
-  frac = jnp.clip((s - d0) / span, 0.0, 1.0)
+  f, w, d0, d1 = (jnp.asarray(x, jnp.float32)
+                  for x in (sc.final_fraction, sc.warmup, sc.decay_start, sc.decay_end))
+  warm = (s + 1.0) / jnp.maximum(w, 1.0)
+  frac = jnp.clip((s - d0) / jnp.maximum(d1 - d0, 1.0), 0.0, 1.0)
   cosine = f + (1.0 - f) * 0.5 * (1.0 + jnp.cos(jnp.pi * frac))
-  out = jnp.where(s < b.warmup, warm, jnp.where(s < d0, 1.0, cosine))
+  out = jnp.where(s < w, warm, jnp.where(s < d0, 1.0, cosine))
   return jnp.where(s >= d1, f, out).astype(jnp.float32)
 
 
-def learning_rate(cfg: OptimConfig, step) -> jnp.ndarray:
-  """The peak-scaled learning rate at `step`."""
-  return cfg.lr * lr_factor(cfg, step)
+def learning_rate(schedule: Schedule | OptimConfig, step) -> jnp.ndarray:
+  """The peak-scaled learning rate at `step` (`schedule` as in `lr_factor`)."""
+  sc = schedule_of(schedule) if isinstance(schedule, OptimConfig) else schedule
+  return jnp.asarray(sc.lr, jnp.float32) * lr_factor(sc, step)

@@ -191,3 +191,29 @@ def test_adamw_chain_gives_every_group_adamw_with_its_decay_and_multipliers():
       np.testing.assert_allclose(np.asarray(u[path]), want, rtol=2e-6, atol=1e-9, err_msg=path)
   with pytest.raises(OptimConfigError, match=r"chain must be 'muon' or 'adamw' \(got 'sgd'\)"):
     optim_config({"chain": "sgd"})
+
+
+def test_schedule_is_an_input_of_the_compiled_update():
+  """`tx.update(..., schedule=schedule_of(cfg))` jitted once serves every run length and peak
+  rate: fed run B's schedule, the program built for run A gives run B's updates (the chain built
+  from B's config, schedule as constants) bit for bit, at each of four steps through warm-up,
+  hold, decay and (frozen ViT) unfreezing; it compiles one program for both."""
+  from optim.schedule import schedule_of
+  rng = np.random.default_rng(5)
+  params = _params(rng)
+  grads = [_grads(rng, params) for _ in range(4)]
+  kw = dict(schedule_unit="fraction", warmup_steps=1, decay_start=0.5, decay_end=1.0,
+            frozen=("vit/**",), unfreeze_at="decay_start", weight_decay=0.1, clip_norm=1.0)
+  cfg_a, cfg_b = _cfg(total_steps=40, **kw), _cfg(total_steps=4, lr=0.03, **kw)
+  tx_a, tx_b = (chain.build_optimizer(c, params, TABLE) for c in (cfg_a, cfg_b))
+  update = jax.jit(lambda g, s, p, sc: tx_a.update(g, s, p, schedule=sc))
+  for cfg, tx in ((cfg_a, tx_a), (cfg_b, tx_b)):
+    state, want_state = tx_a.init(params), tx.init(params)
+    for step, g in enumerate(grads):
+      got, state = update(g, state, params, schedule_of(cfg))
+      want, want_state = jax.jit(tx.update)(g, want_state, params)
+      for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+      moved = any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(got["vit"]))
+      assert moved == (step >= (2 if cfg is cfg_b else 20))
+  assert update._cache_size() == 1

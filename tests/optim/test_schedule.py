@@ -70,7 +70,7 @@ def test_fraction_boundaries_follow_the_run_length():
     steps = [0, round(0.6 * n) - 1, round(0.6 * n) + 3, n - 1, n]
     np.testing.assert_allclose([float(schedule.learning_rate(cfg, s)) for s in steps],
                                [_ref(s, 1.0, 5, round(0.6 * n), n, 0.1) for s in steps], rtol=1e-6)
-    assert schedule.outside_run(cfg, n) == []
+    assert schedule.notes(cfg, n) == []
   with pytest.raises(OptimConfigError, match="total_steps"):
     schedule.boundaries(OptimConfig(schedule_unit="fraction", decay_start=0.5, decay_end=1.0))
   with pytest.raises(OptimConfigError, match="fractions of the run"):
@@ -95,10 +95,29 @@ def test_tiny_config_decays_within_a_shortened_run():
 
 def test_absolute_boundaries_outside_the_run_are_named():
   cfg = OptimConfig(lr=1.0, warmup_steps=2, decay_start=180, decay_end=300, schedule_unit="steps")
-  (w,) = schedule.outside_run(cfg, 50)
+  (w,) = schedule.notes(cfg, 50)
   assert "never decays" in w and "decay_start = 180" in w and "train.steps = 50" in w
-  (w,) = schedule.outside_run(cfg, 200)
+  (w,) = schedule.notes(cfg, 200)
   assert "cut short" in w and "decay_end = 300" in w
   # the factor it reports is the schedule's own value at the last step
   assert f"{float(schedule.lr_factor(cfg, 199)):.3f} × the peak" in w
-  assert schedule.outside_run(cfg, 300) == []
+  assert schedule.notes(cfg, 300) == []
+
+
+def test_a_run_too_short_for_the_warmup_scales_it():
+  """configs/tiny.py with --config.train.steps=20 (issue 32): the 20-step warm-up cannot end
+  before the decay starts at 0.6 × 20 = step 12, so it is cut to 12 steps, and one note says so;
+  an absolute schedule keeps refusing a warm-up past its decay start."""
+  from configs import tiny
+  from optim.config import optim_config
+  cfg = tiny.get_config()
+  cfg.lock()
+  cfg.train.steps = 20
+  ocfg = optim_config(cfg.optim)
+  assert schedule.boundaries(ocfg) == schedule.Boundaries(12, 12, 20, scaled_from=20)
+  (note,) = schedule.notes(ocfg, 20)
+  assert "optim.warmup_steps = 20" in note and "scaled to 12 steps" in note
+  lrs = [float(schedule.learning_rate(ocfg, s)) for s in range(21)]
+  np.testing.assert_allclose(lrs, [_ref(s, 3e-3, 12, 12, 20, 0.1) for s in range(21)], rtol=1e-6)
+  cfg.train.steps = 300
+  assert schedule.notes(optim_config(cfg.optim), 300) == []
