@@ -27,7 +27,7 @@ from benchmarks.common import header, md_header  # noqa: E402
 from configs import common, small, tiny  # noqa: E402
 from dsv41_jax import model as M  # noqa: E402
 from dsv41_jax.layer_plan import build_layer_plan  # noqa: E402
-from launch.step import engram_sub_tables, make_train_step  # noqa: E402
+from launch.step import TrainState, engram_sub_tables, make_train_step  # noqa: E402
 from optim.chain import build_optimizer  # noqa: E402
 from optim.config import optim_config  # noqa: E402
 
@@ -47,8 +47,8 @@ def step_program(cfg, B: int = 8):
                loss_mask=jax.ShapeDtypeStruct((B, T), jnp.bool_),
                engram_ids={l.index: i32(B, T, n_ids) for l in build_layer_plan(cfg) if l.engram})
   bias = jax.ShapeDtypeStruct((cfg.num_hidden_layers, 2, cfg.n_routed_experts), jnp.float32)
-  step = jax.jit(make_train_step(cfg, graphdef, tx, ocfg.moe_bias_gamma), static_argnums=(4,))
-  return step, (params, opt_state, bias, batch, False)
+  step = jax.jit(make_train_step(cfg, graphdef, tx, ocfg.moe_bias_gamma), static_argnums=(2,))
+  return step, (TrainState(params, opt_state, bias), batch, False)
 
 
 def measure(cfg) -> dict:

@@ -91,7 +91,7 @@ def run_step(config: str, parts, batch: int | None, seq: int | None):
   batch_sds = setup.abstract_batch(run.model, run.data, run.data.batch_size)
   print(f"[{config}] abstract state {time.perf_counter() - t0:.1f} s; "
         f"batch {run.data.batch_size} × {run.data.seq_len}", flush=True)
-  graphdef, tx = state.graphdef, state.tx
+  graphdef, tx, abstract = state.graphdef, state.tx, state.state
 
   def loss_fn(p, b, bias):
     logits, aux = nnx.merge(graphdef, p)(model_inputs(b), bias)
@@ -102,11 +102,11 @@ def run_step(config: str, parts, batch: int | None, seq: int | None):
     return optax.apply_updates(p, u), s
 
   programs = {
-      "fwd": (jax.jit(loss_fn), (state.params, batch_sds, state.moe_bias)),
-      "fwd_bwd": (jax.jit(jax.value_and_grad(loss_fn)), (state.params, batch_sds, state.moe_bias)),
-      "opt": (jax.jit(update), (state.params, state.opt_state, state.params)),
-      "step": (setup.train_step_jit(run, state),
-               (state.params, state.opt_state, state.moe_bias, batch_sds, False)),
+      "fwd": (jax.jit(loss_fn), (abstract.params, batch_sds, abstract.moe_bias)),
+      "fwd_bwd": (jax.jit(jax.value_and_grad(loss_fn)),
+                  (abstract.params, batch_sds, abstract.moe_bias)),
+      "opt": (jax.jit(update), (abstract.params, abstract.opt_state, abstract.params)),
+      "step": (setup.train_step_jit(run, state), (abstract, batch_sds, False)),
   }
   for part in parts:
     fn, args = programs[part]

@@ -84,11 +84,10 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str |
 
   t0 = time.perf_counter()
   train_state = setup.init_state(run, mesh)
-  jax.block_until_ready(train_state.arrays())
+  jax.block_until_ready(train_state.state)
   out["init_s"] = time.perf_counter() - t0
-  params, opt_state, bias = train_state.arrays()
   graphdef, tx = train_state.graphdef, train_state.tx
-  out["params"] = model_lib.param_count(params)
+  out["params"] = model_lib.param_count(train_state.state.params)
   print(f"[{spec}] {out['params'] / 1e9:.2f} B params, init {out['init_s']:.1f} s", flush=True)
 
   # The training batch adapter, with a stand-in compression map (ids modulo the table).
@@ -102,17 +101,17 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str |
   step = setup.train_step_jit(run, train_state)
   t0 = time.perf_counter()
   with jax.set_mesh(mesh):
-    lowered = step.lower(params, opt_state, bias, batch, True)
+    lowered = step.lower(train_state.state, batch, True)
     out["lower_s"] = time.perf_counter() - t0
     compiled = lowered.compile()
   out["compile_s"] = time.perf_counter() - t0 - out["lower_s"]
   print(f"[{spec}] trace+lower {out['lower_s']:.1f} s, compile {out['compile_s']:.1f} s", flush=True)
 
-  state = [params, opt_state, bias]
+  state = train_state.state
   losses, times = [], []
   for i in range(steps + 1):
     t0 = time.perf_counter()
-    state[0], state[1], state[2], m = compiled(state[0], state[1], state[2], batch)
+    state, m = compiled(state, batch)
     losses.append(float(m["loss"]))
     times.append(time.perf_counter() - t0)
   out["step_s"] = float(np.median(times[1:]))
@@ -123,7 +122,7 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str |
     with jax.profiler.trace(os.path.join(profile_dir, spec.replace("/", "_")),
                             create_perfetto_trace=True):
       for _ in range(2):
-        state[0], state[1], state[2], m = compiled(state[0], state[1], state[2], batch)
+        state, m = compiled(state, batch)
         float(m["loss"])
   out["losses"] = losses
   out["tokens_per_s"] = B * T / out["step_s"]

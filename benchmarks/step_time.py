@@ -64,17 +64,16 @@ def step_time(name: str, cfg: ml_collections.ConfigDict, steps: int, images: boo
   train_vit = True  # the ViT-trainable program (the larger one; what this benchmark always timed)
   t0 = time.perf_counter()
   compiled = setup.compile_train_steps(setup.train_step_jit(run, state), mesh, [train_vit],
-                                       (*state.arrays(), batch))[train_vit]
+                                       (state.state, batch))[train_vit]
   compile_s = time.perf_counter() - t0
-  params, opt_state, bias = state.arrays()
-  params, opt_state, bias, m = compiled(params, opt_state, bias, batch)  # warm-up
+  arrays, m = compiled(state.state, batch)  # warm-up
   jax.block_until_ready(m["loss"])
   t0 = time.perf_counter()
   for _ in range(steps):
-    params, opt_state, bias, m = compiled(params, opt_state, bias, batch)
+    arrays, m = compiled(arrays, batch)
   jax.block_until_ready(m["loss"])
   dt = (time.perf_counter() - t0) / steps
-  out = dict(name=name, params=model_lib.param_count(params), batch=B, seq=T,
+  out = dict(name=name, params=model_lib.param_count(arrays.params), batch=B, seq=T,
              compile_s=compile_s, step_s=dt, tokens_per_s=B * T / dt, loss=float(m["loss"]),
              model_flops_per_token=flops.train_flops_per_token(mcfg.replace(seq_len=T)))
   achieved = out["tokens_per_s"] * out["model_flops_per_token"]

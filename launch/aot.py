@@ -98,7 +98,7 @@ def abstract_batch(cfg: ml_collections.ConfigDict, mcfg: ModelConfig, global_bat
 @dataclasses.dataclass
 class Lowered:
   step: Any                 # the train step function (launch.step.make_train_step)
-  args: tuple               # abstract (params, opt_state, moe_bias, batch)
+  args: tuple               # abstract (state: launch.step.TrainState, batch)
   out_shardings: tuple
   mesh: jax.sharding.Mesh
   rules: Mapping[str, Any] = dataclasses.field(default_factory=lambda: dict(sharding.RULES))
@@ -115,19 +115,18 @@ def lower_args(cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, global_b
     run = setup.run_config(cfg, process_count=1)
     run = dataclasses.replace(run, optim=dataclasses.replace(
         run.optim, tokens_per_step=global_batch * run.data.seq_len))
-    state = setup.abstract_state(run, mesh, rules)
-    params_s, opt_s, replicated = state.shardings
+    ts = setup.abstract_state(run, mesh, rules)
     batch = abstract_batch(cfg, run.model, global_batch, sharding.batch_sharding(mesh, 1, rules))
-    step = make_train_step(run.model, state.graphdef, state.tx, run.optim.moe_bias_gamma)
-  return Lowered(step, (*state.arrays(), batch), (params_s, opt_s, replicated, replicated),
-                 mesh, rules, state.graphdef, run.model)
+    step = make_train_step(run.model, ts.graphdef, ts.tx, run.optim.moe_bias_gamma)
+  return Lowered(step, (ts.state, batch), (ts.shardings, ts.replicated), mesh, rules,
+                 ts.graphdef, run.model)
 
 
 def compile_train_step(low: Lowered):
   """Lower and compile (never run) the donated, sharded train step; (compiled, seconds)."""
   t0 = time.perf_counter()
   with jax.set_mesh(low.mesh), sharding.use_rules(low.rules):
-    compiled = jax.jit(low.step, donate_argnums=(0, 1, 2),
+    compiled = jax.jit(low.step, donate_argnums=(0,),
                        out_shardings=low.out_shardings).lower(*low.args).compile()
   return compiled, time.perf_counter() - t0
 
@@ -137,7 +136,7 @@ def compile_grad_step(low: Lowered):
   batch sharded as in `low`: XLA's memory analysis of it is parameters + gradients + activations,
   the part of the plan that `activation_bytes` estimates (the optimizer state is exact by
   construction). (compiled, seconds)."""
-  params, _, bias, batch = low.args
+  state, batch = low.args
   gdef, mcfg = low.graphdef, low.model_cfg
 
   def loss(params, bias, batch):
@@ -146,8 +145,8 @@ def compile_grad_step(low: Lowered):
 
   t0 = time.perf_counter()
   with jax.set_mesh(low.mesh), sharding.use_rules(low.rules):
-    compiled = jax.jit(jax.grad(loss), out_shardings=low.out_shardings[0]).lower(
-        params, bias, batch).compile()
+    compiled = jax.jit(jax.grad(loss), out_shardings=low.out_shardings[0].params).lower(
+        state.params, state.moe_bias, batch).compile()
   return compiled, time.perf_counter() - t0
 
 

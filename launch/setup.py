@@ -7,10 +7,11 @@ train step, and the batch adapter that turns a process's host rows into the glob
     rows = setup.global_batch(run, mesh)         # rows per step, checked against the batch axes
     cmap = setup.compression_map(run.model, tok) # the tokenizer's Engram map, built once
     features = setup.EngramFeatures(run.model, cmap)  # hash ids made in the data pipeline
-    state = setup.init_state(run, mesh)          # or setup.abstract_state(run, mesh) to plan
+    ts = setup.init_state(run, mesh)             # or setup.abstract_state(run, mesh) to plan
     adapter = setup.BatchAdapter(run.model, run.data, mesh, cmap)
-    step = setup.train_step_jit(run, state)      # donated, sharded, traced under the mesh
-    compiled = setup.compile_train_steps(step, mesh, phases, (*state.arrays(), adapter(rows)))
+    step = setup.train_step_jit(run, ts)         # donated, sharded, traced under the mesh
+    compiled = setup.compile_train_steps(step, mesh, phases, (ts.state, adapter(rows)))
+    ts.state, metrics = compiled[train_vit](ts.state, adapter(rows))  # one step
 
 Every check here raises `SetupError` whose message starts with the config key it is about
 (`config.data.batch_size=0 must be >= 1`, `config.mesh: ...`) and says what to change;
@@ -35,7 +36,7 @@ from data.config import DataConfig, DataConfigError, data_config, images_per_row
 from dsv41_jax import inputs, model as model_lib, sharding
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.vision.merge import check_image_batch
-from launch.step import engram_sub_tables, make_eval_step, make_train_step
+from launch.step import TrainState, engram_sub_tables, make_eval_step, make_train_step
 from optim.chain import build_optimizer, init_opt_state, opt_state_shardings
 from optim.config import OptimConfig, optim_config
 
@@ -226,27 +227,30 @@ def replicate(x, sharding_: NamedSharding) -> jax.Array:
 # --- train state -------------------------------------------------------------------------------
 
 @dataclasses.dataclass
-class TrainState:
-  """Parameters, optimizer state and MoE routing biases (arrays, or ShapeDtypeStructs), with what
-  the step needs to use them: the module graph, the optimizer and the output shardings."""
+class TrainSetup:
+  """The train state (`launch.step.TrainState`: arrays, or ShapeDtypeStructs) with what the step
+  needs to use it: the same tree of output shardings, the module graph and the optimizer."""
 
-  params: Any
-  opt_state: Any
-  moe_bias: Any
+  state: TrainState
+  shardings: TrainState  # NamedShardings: params and opt_state as placed, moe_bias replicated
   graphdef: nnx.GraphDef
   tx: Any
-  shardings: tuple  # (params, opt_state, replicated) NamedShardings
 
-  def arrays(self) -> tuple:
-    return self.params, self.opt_state, self.moe_bias
+  @property
+  def replicated(self) -> NamedSharding:
+    """The mesh's replicated sharding (MoE biases, metrics, scalars)."""
+    return self.shardings.moe_bias
 
   def checkpoint(self, step) -> dict:
     """The checkpointed tree (`launch.checkpoint`): state plus the step as a replicated int32."""
-    return {"params": self.params, "opt_state": self.opt_state, "moe_bias": self.moe_bias,
-            "step": replicate(np.int32(step), self.shardings[2])}
+    return {**self.state._asdict(), "step": replicate(np.int32(step), self.replicated)}
+
+  def restored(self, tree: Mapping[str, Any]) -> None:
+    """Take the state of a restored checkpoint tree (`checkpoint`'s layout)."""
+    self.state = TrainState(*(tree[k] for k in TrainState._fields))
 
 
-def init_state(run: RunConfig, mesh) -> TrainState:
+def init_state(run: RunConfig, mesh) -> TrainSetup:
   """The model and optimizer state created directly with their shardings (seed `train.seed`)."""
   with jax.set_mesh(mesh):
     model = model_lib.init_model(run.model, run.train.seed, mesh)
@@ -258,36 +262,34 @@ def init_state(run: RunConfig, mesh) -> TrainState:
   opt_state = init_opt_state(tx, params, param_shardings)
   replicated = NamedSharding(mesh, P())
   moe_bias = replicate(model_lib.zero_moe_bias(run.model), replicated)
-  return TrainState(params, opt_state, moe_bias, graphdef, tx,
-                    (param_shardings, jax.tree.map(lambda x: x.sharding, opt_state), replicated))
+  shardings = TrainState(param_shardings, jax.tree.map(lambda x: x.sharding, opt_state),
+                         replicated)
+  return TrainSetup(TrainState(params, opt_state, moe_bias), shardings, graphdef, tx)
 
 
-def abstract_state(run: RunConfig, mesh, rules=None) -> TrainState:
+def abstract_state(run: RunConfig, mesh, rules=None) -> TrainSetup:
   """The same state as ShapeDtypeStructs carrying their shardings under `rules` (no memory)."""
   abs_model = model_lib.abstract_model(run.model)
   graphdef, abs_vars = nnx.split(abs_model)
   shard = nnx.as_pure(sharding.state_shardings(abs_vars, mesh, rules))
   params = nnx.as_pure(abs_vars)
   tx = build_optimizer(run.optim, params, sub_tables=engram_sub_tables(abs_model))
-  oshard = opt_state_shardings(tx, params, shard)
+  shardings = TrainState(shard, opt_state_shardings(tx, params, shard), NamedSharding(mesh, P()))
+  abstract = TrainState(params, jax.eval_shape(tx.init, params),
+                        jax.eval_shape(lambda: model_lib.zero_moe_bias(run.model)))
   with_s = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-  replicated = NamedSharding(mesh, P())
-  bias = jax.eval_shape(lambda: model_lib.zero_moe_bias(run.model))
-  return TrainState(jax.tree.map(with_s, params, shard),
-                    jax.tree.map(with_s, jax.eval_shape(tx.init, params), oshard),
-                    jax.ShapeDtypeStruct(bias.shape, bias.dtype, sharding=replicated),
-                    graphdef, tx, (shard, oshard, replicated))
+  return TrainSetup(jax.tree.map(with_s, abstract, shardings), shardings, graphdef, tx)
 
 
 # --- steps -------------------------------------------------------------------------------------
 
-def train_step_jit(run: RunConfig, state: TrainState) -> Callable:
-  """The jitted train step of `launch.step`: state donated, outputs on the state's shardings,
-  `train_vit` (the 5th argument) static, so each ViT phase is its own program."""
-  params_s, opt_s, replicated = state.shardings
-  return jax.jit(make_train_step(run.model, state.graphdef, state.tx, run.optim.moe_bias_gamma),
-                 donate_argnums=(0, 1, 2), static_argnums=(4,),
-                 out_shardings=(params_s, opt_s, replicated, replicated))
+def train_step_jit(run: RunConfig, ts: TrainSetup) -> Callable:
+  """The jitted train step of `launch.step`, `(state, batch, train_vit) -> (state, metrics)`:
+  state donated, outputs on the state's shardings, `train_vit` static, so each ViT phase is its
+  own program."""
+  return jax.jit(make_train_step(run.model, ts.graphdef, ts.tx, run.optim.moe_bias_gamma),
+                 donate_argnums=(0,), static_argnums=(2,),
+                 out_shardings=(ts.shardings, ts.replicated))
 
 
 def compile_train_steps(jitted, mesh, phases, args) -> dict[bool, Any]:
@@ -307,10 +309,10 @@ def compile_train_steps(jitted, mesh, phases, args) -> dict[bool, Any]:
     pool.shutdown(wait=False, cancel_futures=True)
 
 
-def eval_step(run: RunConfig, state: TrainState, mesh) -> Callable:
+def eval_step(run: RunConfig, ts: TrainSetup, mesh) -> Callable:
   """(params, moe_bias, batch, token_bytes) → (sum of nats, tokens, bytes), traced under the mesh
   so the model's sharding constraints and parallel MoE / Engram paths apply."""
-  jitted = jax.jit(make_eval_step(run.model, state.graphdef), out_shardings=state.shardings[2])
+  jitted = jax.jit(make_eval_step(run.model, ts.graphdef), out_shardings=ts.replicated)
 
   def call(*args):
     with jax.set_mesh(mesh):

@@ -1,9 +1,11 @@
 """The pure, jitted training and evaluation steps (docs/design.md §T2, §T6).
 
-    train_step(params, opt_state, moe_bias, batch) -> (params, opt_state, moe_bias, metrics)
+    train_step(state, batch, train_vit) -> (state, metrics)      # state: a `TrainState`
 
-A step whose loss, gradient norm or update norm is not finite applies nothing: parameters,
-optimizer state and MoE biases come back unchanged and `metrics["finite"]` is false (the loop counts such steps).
+`TrainState` is the whole train state as one pytree: parameters, optimizer state and MoE routing
+biases; its shardings are a `TrainState` of `NamedSharding`s, so every part is reached by name.
+A step whose loss, gradient norm or update norm is not finite applies nothing: the state comes
+back unchanged and `metrics["finite"]` is false (the loop counts such steps).
 The MoE routing bias is updated outside the optimizer from the step's per-modality expert loads.
 `engram_sub_tables(model)` is the Engram table layout the optimizer needs (`build_optimizer`'s
 `sub_tables`: one Sinkhorn balancing per head table, docs/design.md §T2).
@@ -11,7 +13,7 @@ The MoE routing bias is updated outside the optimizer from the step's per-modali
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,14 @@ from optim.moe_bias import update_moe_bias
 
 MODEL_KEYS = ("tokens", "positions", "segment_ids", "image_mask", "engram_ids", "images",
               "image_count", "image_cells", "image_starts")
+
+
+class TrainState(NamedTuple):
+  """The train state as one pytree (arrays, ShapeDtypeStructs, or their NamedShardings)."""
+
+  params: Any      # the model's parameters (nnx.as_pure of its nnx.State)
+  opt_state: Any   # the optimizer chain's state (optim/chain.py)
+  moe_bias: Any    # MoE routing biases [L, 2, E], updated outside the optimizer (§T2)
 
 
 def engram_sub_tables(model: nnx.Module) -> dict[str, tuple[tuple[int, int], ...]]:
@@ -46,8 +56,9 @@ def make_train_step(cfg: ModelConfig, graphdef: nnx.GraphDef, tx: optax.Gradient
     total, parts = objective(cfg, logits, aux, batch)
     return total, (parts, aux)
 
-  def train_step(params, opt_state, moe_bias, batch, train_vit: bool = True):
+  def train_step(state: TrainState, batch, train_vit: bool = True):
     """`train_vit` (static) is False while the ViT is frozen: no gradient is computed for it."""
+    params, opt_state, moe_bias = state
     (loss, (parts, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
         params, moe_bias, batch, train_vit)
     grad_norm = optax.global_norm(grads)
@@ -65,8 +76,7 @@ def make_train_step(cfg: ModelConfig, graphdef: nnx.GraphDef, tx: optax.Gradient
                    moe_bias_range=moe_bias.max(-1) - moe_bias.min(-1),
                    dropped_fraction=aux["dropped_fraction"],
                    engram_gate=aux["engram_gate_N"], engram_rows_touched=aux["engram_rows_touched"])
-    return (keep(new_params, params), keep(new_opt_state, opt_state), keep(new_bias, moe_bias),
-            metrics)
+    return keep(TrainState(new_params, new_opt_state, new_bias), state), metrics
 
   return train_step
 

@@ -30,6 +30,7 @@ file is the loop around it and what a person at the terminal sees:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -310,30 +311,49 @@ def _run(cfg: ml_collections.ConfigDict, workdir: str, stop: _Stop,
   except (KeyError, ValueError, OSError) as e:  # the messages name the data key or path
     raise SetupError(_data_error(e)) from None
   t_data = time.time()
-  adapter = setup.BatchAdapter(run.model, run.data, mesh, cmap)
+  ctx = _Context(cfg, run, workdir, mesh, tok, features,
+                 setup.BatchAdapter(run.model, run.data, mesh, cmap), profile, primary,
+                 t_start, t_data, cache_dir)
   with contextlib.ExitStack() as cleanup:
     cleanup.callback(train_it.close)
-    return _train(cfg, run, workdir, stop, profile, mesh, tok, features, adapter, train_it,
-                  primary, cleanup, dict(t_start=t_start, t_data=t_data, cache_dir=cache_dir))
+    return _train(ctx, train_it, stop, cleanup)
 
 
-def _train(cfg, run, workdir, stop, profile, mesh, tok, features, adapter, train_it, primary,
-           cleanup, times) -> dict[str, Any]:
-  tcfg = run.train
+@dataclasses.dataclass(frozen=True)
+class _Context:
+  """What `_run` prepared for the loop: the config (raw and typed), where and on what it runs,
+  the tokenizer with its data features and batch adapter, and the start-up times."""
+
+  cfg: ml_collections.ConfigDict
+  run: setup.RunConfig
+  workdir: str
+  mesh: jax.sharding.Mesh
+  tokenizer: Any
+  features: setup.EngramFeatures | None
+  adapter: setup.BatchAdapter
+  profile: tuple[int, int] | None   # steps to trace (parse_profile_steps)
+  primary: bool                     # process 0: writes the logs
+  t_start: float                    # time.time() at the start of `_run`
+  t_data: float                     # ... once the data pipeline was open
+  cache_dir: str | None             # the persistent compilation cache, if on
+
+
+def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
+           ) -> dict[str, Any]:
+  run, tcfg, adapter, mesh = ctx.run, ctx.run.train, ctx.adapter, ctx.mesh
   # --- model and optimizer, created directly with their shardings, or restored ---
-  state = setup.init_state(run, mesh)
-  checkpointer = ckpt_lib.Checkpointer(workdir, tcfg.keep_checkpoints)
+  ts = setup.init_state(run, mesh)
+  checkpointer = ckpt_lib.Checkpointer(ctx.workdir, tcfg.keep_checkpoints)
   cleanup.callback(checkpointer.close)
   start = 0
-  restored = checkpointer.restore_latest(ckpt_lib.abstract_like(state.checkpoint(0)), train_it)
+  restored = checkpointer.restore_latest(ckpt_lib.abstract_like(ts.checkpoint(0)), train_it)
   if restored is not None:
     start, tree = restored
-    state.params, state.opt_state, state.moe_bias = (tree["params"], tree["opt_state"],
-                                                     tree["moe_bias"])
+    ts.restored(tree)
     log.info("resumed from step %d of %s", start, checkpointer.directory)
   t_state = time.time()
   log.info("startup: config and data %.1f s, model and optimizer state %.1f s",
-           times["t_data"] - times["t_start"], t_state - times["t_data"])
+           ctx.t_data - ctx.t_start, t_state - ctx.t_data)
 
   def train_vit_at(step: int) -> bool:
     """The ViT trains only once unfrozen (optim.frozen / unfreeze_at): one program per phase."""
@@ -350,28 +370,28 @@ def _train(cfg, run, workdir, stop, profile, mesh, tok, features, adapter, train
     log.info("compiling the train step (%s)", " and ".join(
         "ViT trainable" if tv else "ViT frozen" for tv in phases)
         if run.model.vision is not None else "text only")
-    train_steps = compile_train_steps(setup.train_step_jit(run, state), mesh, phases,
-                                      (*state.arrays(), batch))
+    train_steps = compile_train_steps(setup.train_step_jit(run, ts), mesh, phases,
+                                      (ts.state, batch))
     compile_s = time.perf_counter() - t0
     log.info("train step compiled in %.1f s (compilation cache: %s)", compile_s,
-             times["cache_dir"] or "off")
-  eval_step = setup.eval_step(run, state, mesh)
-  token_bytes = replicate(evaluation.token_byte_lengths(tok, run.model.vocab_size),
-                          state.shardings[2])
+             ctx.cache_dir or "off")
+  eval_step = setup.eval_step(run, ts, mesh)
+  token_bytes = replicate(evaluation.token_byte_lengths(ctx.tokenizer, run.model.vocab_size),
+                          ts.replicated)
 
   def evaluate() -> dict[str, float]:
     return evaluation.evaluate(
-        lambda b: eval_step(state.params, state.moe_bias, adapter(b), token_bytes),
-        make_eval_iterator(cfg, jax.process_index(), jax.process_count(), tokenizer=tok,
-                           token_features=features),
+        lambda b: eval_step(ts.state.params, ts.state.moe_bias, adapter(b), token_bytes),
+        make_eval_iterator(ctx.cfg, jax.process_index(), jax.process_count(),
+                           tokenizer=ctx.tokenizer, token_features=ctx.features),
         tcfg.eval_batches)
 
-  progress = _Progress(run, workdir, start, primary, cfg.to_dict(), train_it)
+  progress = _Progress(run, ctx.workdir, start, ctx.primary, ctx.cfg.to_dict(), train_it)
   cleanup.callback(progress.close)
   if progress.bar is not None:  # log lines go above the bar, not into it
     from tqdm.contrib.logging import logging_redirect_tqdm
     cleanup.enter_context(logging_redirect_tqdm([logging.getLogger("dsv41")]))
-  profiler = _Profiler(profile, workdir)
+  profiler = _Profiler(ctx.profile, ctx.workdir)
   cleanup.callback(profiler.close)
   last_eval: dict[str, float] = {}
   bad_in_a_row, step = 0, start
@@ -383,8 +403,7 @@ def _train(cfg, run, workdir, stop, profile, mesh, tok, features, adapter, train
       batch = adapter(next(train_it))
     t1 = time.perf_counter()
     profiler.before(step + 1)
-    state.params, state.opt_state, state.moe_bias, m = train_steps[train_vit_at(step)](
-        *state.arrays(), batch)
+    ts.state, m = train_steps[train_vit_at(step)](ts.state, batch)
     finite, batch, step = bool(m["finite"]), None, step + 1
     profiler.after(step, m)
     progress.step(step, m, time.perf_counter() - t0, t1 - t0)
@@ -403,7 +422,7 @@ def _train(cfg, run, workdir, stop, profile, mesh, tok, features, adapter, train
       progress.eval(step, last_eval)
     stopping = stop.agreed()
     if finite and (step % tcfg.checkpoint_every == 0 or step == tcfg.steps or stopping):
-      checkpointer.save(step, state.checkpoint(step), train_it)
+      checkpointer.save(step, ts.checkpoint(step), train_it)
       saved = step
     if stopping:
       if saved == step:
@@ -414,9 +433,10 @@ def _train(cfg, run, workdir, stop, profile, mesh, tok, features, adapter, train
       break
   cleanup.close()  # finish the last save (a failure raises here), close the writers
   return {"start_step": start, "end_step": step, "steps": tcfg.steps, "losses": progress.losses,
-          "eval": last_eval, "seconds": time.time() - times["t_start"],
+          "eval": last_eval, "seconds": time.time() - ctx.t_start,
           "compile_seconds": compile_s, "tokens_per_step": run.tokens_per_step,
-          "interrupted": stop.requested, "params": state.params, "moe_bias": state.moe_bias,
+          "interrupted": stop.requested, "params": ts.state.params,
+          "moe_bias": ts.state.moe_bias,
           **progress.figures()}
 
 

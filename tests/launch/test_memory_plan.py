@@ -69,7 +69,7 @@ def test_rules_what_if_changes_activation_layouts():
   mesh = sharding.make_mesh(sizes, jax.devices()[:4])
   rules = memory_plan.parse_rules("batch=data")
   low = aot.lower_args(cfg, mesh, 8, rules)
-  assert low.args[3]["tokens"].sharding.spec[0] == "data"
+  assert low.args[1]["tokens"].sharding.spec[0] == "data"
   with jax.set_mesh(mesh), sharding.use_rules(low.rules):
     assert sharding.batch_spec(mesh)[0] == "data"
   with pytest.raises(memory_plan.PlanError, match=r"wq_a.*mapped twice"):

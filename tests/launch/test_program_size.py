@@ -11,7 +11,7 @@ from flax import nnx
 from configs import common, small, tiny
 from dsv41_jax import model as M
 from dsv41_jax.layer_plan import build_layer_plan
-from launch.step import engram_sub_tables, make_train_step
+from launch.step import TrainState, engram_sub_tables, make_train_step
 from optim.chain import build_optimizer
 from optim.config import optim_config
 
@@ -42,7 +42,7 @@ def _train_step_hlo_bytes(cfg) -> int:
   step = make_train_step(cfg, graphdef, tx, ocfg.moe_bias_gamma)
   bias = jax.ShapeDtypeStruct((cfg.num_hidden_layers, 2, cfg.n_routed_experts), jnp.float32)
   lowered = jax.jit(step, static_argnames="train_vit").lower(
-      params, opt_state, bias, _abstract_batch(cfg), train_vit=False)
+      TrainState(params, opt_state, bias), _abstract_batch(cfg), train_vit=False)
   return len(lowered.as_text())
 
 

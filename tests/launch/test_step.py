@@ -16,7 +16,7 @@ from flax import nnx
 
 from dsv41_jax import testing
 from dsv41_jax.config import ModelConfig
-from launch.step import make_eval_step, make_train_step
+from launch.step import TrainState, make_eval_step, make_train_step
 from optim.chain import build_optimizer
 from optim.config import OptimConfig
 from optim.table import Row
@@ -107,7 +107,7 @@ def test_nonfinite_step_with_finite_params_applies_nothing(case):
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
 
   batch = _batch(rng, huge_row=case == "infinite_loss_row")
-  new_params, new_opt, new_bias, m = step(params, opt_state, bias, batch)
+  (new_params, new_opt, new_bias), m = step(TrainState(params, opt_state, bias), batch)
   assert not bool(m["finite"])
   if case == "nan_gradient_leaf":
     assert np.isfinite(float(m["loss"])) and not np.isfinite(float(m["grad_norm"]))
@@ -122,7 +122,8 @@ def test_finite_step_applies_everything():
   """The control: the same toy and a finite batch move parameters, optimizer state and bias."""
   step, params, opt_state = _setup(poison=False)
   bias = jnp.zeros((L, 2, E), jnp.float32)
-  new_params, new_opt, new_bias, m = step(params, opt_state, bias, _batch(np.random.default_rng(0)))
+  (new_params, new_opt, new_bias), m = step(TrainState(params, opt_state, bias),
+                                            _batch(np.random.default_rng(0)))
   assert bool(m["finite"]) and np.isfinite(float(m["loss"]))
   for x, y in zip(jax.tree.leaves(new_params), jax.tree.leaves(params)):
     assert not np.array_equal(np.asarray(x), np.asarray(y))

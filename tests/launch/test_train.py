@@ -351,12 +351,12 @@ SPY = textwrap.dedent("""
                  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
     def observed(compiled):
-      def call(params, opt_state, moe_bias, batch):
-        before = jax.device_get((params, opt_state, moe_bias))
-        out = compiled(params, opt_state, moe_bias, batch)
-        after = jax.device_get(out[:3])
+      def call(state, batch):
+        before = jax.device_get(tuple(state))
+        out = compiled(state, batch)
+        after = jax.device_get(tuple(out[0]))
         nan_params = sum(int(np.isnan(x).sum()) for x in jax.tree.leaves(after[0]))
-        records.append(dict(finite=bool(out[3]["finite"]), params=same(before[0], after[0]),
+        records.append(dict(finite=bool(out[1]["finite"]), params=same(before[0], after[0]),
                             opt_state=same(before[1], after[1]),
                             moe_bias=same(before[2], after[2]), nan_params=nan_params))
         with open(out_path, "w") as f:
@@ -378,7 +378,7 @@ SPY = textwrap.dedent("""
 
     def spy_jit(fn, **kw):
       jitted = jax.jit(fn, **kw)
-      return SpiedJit(jitted) if kw.get("donate_argnums") == (0, 1, 2) else jitted
+      return SpiedJit(jitted) if kw.get("donate_argnums") == (0,) else jitted
 
     class JaxWithSpy:
       jit = staticmethod(spy_jit)
