@@ -52,6 +52,12 @@ class DataConfig:
   # claim billions).
   max_record_bytes: int = 64 * 2**20
   max_image_pixels: int = 50_000_000
+  # Tokens of one document at most: a longer one is cut after its first max_document_tokens
+  # tokens (text is tokenized in bounded chunks, so an outsized record costs memory and time for
+  # the kept part only), counted as `truncated_documents` and named once per file:line in a
+  # warning. 2^20 tokens (~4 MB of text) exceeds any row; a 50 MB single-line record otherwise
+  # takes ~12 GB to tokenize.
+  max_document_tokens: int = 2**20
   # Open bins of the best-fit packer. Few bins suffice (cuts fill the last gaps); more bins delay
   # documents longer, which skews the stream shares of the first rows.
   pool_bins: int = 8
@@ -97,6 +103,8 @@ class DataConfig:
          f"data.max_images_per_row={self.max_images_per_row} must be >= 0 (0 = seq_len // 64)")
     need(self.max_record_bytes >= 1,
          f"data.max_record_bytes={self.max_record_bytes} must be >= 1")
+    need(self.max_document_tokens >= 2,
+         f"data.max_document_tokens={self.max_document_tokens} must be >= 2 (begin and end)")
     need(self.max_image_pixels >= CELL_PX * CELL_PX,
          f"data.max_image_pixels={self.max_image_pixels} must admit one {CELL_PX}-px cell")
     need(self.pool_bins >= 1, f"data.pool_bins={self.pool_bins} must be >= 1")

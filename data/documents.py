@@ -3,7 +3,9 @@ split into pieces of at most `seq_len` tokens (docs/design.md §T3).
 
 Layout of a document: `<|begin_of_text|>`, then each segment in order -- text as its tokens, an
 image as `<|image_begin|>`, `h_cells * w_cells` x `<|image_pad|>`, `<|image_end|>` -- then
-`<|end_of_text|>`. An image's *span start* is the index of its first `<|image_pad|>`.
+`<|end_of_text|>`. An image's *span start* is the index of its first `<|image_pad|>`. A document
+holds at most `max_tokens` tokens (`data.max_document_tokens`): the text and images past that are
+left out, the end marker kept, and `Document.truncated` says so.
 
 Splitting (`split_points`): greedy cuts every `seq_len` tokens, except that a cut that would fall
 inside an image block (begin marker to end marker) moves back to just before the begin marker,
@@ -30,6 +32,7 @@ class Document:
   image_starts: np.ndarray  # int32 [n_images], index of each image's first placeholder token
   image_cells: np.ndarray  # int32 [n_images, 2], (h_cells, w_cells)
   images: list
+  truncated: bool = False  # cut at max_tokens: the record's later text and images are left out
 
   def __len__(self) -> int:
     return len(self.tokens)
@@ -37,22 +40,32 @@ class Document:
 
 def build_document(segments: list[tuple], tok: TokenizerHandle, max_image_size: int,
                    max_image_pixels: int = images.MAX_PIXELS,
-                   max_file_bytes: int = images.MAX_FILE_BYTES) -> Document:
-  """Tokenize segments and decode their images; RecordSkipped for a bad image."""
+                   max_file_bytes: int = images.MAX_FILE_BYTES,
+                   max_tokens: int = 2**20) -> Document:
+  """Tokenize segments and decode their images, at most `max_tokens` tokens in all (the rest is
+  left out, see the module docstring); RecordSkipped for a bad image."""
   parts = [np.asarray([tok.bos_id], np.int32)]
   length = 1
   starts, cells, pixels = [], [], []
+  truncated = False
   for seg in segments:
+    room = max_tokens - 1 - length  # the end marker's place kept
     if seg[0] == "text":
-      ids = tok.encode(seg[1])
+      ids, complete = tok.encode_prefix(seg[1], room)
       parts.append(ids)
       length += len(ids)
+      if not complete:
+        truncated = True
+        break
       continue
     try:
       pix = images.load_image(seg[1], seg[2], max_image_size, max_image_pixels, max_file_bytes)
     except images.ImageRejected as e:
       raise RecordSkipped(e.reason, str(e)) from None
     h, w = pix.shape[0] // images.CELL_PX, pix.shape[1] // images.CELL_PX
+    if h * w + 2 > room:
+      truncated = True
+      break
     span = np.full(h * w + 2, tok.image_pad_id, np.int32)
     span[0], span[-1] = tok.image_begin_id, tok.image_end_id
     parts.append(span)
@@ -62,7 +75,7 @@ def build_document(segments: list[tuple], tok: TokenizerHandle, max_image_size: 
     length += len(span)
   parts.append(np.asarray([tok.eos_id], np.int32))
   return Document(np.concatenate(parts), np.asarray(starts, np.int32).reshape(-1),
-                  np.asarray(cells, np.int32).reshape(-1, 2), pixels)
+                  np.asarray(cells, np.int32).reshape(-1, 2), pixels, truncated)
 
 
 def split_points(doc: Document, seq_len: int, max_images: int) -> list[int]:

@@ -5,7 +5,7 @@
     state = it.get_state()     # JSON-able; grain.checkpoint.CheckpointSave(it) stores it
     it.set_state(state)        # the next batches are bit-identical to the uninterrupted run
     it.counters()              # skipped records by reason, padding, tokens per stream
-    it.skip_locations()        # the first file:line of each skip reason
+    it.skip_locations()        # the first file:line of each skip reason (and of truncation)
 
 Per stream (text, multimodal): a grain `MapDataset` over the stream's records, sliced to this
 process (`[process_index::process_count]`, so processes read disjoint records whose union is
@@ -38,6 +38,7 @@ image side (`packing.py` defines each).
 from __future__ import annotations
 
 import collections
+import logging
 
 import grain
 import numpy as np
@@ -50,7 +51,10 @@ from data.sources import open_source
 from data.tokenizer import TokenizerHandle, cached_bpe, load_tokenizer
 
 STREAMS = ("text", "multimodal")
-SKIP_LOCATIONS = 5  # file:line locations kept per skip reason
+SKIP_LOCATIONS = 5  # distinct file:line locations kept per skip reason
+TRUNCATED = "truncated_documents"  # the counter (and skip_locations key) of documents cut short
+
+log = logging.getLogger("dsv41.data")
 
 
 def cache_dir(cfg) -> str:
@@ -102,33 +106,36 @@ def check_config(cfg, tok: TokenizerHandle) -> None:
 
 
 class ToPieces:
-  """(index, payload) -> ("doc", index, pieces, n_tokens) or ("skip", index, reason, where).
+  """(index, payload) -> ("doc", index, pieces, n_tokens, cut) or ("skip", index, reason, where).
 
-  `where` is the payload's `file:line` (or `record <index>` for sources without one). Runs
-  wherever grain runs the map (a worker process or the main process); picklable.
+  `where` is the payload's `file:line` (or `record <index>` for sources without one); `cut` is
+  `where` for a document cut at `max_document_tokens`, else None. Runs wherever grain runs the
+  map (a worker process or the main process); picklable.
   """
 
   def __init__(self, tok: TokenizerHandle, seq_len: int, max_images: int, max_image_size: int,
-               max_record_bytes: int, max_image_pixels: int, features=None):
+               max_record_bytes: int, max_image_pixels: int, features=None,
+               max_document_tokens: int = 2**20):
     self.tok, self.seq_len, self.max_images = tok, seq_len, max_images
     self.max_image_size = max_image_size
     self.max_record_bytes, self.max_image_pixels = max_record_bytes, max_image_pixels
-    self.features = features
+    self.features, self.max_document_tokens = features, max_document_tokens
 
   def __call__(self, index: int, payload):
+    where = payload[3] if len(payload) > 3 else f"record {index}"
     try:
       doc = documents.build_document(parse_record(payload, self.max_record_bytes), self.tok,
                                      self.max_image_size, self.max_image_pixels,
-                                     self.max_record_bytes)
+                                     self.max_record_bytes, self.max_document_tokens)
     except RecordSkipped as e:
-      return ("skip", index, e.reason, payload[3] if len(payload) > 3 else f"record {index}")
+      return ("skip", index, e.reason, where)
     pieces = documents.pieces(doc, self.seq_len, self.max_images)
     if self.features is not None:
       for p in pieces:
         tokens = p.tokens[None]
         out = self.features(tokens, np.ones_like(tokens), tokens == self.tok.image_pad_id)
         p.features = {k: v[0] for k, v in out.items()}
-    return ("doc", index, pieces, len(doc))
+    return ("doc", index, pieces, len(doc), where if doc.truncated else None)
 
 
 def stream_dataset(source, stream: int, fn: ToPieces, cfg, process_index: int,
@@ -161,6 +168,7 @@ class PackedIterator(grain.DatasetIterator):
     self.seq_len, self.batch_size = d.seq_len, d.batch_size
     self.max_images = max_images_per_row(cfg)
     self.max_px = images.max_cells(d.max_image_size) * images.CELL_PX
+    self.max_document_tokens = d.max_document_tokens
     iters = []
     if d.worker_count > 0:
       from absl import flags  # grain's workers read absl flags; outside an absl app use defaults
@@ -215,19 +223,32 @@ class PackedIterator(grain.DatasetIterator):
         return False
       if item[0] == "skip":
         self._counters[f"skipped/{item[2]}"] += 1
-        where = self._skipped_at.setdefault(item[2], [])
-        if len(where) < SKIP_LOCATIONS:
-          where.append(item[3])
+        self._locate(item[2], item[3])
         skips += 1
         if skips > self.epoch_len[s]:
           raise RuntimeError(f"data stream {STREAMS[s]!r}: every record of a whole pass was "
                              f"skipped (see counters {self.counters()})")
         continue
-      _, index, pieces, _ = item
+      _, index, pieces, n_tokens, cut = item
+      if cut is not None:
+        self._counters[TRUNCATED] += 1
+        if self._locate(TRUNCATED, cut):
+          log.warning("data: the document at %s has more than data.max_document_tokens = %d "
+                      "tokens; only its first %d are used (raise data.max_document_tokens to "
+                      "keep more)", cut, self.max_document_tokens, n_tokens)
       self._pieces[(s, int(index))] = pieces
       self._cursor[s] = [int(index), 0]
       self._counters[f"documents/{STREAMS[s]}"] += 1
       return True
+
+  def _locate(self, reason: str, where: str) -> bool:
+    """Keep `where` among the first distinct locations of `reason`; whether it is new (a record
+    skipped again on the next pass, or by another stream reading the same file, is not)."""
+    seen = self._skipped_at.setdefault(reason, [])
+    if where in seen or len(seen) >= SKIP_LOCATIONS:
+      return False
+    seen.append(where)
+    return True
 
   def _next_row(self) -> dict | None:
     while not self.packer.ready:
@@ -277,7 +298,8 @@ class PackedIterator(grain.DatasetIterator):
     """Counts for the logs: `skipped/<reason>`, `documents/<stream>`, `pieces`, `rows`,
     `padding_tokens`, `row_tokens/<stream>` (non-padding tokens emitted per stream),
     `packer/cuts`, `packer/early_closes`, `packer/waiting` (see `packing.py`), and
-    `packer/cut_rate` = packer/cuts / pieces: cuts per piece placed (0 with data.packer_cuts off)."""
+    `packer/cut_rate` = packer/cuts / pieces: cuts per piece placed (0 with data.packer_cuts off),
+    and `truncated_documents` (documents cut at data.max_document_tokens)."""
     out = dict(self._counters)
     out.update({"packer/cuts": self.packer.cuts, "packer/early_closes": self.packer.early_closes,
                 "packer/waiting": len(self.packer.waiting),
@@ -285,7 +307,8 @@ class PackedIterator(grain.DatasetIterator):
     return dict(sorted(out.items()))
 
   def skip_locations(self) -> dict[str, list[str]]:
-    """The first `SKIP_LOCATIONS` `file:line` locations of each skip reason, in reading order."""
+    """The first `SKIP_LOCATIONS` distinct `file:line` locations of each skip reason (and of
+    `truncated_documents`), in reading order."""
     return {k: list(v) for k, v in sorted(self._skipped_at.items())}
 
   def get_state(self) -> dict:
@@ -347,7 +370,7 @@ def _make(cfg, process_index: int, process_count: int, split: str, tok=None,
   d = cfg.data
   weights = normalized_weights({"text": d.text_weight, "multimodal": d.multimodal_weight})
   fn = ToPieces(tok, d.seq_len, max_images_per_row(cfg), d.max_image_size, d.max_record_bytes,
-                d.max_image_pixels, features)
+                d.max_image_pixels, features, d.max_document_tokens)
   train = split == "train"
   datasets = [stream_dataset(src, s, fn, cfg, process_index, process_count, train)
               for s, src in enumerate(_sources(cfg, split))]

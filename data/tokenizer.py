@@ -32,6 +32,7 @@ IMAGE_BEGIN = "<|image_begin|>"
 IMAGE_END = "<|image_end|>"
 IMAGE_PAD = "<|image_pad|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, IMAGE_BEGIN, IMAGE_END, IMAGE_PAD)
+ENCODE_CHUNK = 1 << 18  # characters per call in `encode_prefix` (a long text's chunks)
 
 
 class TokenizerHandle:
@@ -67,6 +68,32 @@ class TokenizerHandle:
   def encode(self, text: str) -> np.ndarray:
     """Token ids of `text` (no special tokens added), int32."""
     return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+  def encode_prefix(self, text: str, max_tokens: int) -> tuple[np.ndarray, bool]:
+    """The first `max_tokens` token ids of `text`, and whether they are all of them.
+
+    A text that cannot exceed the limit (no more UTF-8 bytes than `max_tokens`: a token covers at
+    least one byte) is encoded whole, exactly as `encode`. A longer one is encoded in chunks of
+    at most `ENCODE_CHUNK` characters, each ending after a line break (else a space) where one is
+    near, until the limit is reached: memory and time follow the kept part, not the text. The
+    chunk edges may tokenize differently from the whole text (a space run split in two)."""
+    if len(text) <= max_tokens // 4 or len(text.encode("utf-8")) <= max_tokens:
+      ids = self.encode(text)
+      return ids[:max_tokens], len(ids) <= max_tokens
+    chunk = min(ENCODE_CHUNK, max(1024, 4 * max_tokens))
+    parts, n, pos = [], 0, 0
+    while pos < len(text) and n < max_tokens:
+      end = min(len(text), pos + chunk)
+      if end < len(text):  # cut after the window's last line break, else before its last space
+        base = pos + chunk // 2
+        window = text[base:end]
+        nl, sp = window.rfind("\n"), window.rfind(" ")
+        end = base + nl + 1 if nl >= 0 else (base + sp if sp > 0 else end)
+      parts.append(self.encode(text[pos:end]))
+      n += len(parts[-1])
+      pos = end
+    ids = np.concatenate(parts)
+    return ids[:max_tokens], pos >= len(text) and len(ids) <= max_tokens
 
   def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

@@ -12,8 +12,10 @@ Figures (JSON keys), all over the first `ceil(rows / batch_size)` batches of pro
 - `tokens_per_second`: row positions / wall-clock seconds of `next()`, steady state: from the
   second batch on (setup -- tokenizer, manifest -- and the first batch -- worker start-up, pool
   fill -- are reported apart as `setup_seconds`, `first_batch_seconds`);
-- `skipped_records`: records skipped, in all (`skipped_by_reason` splits it, `skipped_at` lists
-  the first `file:line` locations of each reason);
+- `skipped_records`: records skipped, in all, each time a pass reads one (`skipped_by_reason`
+  splits it, `skipped_at` lists the first distinct `file:line` locations of each reason, and of
+  `truncated_documents`);
+- `truncated_documents`: documents cut at `data.max_document_tokens`;
 - `segment_length`: the distribution of segment (document piece) lengths in the rows;
 - `packer`: the packer's counters, among them `cut_rate` = cuts / pieces (pieces split across rows
   to fill them; 0 with `data.packer_cuts` off) and `early_closes` (rows closed with room left).
@@ -91,6 +93,7 @@ def report(cfg, rows: int) -> dict:
       "skipped_records": sum(skipped.values()),
       "skipped_by_reason": skipped,
       "skipped_at": skipped_at,
+      "truncated_documents": c.get(pipeline.TRUNCATED, 0),
       "segment_length": {
           "count": int(len(seg)), "mean": float(seg.mean()),
           "percentiles": {str(q): float(np.percentile(seg, q)) for q in (1, 10, 50, 90, 99)},
@@ -116,6 +119,7 @@ def format_text(r: dict) -> str:
            f"tokens_per_second       {r['tokens_per_second']:,.0f}  (setup {r['setup_seconds']:.1f} s, "
            f"first batch {r['first_batch_seconds']:.1f} s)",
            f"skipped_records         {r['skipped_records']}  {r['skipped_by_reason']}",
+           f"truncated_documents     {r['truncated_documents']}  (cut at data.max_document_tokens)",
            *(f"  {reason:<22} at {', '.join(where)}" for reason, where in r["skipped_at"].items()),
            f"packer                  {r['packer']}",
            f"documents               {r['documents']}",

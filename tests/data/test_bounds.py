@@ -17,11 +17,12 @@ import sys
 import tracemalloc
 import zlib
 
+import numpy as np
 import pytest
 
-from data import images, pipeline, records, sources
+from data import documents, images, pipeline, records, sources
 from data.config import DataConfigError, data_config, data_defaults
-from tests.data.conftest import make_cfg, mm_record, text_records, write_jsonl
+from tests.data.conftest import make_cfg, mm_record, random_text, text_records, write_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HUGE = 200 * 10**6
@@ -161,3 +162,61 @@ def test_data_config_names_the_key():
       data_config({**data_defaults(), key: value})
   with pytest.raises(DataConfigError, match="unknown keys"):
     data_config({**data_defaults(), "batchsize": 3})
+
+
+def test_outsized_document_is_cut_with_a_warning_and_bounded_work(tmp_path, corpus_dir, small_tok,
+                                                                  caplog):
+  """A 4 MB single-line document (under max_record_bytes, as in issue 33's 50 MB case) with
+  data.max_document_tokens = 3000: one held-out pass cuts it to 3000 tokens (counted, warned once
+  naming its file:line), keeps every other record whole, and hands the tokenizer at most
+  `ENCODE_CHUNK` characters at a time and about 4 × 3000 in all (not 4 MB)."""
+  rng = np.random.default_rng(7)
+  big = {"text": "\n".join(random_text(rng, 12) for _ in range(65_000))}
+  assert len(big["text"]) > 4 * 10**6
+  others = text_records(8, 2) + text_records(9, 2)
+  text = write_jsonl(tmp_path / "text.jsonl", others[:2] + [big] + others[2:])
+  cfg = make_cfg(corpus_dir, text_eval_sources=(text,), max_document_tokens=3000)
+  calls = []
+  real = small_tok._tok
+
+  class Spy:
+    def __getattr__(self, name):
+      return getattr(real, name)
+
+    def encode(self, s, **kw):
+      calls.append(len(s))
+      return real.encode(s, **kw)
+  small_tok._tok = Spy()
+  try:
+    with caplog.at_level("WARNING", logger="dsv41.data"):
+      it = pipeline.make_eval_iterator(cfg, tokenizer=small_tok)
+      batches = list(it)
+  finally:
+    small_tok._tok = real
+  assert max(calls) <= 4 * 10**5 and sum(calls) < 10**5, (max(calls), sum(calls))
+  c = it.counters()
+  assert c[pipeline.TRUNCATED] == 1 and c["documents/text"] == 5
+  warned = [r.getMessage() for r in caplog.records if "max_document_tokens" in r.getMessage()]
+  assert len(warned) == 1 and f"{text}:3" in warned[0], warned
+  assert it.skip_locations() == {pipeline.TRUNCATED: [f"{text}:3"]}
+  tokens = sum(int((b["segment_ids"] > 0).sum()) for b in batches)
+  whole = sum(len(documents.build_document([("text", r["text"])], small_tok, 168)) for r in others)
+  assert c["row_tokens/text"] == 3000 + whole
+  assert tokens == c["row_tokens/text"] + c["row_tokens/multimodal"]
+
+
+def test_encode_prefix_is_the_encoding_prefix(small_tok):
+  """Below the limit `encode_prefix` is `encode`; above it, chunked at line breaks, it gives the
+  whole text's first tokens (this tokenizer splits words at spaces and line breaks alike)."""
+  rng = np.random.default_rng(3)
+  short = random_text(rng, 50)
+  ids, complete = small_tok.encode_prefix(short, 10_000)
+  assert complete and ids.tolist() == small_tok.encode(short).tolist()
+  long = "\n".join(random_text(rng, 9) for _ in range(4000))
+  whole = small_tok.encode(long)
+  for limit in (700, 5000, len(whole) - 1):
+    ids, complete = small_tok.encode_prefix(long, limit)
+    assert not complete and ids.tolist() == whole[:limit].tolist(), limit
+  ids, complete = small_tok.encode_prefix(long, len(whole))
+  assert complete and ids.tolist() == whole.tolist()
+  assert 4 * 700 < len(long)  # so the shorter prefixes came from several chunks

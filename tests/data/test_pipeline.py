@@ -252,3 +252,17 @@ def test_default_corpus_with_trained_bpe(tmp_path):
   cfg.model.vocab_size = 200
   with pytest.raises(ValueError, match="vocab_size"):
     pipeline.make_train_iterator(cfg, tokenizer=tok)
+
+
+def test_skip_locations_are_distinct_over_passes_and_streams(tmp_path, corpus_dir, small_tok):
+  """Both training streams read one shard with a malformed line through several passes: the
+  skip is counted each time it is read, its location listed once (issue 33: data_report
+  repeated it per stream and per pass)."""
+  shard = write_jsonl(tmp_path / "both.jsonl",
+                      text_records(4, 3, rng_words=(3, 20)) + ["{not json"])
+  cfg = make_cfg(corpus_dir, text_sources=(shard,), multimodal_sources=(shard,))
+  it = pipeline.make_train_iterator(cfg, tokenizer=small_tok)
+  for _ in range(6):
+    next(it)
+  assert it.counters()["skipped/malformed_json"] >= 4
+  assert it.skip_locations() == {"malformed_json": [f"{shard}:4"]}

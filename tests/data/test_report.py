@@ -26,7 +26,7 @@ def test_report_figures(corpus_dir, small_tok, tmp_path, monkeypatch):
   r = data_report.report(cfg, 40)
   assert r["rows"] == 42 and r["padding_fraction"] == 0.0
   assert 0 < r["multimodal_token_share"] < 1 and r["tokens_per_second"] > 0
-  assert r["skipped_records"] == 0 and r["skipped_at"] == {}
+  assert r["skipped_records"] == 0 and r["skipped_at"] == {} and r["truncated_documents"] == 0
   assert r["segment_length"]["count"] == sum(r["segment_length"]["histogram"].values())
   assert "padding_fraction" in data_report.format_text(r)
   r["skipped_at"] = {"record_too_large": ["a.jsonl:3", "b.jsonl:9"]}
