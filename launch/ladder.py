@@ -3,6 +3,7 @@
   python -m launch.ladder --config=configs/ladder.py:cpu --workdir=DIR               # the grid
   python -m launch.ladder --config=configs/ladder.py:cpu --workdir=DIR --ablations   # ablations
   python -m launch.ladder --config=configs/ladder.py:cpu --workdir=DIR --list        # commands
+  python -m launch.ladder --config=configs/ladder.py:micro --workdir=DIR             # ~20 s
   python -m launch.ladder --report DIR [--out=OUT]                                   # table, fits, plots
 
 A ladder config file (`configs/ladder.py`) answers a grid name with the grid's spec (`sizes`,
@@ -11,7 +12,9 @@ A ladder config file (`configs/ladder.py`) answers a grid name with the grid's s
 
   python -m launch.train --config=<file>:<point> --workdir=DIR/<name> --config.train.seed=<seed>
 
-with its output in DIR/<name>/train.log and its record in DIR/<name>/point.json. A point is done
+with its output in DIR/<name>/train.log and its record in DIR/<name>/point.json; `--list` prints
+each point's command as a shell line to paste (`cd <repo> && XLA_FLAGS=... <this python> -m
+launch.train ...`: the directory, environment and interpreter the ladder runs it with). A point is done
 when the run exited 0 with a held-out loss at its last step; a done point is never rerun, any other
 is (re)started, and `launch.train` resumes it from its last checkpoint. Every point's config is
 built and validated (ModelConfig, OptimConfig, schedule) before the first run; an invalid one
@@ -36,6 +39,7 @@ import importlib.util
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -135,6 +139,13 @@ def describe(path: str, point: Point) -> dict[str, Any]:
 def command(path: str, point: Point, workdir: str) -> list[str]:
   return [sys.executable, "-m", "launch.train", f"--config={path}:{point.arg}",
           f"--workdir={os.path.join(workdir, point.name)}", f"--config.train.seed={point.seed}"]
+
+
+def shell_line(cmd: list[str], env: dict[str, str]) -> str:
+  """`cmd` as the ladder runs it, pasteable into a shell: from the repository, with XLA_FLAGS."""
+  flags_ = env.get("XLA_FLAGS", "")
+  prefix = f"XLA_FLAGS={shlex.quote(flags_)} " if flags_ else ""
+  return f"cd {shlex.quote(REPO)} && {prefix}{shlex.join(cmd)}"
 
 
 def read_record(pdir: str) -> dict[str, Any] | None:
@@ -469,10 +480,12 @@ def main(argv):
       raise LadderError("--config and --workdir are required (or --report DIR)")
     if _LIST.value:
       path, grid = split_config(_CONFIG.value)
-      points = plan(load_config_file(path, grid), _ABLATIONS.value)
+      spec = load_config_file(path, grid)
+      points = plan(spec, _ABLATIONS.value)
       validate(path, points)
+      env = point_env(spec)
       for p in points:
-        print(" ".join(command(path, p, _WORKDIR.value)[1:]))
+        print(shell_line(command(path, p, _WORKDIR.value), env))
       return
     run_ladder(_CONFIG.value, _WORKDIR.value, _ABLATIONS.value,
                log=lambda s: print(s, flush=True))

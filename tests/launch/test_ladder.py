@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -171,6 +172,26 @@ def test_invalid_point_is_reported_before_any_run(tmp_path, env):
   assert "2 of 4 ladder points have an invalid config; nothing was run" in out
   assert "L9d32_3" in out and "L9d32_6" in out and "layers (9) must be even" in out
   assert not work.exists()
+
+
+def test_list_prints_lines_a_shell_runs_as_the_ladder_would(tmp_path, env):
+  """`--list` prints one shell line per point with the repository, the grid's XLA flags and this
+  interpreter (issue 33: the lines lacked all three); pasted into bash from elsewhere, with a
+  misspelt override appended, a line reaches launch.train's one-line config error."""
+  rc, out = _ladder(env, "--config=configs/ladder.py:micro", f"--workdir={tmp_path / 'w'}", "--list")
+  assert rc == 0, out
+  lines = out.strip().splitlines()
+  assert len(lines) == 2
+  for line, steps in zip(lines, (3, 6)):
+    words = shlex.split(line)
+    assert words[:3] == ["cd", REPO, "&&"]
+    assert words[3] == f"XLA_FLAGS={ladder_cfg.FASTER_CPU}"
+    assert words[4:7] == [sys.executable, "-m", "launch.train"]
+    assert f"--workdir={tmp_path / 'w'}/L2d32_{steps}" in words
+  p = subprocess.run(["bash", "-c", lines[0] + " --config.train.stepz=1"], cwd=tmp_path, env=env,
+                     capture_output=True, text=True, timeout=TIMEOUT)
+  assert p.returncode == 2 and p.stderr.startswith("error: a --config override"), p.stderr[-2000:]
+  assert not (tmp_path / "w").exists()
 
 
 def test_micro_ladder_end_to_end_with_failure_and_resume(tmp_path, env):
