@@ -3,7 +3,7 @@
   python -m launch.ladder --config=configs/ladder.py:cpu --workdir=DIR               # the grid
   python -m launch.ladder --config=configs/ladder.py:cpu --workdir=DIR --ablations   # ablations
   python -m launch.ladder --config=configs/ladder.py:cpu --workdir=DIR --list        # commands
-  python -m launch.ladder --config=configs/ladder.py:micro --workdir=DIR             # ~20 s
+  python -m launch.ladder --config=configs/ladder.py:micro --workdir=DIR             # <1 min
   python -m launch.ladder --report DIR [--out=OUT]                                   # table, fits, plots
 
 A ladder config file (`configs/ladder.py`) answers a grid name with the grid's spec (`sizes`,
