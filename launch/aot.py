@@ -286,6 +286,8 @@ def main(argv):
 if __name__ == "__main__":
   from absl import app, flags
   from ml_collections import config_flags
+
+  from launch import cli
   _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=False)
   flags.DEFINE_string("mesh", None, "Mesh, e.g. data:8,expert:4 (axes: "
                       + ", ".join(sharding.MESH_AXES) + "; one may be -1 with --devices).")
@@ -298,4 +300,4 @@ if __name__ == "__main__":
   flags.DEFINE_float("max_compile_params", DEFAULT_MAX_COMPILE_PARAMS,
                      "Above this many parameters, plan analytically.")
   flags.mark_flags_as_required(["config", "mesh"])
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

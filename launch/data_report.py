@@ -31,6 +31,8 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from launch import cli
+
 
 def _define_flags():
   """Command-line flags, defined only when run as a program (tests import this module)."""
@@ -143,4 +145,4 @@ def main(argv):
 
 if __name__ == "__main__":
   _define_flags()
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -31,6 +31,7 @@ from flax import nnx
 from configs.common import model_config
 from dsv41_jax import model as model_lib
 from dsv41_jax.inference import Decoder, cache as cache_lib
+from launch import cli
 
 
 class LoadError(ValueError):
@@ -191,4 +192,4 @@ def main(argv):
 if __name__ == "__main__":
   define_flags()
   flags.mark_flags_as_required(["workdir", "prompt"])
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

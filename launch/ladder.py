@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 from absl import app, flags
 
-from launch import scaling_fit
+from launch import cli, scaling_fit
 
 _CONFIG = _WORKDIR = _ABLATIONS = _LIST = _REPORT = _OUT = None
 
@@ -507,4 +507,4 @@ def _raise_interrupt(signum, frame):
 if __name__ == "__main__":
   signal.signal(signal.SIGTERM, _raise_interrupt)
   _define_flags()
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

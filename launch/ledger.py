@@ -12,6 +12,7 @@ from ml_collections import config_flags
 
 from configs.common import model_config
 from dsv41_jax.ledger import ledger
+from launch import cli
 
 
 def _define_flags():
@@ -42,4 +43,4 @@ def main(argv):
 if __name__ == "__main__":
   _define_flags()
   flags.mark_flag_as_required("config")
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -23,7 +23,7 @@ from absl import logging as absl_logging
 from flax import nnx
 
 from dsv41_jax import inputs
-from launch import evaluation
+from launch import cli, evaluation
 from launch.generate import LoadError, LoadedModel, load_model
 from launch.step import make_eval_step
 
@@ -107,4 +107,4 @@ if __name__ == "__main__":
   flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
   flags.DEFINE_string("data", None, "JSON-lines file, one {\"text\": ...} per line.")
   flags.mark_flags_as_required(["workdir", "data"])
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -50,6 +50,7 @@ from data.pipeline import make_eval_iterator, make_tokenizer, make_train_iterato
 from dsv41_jax import flops
 from launch import checkpoint as ckpt_lib
 from launch import compile_cache, evaluation, metrics as metrics_lib, setup, xla_flags
+from launch.cli import parse_flags  # noqa: F401 -- launch.train.parse_flags, as before
 from launch.setup import SetupError, compile_train_steps, replicate, to_global  # noqa: F401
 from optim import schedule
 from optim.chain import frozen_trainable, learning_rates
@@ -506,22 +507,6 @@ def main(argv):
     sys.stdout.flush()
     os._exit(0)  # compilation threads may still run: do not wait for them
   print(format_summary(summary, _WORKDIR.value), flush=True)
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with a one-line message (not a traceback) for a bad --config override."""
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    print(f"error: {e}", file=sys.stderr)
-  except (AttributeError, KeyError, TypeError, ValueError) as e:
-    # ml_collections raises these for an unknown key ('stepz' ... Did you mean "steps"?).
-    text = " ".join(str(e).replace("\\n", " ").replace("\\'", "'").strip("'\" ").split())
-    text = re.sub(r"^([^'\s]+)' ", r"'\1' ", text)  # "'stepz' Did you mean ..."
-    given = " ".join(a for a in argv[1:] if a.startswith("--config."))
-    print(f"error: a --config override does not fit the config file: {text} (overrides given: "
-          f"{given}); fix the key or value", file=sys.stderr)
-  sys.exit(2)
 
 
 if __name__ == "__main__":

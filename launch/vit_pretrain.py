@@ -38,6 +38,7 @@ from configs.common import model_config
 from data import images, pipeline, shapes
 from dsv41_jax.vision.config import VisionConfig
 from dsv41_jax.vision.siglip import SigLIP, l2_normalize
+from launch import cli
 
 
 # Fields of VisionConfig that change how the ViT runs, not what its parameters are.
@@ -191,4 +192,4 @@ def main(argv):
 if __name__ == "__main__":
   _define_flags()
   flags.mark_flags_as_required(["config", "workdir"])
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -1,0 +1,33 @@
+"""Command-line flag parsing shared by every `launch.*` tool: a flag mistake (a missing required
+flag, an unknown flag, a bad value, a `--config.` override that does not fit the config file) is
+one `error: ...` line on stderr and exit status 2, never absl's `FATAL Flags parsing error` or a
+traceback.
+
+  app.run(main, flags_parser=cli.parse_flags)
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+from absl import flags
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing (`flags.FLAGS(argv)`), errors as one `error:` line and exit 2."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    missing = re.fullmatch(r"flag --(\w+)=None: Flag --\w+ must have a value other than None\.",
+                           str(e).strip())
+    text = f"--{missing.group(1)} is required" if missing else str(e)
+    print(f"error: {text}", file=sys.stderr)
+  except (AttributeError, KeyError, TypeError, ValueError) as e:
+    # ml_collections raises these for an unknown key ('stepz' ... Did you mean "steps"?).
+    text = " ".join(str(e).replace("\\n", " ").replace("\\'", "'").strip("'\" ").split())
+    text = re.sub(r"^([^'\s]+)' ", r"'\1' ", text)  # "'stepz' Did you mean ..."
+    given = " ".join(a for a in argv[1:] if a.startswith("--config."))
+    print(f"error: a --config override does not fit the config file: {text} (overrides given: "
+          f"{given}); fix the key or value", file=sys.stderr)
+  sys.exit(2)
