@@ -20,8 +20,19 @@ Sub-tables. A parameter may hold several tables stacked along its rows (an Engra
 sized (order, head) tables, padded at the end, docs/design.md §7.2). Given their `blocks`, ((offset,
 rows), ...) along axis −2, every statistic over rows (column RMS, the mean row RMS of the floor,
 the final RMS) is taken within each block, so each table is balanced and rescaled on its own, as
-if it were a separate matrix; rows in no block (the padding) come out zero. The block statistics
-are segment sums over a row → block index, so a row-sharded table is never re-laid out.
+if it were a separate matrix; rows in no block (the padding) come out zero.
+
+Diagonal form. Every step above only scales rows or columns, so the iterate is always
+diag(r) · X₀ · diag(c_b) with X₀ the direction (padding rows zeroed) and c_b the column scales of
+row i's block b = b(i): the loop carries r [R] and c [B, C] and never rewrites the table. With
+S = X₀² (formed once), a row step reads S once (Σ_j S_ij c²_bj, c gathered per row from the small
+[B, C]) and a column step reads it once (Σ_{i∈b} r_i² S_ij, a one-hot block matmul [B, R] × [R, C]);
+the result is written once at the end. No scatter: on a row-sharded table (the `engram` axis) the
+block matmul leaves each device a partial [B, C] and one all-reduce of that size, and every other
+statistic is per row. Rows (columns) with zero RMS get scale 0, so they stay exactly zero and their
+scale never overflows. X₀ is first scaled by a power of two (exact) so that its largest entry is
+near 1 and S neither overflows nor underflows for ordinary gradient magnitudes; the balancing is
+invariant to that scale.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optim import table as table_lib
@@ -37,54 +49,113 @@ from optim import table as table_lib
 
 Blocks = tuple[tuple[int, int], ...]    # (offset, rows) of each sub-table along axis -2
 
+_HI = jax.lax.Precision.HIGHEST
 
-class _RowStats:
-  """Means over rows (axis −2): of the whole matrix, or of each block of rows (module docstring)."""
+
+class _Blocks:
+  """Which rows (axis −2) form each block: the whole matrix, or each (offset, rows) of `blocks`.
+  Membership is built from iota inside the traced program (no table-sized constant)."""
 
   def __init__(self, n_rows: int, blocks: Blocks | None):
-    self.blocks = blocks
-    if blocks is None:
-      return
-    starts = jnp.asarray([o for o, _ in blocks], jnp.int32)
-    sizes = jnp.asarray([n for _, n in blocks], jnp.int32)
-    r = jnp.arange(n_rows, dtype=jnp.int32)
-    b = jnp.maximum(jnp.searchsorted(starts, r, side="right") - 1, 0)   # last block starting ≤ r
-    self.inside_R = (r >= starts[b]) & (r < starts[b] + sizes[b])
-    self.block_R = jnp.where(self.inside_R, b, len(blocks))           # rows in no block: one extra
-    self.sizes = jnp.concatenate([sizes, jnp.ones([1], jnp.int32)]).astype(jnp.float32)
+    self.whole = blocks is None        # one block of every row: plain reductions, no matmul
+    self.blocks = ((0, n_rows),) if blocks is None else tuple(blocks)
+    self.n_rows = n_rows
+    self.sizes = np.asarray([n for _, n in self.blocks], np.float32)           # [B]
 
-  def mask(self, x: jax.Array) -> jax.Array:
-    """Zero the rows in no block."""
-    return x if self.blocks is None else jnp.where(self.inside_R[:, None], x, 0)
+  def onehot(self) -> jax.Array:
+    """[R, B] float32: 1 where row r lies in block b (a row in no block: all zero)."""
+    r = jax.lax.broadcasted_iota(jnp.int32, (self.n_rows, len(self.blocks)), 0)
+    starts = jnp.asarray([o for o, _ in self.blocks], jnp.int32)
+    ends = jnp.asarray([o + n for o, n in self.blocks], jnp.int32)
+    return ((r >= starts) & (r < ends)).astype(jnp.float32)
 
-  def mean(self, v: jax.Array) -> jax.Array:
-    """Mean of `v` [..., R, c] over the rows of each block, broadcastable back to `v`."""
-    if self.blocks is None:
-      return jnp.mean(v, axis=-2, keepdims=True)
-    v_Rx = jnp.moveaxis(v, -2, 0)
-    sums = jax.ops.segment_sum(v_Rx, self.block_R, num_segments=len(self.blocks) + 1)
-    means = sums / self.sizes.reshape((-1,) + (1,) * (v_Rx.ndim - 1))
-    return jnp.moveaxis(means[self.block_R], 0, -2)
+  def index(self) -> jax.Array:
+    """[R] int32: the block of each row, i.e. how many later blocks start at or before it (rows in
+    no block get a neighbour's; they are zero). One never-reached start keeps the shape non-empty."""
+    r = jax.lax.broadcasted_iota(jnp.int32, (self.n_rows, len(self.blocks)), 0)
+    starts = jnp.asarray([o for o, _ in self.blocks[1:]] + [self.n_rows], jnp.int32)
+    return jnp.sum((r >= starts).astype(jnp.int32), axis=-1)
 
+  def mean_of_rows(self, v_R: jax.Array) -> jax.Array:
+    """Mean of `v` [..., R] over the rows of each block: [..., B]."""
+    if self.whole:
+      return jnp.mean(v_R, axis=-1, keepdims=True)
+    return jnp.sum(v_R[..., None] * self.onehot(), axis=-2) / self.sizes
 
-def _rms_and_floor(x: jax.Array, axis: int, tau: float, rows: _RowStats):
-  """RMS of each row (axis −1) or column (axis −2), and τ × the mean of those RMS values."""
-  if axis == -1:
-    rms = jnp.sqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True))
-    return rms, tau * rows.mean(rms)
-  rms = jnp.sqrt(rows.mean(jnp.square(x)))
-  return rms, tau * jnp.mean(rms, axis=-1, keepdims=True)
+  def weighted_column_sums(self, w_R: jax.Array, s_RxC: jax.Array) -> jax.Array:
+    """Σ_{i∈b} w_i s_ij for each block b: [..., B, C], the one-hot block matmul."""
+    if self.whole:
+      return jnp.sum(w_R[..., None] * s_RxC, axis=-2, keepdims=True)
+    return jnp.einsum("...rb,...rc->...bc", w_R[..., None] * self.onehot(), s_RxC, precision=_HI)
 
 
-def _divide_by_rms(x: jax.Array, axis: int, tau: float, eps: float, rows: _RowStats) -> jax.Array:
-  rms, floor = _rms_and_floor(x, axis, tau, rows)
-  return x / jnp.maximum(jnp.maximum(rms, floor), eps)
+class _Balanced(NamedTuple):
+  """A balanced matrix as diag(r) · X₀ · diag(c_b) (module docstring)."""
+  x0: jax.Array       # [..., R, C] float32, rows in no block zero, scaled by a power of two
+  r: jax.Array        # [..., R]
+  c: jax.Array        # [..., B, C]
+  index: jax.Array    # [R] block of each row
+
+  def row_ms(self, s_RxC: jax.Array) -> jax.Array:
+    """Mean square of each row [..., R] (`s_RxC` = X₀²)."""
+    c2_RxC = jnp.take(jnp.square(self.c), self.index, axis=-2)
+    return jnp.square(self.r) * jnp.mean(s_RxC * c2_RxC, axis=-1)
+
+  def value(self, row_factor_B: jax.Array | None = None) -> jax.Array:
+    """The matrix itself (each row further × its block's `row_factor_B`, if given)."""
+    r = self.r if row_factor_B is None else self.r * jnp.take(row_factor_B, self.index, axis=-1)
+    return r[..., None] * self.x0 * jnp.take(self.c, self.index, axis=-2)
 
 
-def _lift(x: jax.Array, axis: int, tau: float, rows: _RowStats) -> jax.Array:
-  """Factor (≥ 1) raising each row / column RMS below τ × the mean RMS to that floor; 1 for zeros."""
-  rms, floor = _rms_and_floor(x, axis, tau, rows)
-  return jnp.where(rms > 0, jnp.maximum(rms, floor) / jnp.where(rms > 0, rms, 1.0), 1.0)
+def _scale_where_nonzero(ms: jax.Array, floor: jax.Array) -> jax.Array:
+  """max(rms, floor) / rms, the lift to the floor; 0 where the mean square is 0."""
+  rms = jnp.sqrt(ms)
+  return jnp.where(ms > 0, jnp.maximum(rms, floor) / jnp.where(ms > 0, rms, 1.0), 0.0)
+
+
+def _balance(d_RxC: jax.Array, iters: int, tau: float, eps: float, blk: _Blocks
+             ) -> tuple[_Balanced, jax.Array]:
+  """The balanced direction in diagonal form, and S = X₀²."""
+  inside_R = jnp.sum(blk.onehot(), axis=-1) > 0
+  x0 = jnp.where(inside_R[:, None], d_RxC.astype(jnp.float32), 0.0)
+  peak = jnp.max(jnp.abs(x0), axis=(-2, -1), keepdims=True)
+  _, exponent = jnp.frexp(jnp.where(peak > 0, peak, 1.0))
+  x0 = jnp.ldexp(x0, -exponent)                        # exact: max |X₀| in [0.5, 1)
+  s = jnp.square(x0)
+  index = blk.index()
+
+  def row_ms(r, c):
+    return _Balanced(x0, r, c, index).row_ms(s)
+
+  def col_ms(r, c):      # mean square of each column of each block  [..., B, C]
+    return jnp.square(c) * blk.weighted_column_sums(jnp.square(r), s) / blk.sizes[:, None]
+
+  def row_floor(rms_R):  # τ × the mean row RMS of the row's block  [..., R]
+    return jnp.take(tau * blk.mean_of_rows(rms_R), index, axis=-1)
+
+  def col_floor(rms_BxC):
+    return tau * jnp.mean(rms_BxC, axis=-1, keepdims=True)
+
+  # The lift: rows, then columns, raised to the floor (scale ≥ 1; zero rows / columns get 0,
+  # which keeps them zero through the loop).
+  ones_BxC = jnp.ones(s.shape[:-2] + (len(blk.blocks), s.shape[-1]), jnp.float32)
+  ms = row_ms(jnp.ones(s.shape[:-1], jnp.float32), ones_BxC)
+  lift_r = _scale_where_nonzero(ms, row_floor(jnp.sqrt(ms)))
+  ms = col_ms(lift_r, ones_BxC)
+  lift_c = _scale_where_nonzero(ms, col_floor(jnp.sqrt(ms)))
+
+  def alternation(_, rc):
+    r, c = rc
+    rms = jnp.sqrt(row_ms(r, c))
+    r = r / jnp.maximum(jnp.maximum(rms, row_floor(rms)), eps)      # each row by its RMS
+    rms = jnp.sqrt(col_ms(r, c))
+    c = c / jnp.maximum(jnp.maximum(rms, col_floor(rms)), eps)      # each column of each block
+    return r, c
+
+  # A loop, not unrolled: the compiled update keeps one alternation body per parameter.
+  r, c = jax.lax.fori_loop(0, iters, alternation, (lift_r, lift_c))
+  unlift = lambda v, lift: v / jnp.where(lift > 0, lift, 1.0)      # divide the lift out
+  return _Balanced(x0, unlift(r, lift_r), unlift(c, lift_c), index), s
 
 
 def sinkhorn_balance(d_RxC: jax.Array, iters: int, tau: float, eps: float,
@@ -92,35 +163,18 @@ def sinkhorn_balance(d_RxC: jax.Array, iters: int, tau: float, eps: float,
   """K alternations of row then column RMS normalization (float32), batched over leading axes,
   with starved rows / columns kept at their floored relative size; each block of rows on its own
   when `blocks` is given (module docstring)."""
-  rows = _RowStats(d_RxC.shape[-2], blocks)
-  x = rows.mask(d_RxC.astype(jnp.float32))
-  lift_Rx1 = _lift(x, -1, tau, rows)
-  x = x * lift_Rx1
-  lift_RxC = _lift(x, -2, tau, rows)
-  x = x * lift_RxC
-
-  def alternation(_, x):
-    x = _divide_by_rms(x, -1, tau, eps, rows)   # each row by its RMS
-    return _divide_by_rms(x, -2, tau, eps, rows)   # each column (of each block) by its RMS
-
-  # A loop, not unrolled: the compiled update keeps one alternation body per parameter.
-  x = jax.lax.fori_loop(0, iters, alternation, x)
-  return x / (lift_Rx1 * lift_RxC)
-
-
-def rescale_rms(x: jax.Array, target: float, eps: float, blocks: Blocks | None = None) -> jax.Array:
-  """Scale each matrix (last two axes; each block of rows, if given) to RMS `target`; an all-zero
-  matrix stays zero."""
-  rows = _RowStats(x.shape[-2], blocks)
-  rms = jnp.sqrt(jnp.mean(rows.mean(jnp.mean(jnp.square(x), axis=-1, keepdims=True)),
-                          axis=-1, keepdims=True))
-  return x * (target / jnp.maximum(rms, eps))
+  balanced, _ = _balance(d_RxC, iters, tau, eps, _Blocks(d_RxC.shape[-2], blocks))
+  return balanced.value()
 
 
 def sinkhorn_direction(d: jax.Array, iters: int, tau: float, eps: float, update_rms: float,
                        blocks: Blocks | None = None) -> jax.Array:
-  balanced = sinkhorn_balance(d, iters, tau, eps, blocks)
-  return rescale_rms(balanced, update_rms, eps, blocks).astype(d.dtype)
+  """`sinkhorn_balance`, then each matrix (each block of rows, if given) scaled to RMS
+  `update_rms`; an all-zero matrix stays zero. The table is written once, in `d`'s dtype."""
+  blk = _Blocks(d.shape[-2], blocks)
+  balanced, s = _balance(d, iters, tau, eps, blk)
+  rms_B = jnp.sqrt(blk.mean_of_rows(balanced.row_ms(s)))
+  return balanced.value(update_rms / jnp.maximum(rms_B, eps)).astype(d.dtype)
 
 
 class SinkhornState(NamedTuple):
