@@ -37,6 +37,9 @@ E4M3_MIN_SUBNORMAL = 2.0 ** -9
 FP4_MAIN_KV_BLOCK = 16
 MXFP4_BLOCK = 32
 FP8_SWA_BLOCK = 32
+# Lower bounds of the block amax in the power-of-two formats (§9.2).
+MXFP4_AMAX_FLOOR = E2M1_MAX * 2.0 ** -126
+FP8_AMAX_FLOOR = 1e-4
 
 
 # --- element grids -------------------------------------------------------------------------
@@ -105,6 +108,14 @@ def div_short(x: jax.Array, s: jax.Array) -> jax.Array:
   return jnp.copysign(q0 + rho * r, x)  # s > 0: keeps the sign of x, and of ±0
 
 
+def pow2_scale(amax: jax.Array, element_max: float, floor: float) -> jax.Array:
+  """2^ceil(log2(max(amax, floor) / element_max)) in float32: the power-of-two block scale of
+  `mxfp4` (E2M1, floor `MXFP4_AMAX_FLOOR`) and `fp8_swa` (E4M3, floor `FP8_AMAX_FLOOR`). It rounds
+  up, so |x / scale| <= element_max and nothing clips. `launch.weight_formats` stores weights with
+  the same rule."""
+  return _ceil_pow2(jnp.maximum(amax.astype(jnp.float32), floor) / element_max)
+
+
 def _blocks(x: jax.Array, block: int) -> jax.Array:
   if x.shape[-1] % block:
     raise ValueError(f"last axis ({x.shape[-1]}) is not a multiple of the block size {block}")
@@ -144,8 +155,7 @@ def mxfp4(x: jax.Array) -> jax.Array:
   amax is clamped at ≥ 6·2^-126; the scale rounds up, so |x/scale| ≤ 6 and nothing clips.
   """
   xb = _blocks(x, MXFP4_BLOCK)
-  amax = jnp.maximum(_block_amax(xb), E2M1_MAX * 2.0 ** -126)
-  scale = _ceil_pow2(amax / E2M1_MAX)
+  scale = pow2_scale(_block_amax(xb), E2M1_MAX, MXFP4_AMAX_FLOOR)
   q = round_to_e2m1(jnp.clip(xb / scale, -E2M1_MAX, E2M1_MAX))
   return (q * scale).reshape(x.shape).astype(x.dtype)
 
@@ -153,8 +163,7 @@ def mxfp4(x: jax.Array) -> jax.Array:
 def fp8_swa(x: jax.Array) -> jax.Array:
   """SWA KV format (§9.2): blocks of 32, scale 2^ceil(log2(amax/448)) (amax ≥ 1e-4), E4M3 elements."""
   xb = _blocks(x, FP8_SWA_BLOCK)
-  amax = jnp.maximum(_block_amax(xb), 1e-4)
-  scale = _ceil_pow2(amax / E4M3_MAX)
+  scale = pow2_scale(_block_amax(xb), E4M3_MAX, FP8_AMAX_FLOOR)
   q = round_to_e4m3(jnp.clip(xb / scale, -E4M3_MAX, E4M3_MAX))
   return (q * scale).reshape(x.shape).astype(x.dtype)
 

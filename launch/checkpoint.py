@@ -5,6 +5,8 @@ Layout of a work directory:
     DIR/checkpoints/<step>/state       parameters, optimizer state, MoE biases, step (orbax)
     DIR/checkpoints/<step>/data_iter   the grain iterator state (per process)
     DIR/config.json                    the resolved config of the run that owns DIR
+    DIR/imported.json                  written by `launch.convert import`: its step holds only
+                                       parameters and MoE biases (docs/checkpoints.md)
 
 Saves are asynchronous; `CheckpointManager` keeps the newest `keep` steps and only lists a step
 once it is complete, so a save that fails or is killed never replaces the last good checkpoint.
@@ -34,6 +36,7 @@ import orbax.checkpoint as ocp
 log = logging.getLogger("dsv41.checkpoint")
 
 MODEL_SECTION = "model"
+IMPORTED = "imported.json"
 
 
 class WorkdirMismatch(ValueError):
@@ -90,6 +93,11 @@ class Checkpointer:
                                              enable_async_checkpointing=True),
         item_names=("state", "data_iter"))
     self._pending: int | None = None  # the step whose background save may still be running
+    path = os.path.join(os.path.abspath(workdir), IMPORTED)
+    self.imported: dict | None = None   # launch.convert's record of an imported step
+    if os.path.exists(path):
+      with open(path) as f:
+        self.imported = json.load(f)
 
   def steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
@@ -133,6 +141,8 @@ class Checkpointer:
     damaged, errors = [], []
     result = None
     for step in reversed(self.steps()):
+      if self.imported is not None and step == self.imported["step"]:
+        continue  # weights only: `restore_imported`
       try:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state),
@@ -153,6 +163,14 @@ class Checkpointer:
     if damaged:
       self._move_aside(damaged)
     return result
+
+  def restore_imported(self, abstract_params: Any, abstract_moe_bias: Any) -> tuple | None:
+    """(params, moe_bias) of the step `launch.convert import` wrote, if it is still there."""
+    if self.imported is None or self.imported["step"] not in self.steps():
+      return None
+    restored = self.manager.restore(self.imported["step"], args=ocp.args.Composite(
+        state=ocp.args.StandardRestore({"params": abstract_params, "moe_bias": abstract_moe_bias})))
+    return restored["state"]["params"], restored["state"]["moe_bias"]
 
   def _move_aside(self, steps: list[int]) -> None:
     if jax.process_index() == 0:

@@ -352,6 +352,11 @@ def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
     start, tree = restored
     ts.restored(tree)
     log.info("resumed from step %d of %s", start, checkpointer.directory)
+  elif (imported := checkpointer.restore_imported(ckpt_lib.abstract_like(state.params),
+                                                  ckpt_lib.abstract_like(state.moe_bias))):
+    state.params, state.moe_bias = imported
+    log.info("starting at step 0 from the weights launch.convert imported from %s; the "
+             "optimizer state is fresh", checkpointer.imported["source"])
   t_state = time.time()
   log.info("startup: config and data %.1f s, model and optimizer state %.1f s",
            ctx.t_data - ctx.t_start, t_state - ctx.t_data)

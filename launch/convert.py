@@ -1,0 +1,431 @@
+"""Convert between a work directory and the released DeepSeek-V4.1 checkpoint layout.
+
+  python -m launch.convert import --config=configs/flash.py:long --checkpoint=RELEASED --workdir=DIR
+  python -m launch.convert export --workdir=DIR --checkpoint=OUT [--step=N]
+
+The released layout (docs/checkpoints.md): safetensors shards with `model.safetensors.index.json`
+and `config.json`; FP8 dense weights with 32 × 32 E8M0 block scales, FP4 routed experts, FP8
+Engram tables, bf16 / float32 elsewhere (`launch.released_layout`, `launch.weight_formats`).
+
+Import checks everything before it writes: the released config.json against the project config
+(`--config`, whose model section a later `launch.train --config=...` must repeat), every tensor's
+name, shape and dtype against the config (the first offending tensor is named with both shapes),
+every shard's header against its file size. It then streams shard by shard into memory-mapped
+arrays of the scanned-run layout and saves them as step 0 of `DIR/checkpoints` with the MoE biases;
+`DIR/imported.json` marks that step as imported, so `launch.train` starts from it with a fresh
+optimizer state (and says so) and `launch.generate` / `launch.score` read it. A ViT in the config
+is initialised fresh: the release's vision tower is not imported. Export restores a few
+parameters at a time (`--memory_gb`), quantizes with the project's own rules and writes the shards
+it planned from the shapes. Either direction writes into a temporary sibling of the destination and
+renames it at the end: a failure leaves nothing behind, and an existing destination is replaced
+only with `--overwrite`. Bad input stops with one line `error: ...`, exit status 2.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+import warnings
+from typing import Any, Iterator
+
+import jax
+import ml_collections
+import numpy as np
+
+from configs.common import SectionError, model_config
+from dsv41_jax.errors import ConfigError
+from dsv41_jax.param_paths import iter_params, path_str
+from launch import checkpoint as ckpt_lib
+from launch import released_config as rc
+from launch import released_layout as rl
+from launch import safetensors as st
+from launch import weight_formats as wf
+from launch.released_files import (INDEX, ConvertError, check_checkpoint, decode,  # noqa: F401
+                                   read_checkpoint)
+
+log = logging.getLogger("dsv41.convert")
+
+STORED = {"bf16": "BF16", "f32": "F32"}
+
+
+# --- the destination ------------------------------------------------------------------------------
+
+class Destination:
+  """A directory written under a temporary sibling name and renamed into place on success; on
+  failure the temporary directory is removed and an existing destination is untouched."""
+
+  def __init__(self, path: str, overwrite: bool):
+    self.path = os.path.abspath(path)
+    if os.path.exists(self.path) and not overwrite:
+      raise ConvertError(f"{self.path} exists; pass --overwrite to replace it")
+    self.tmp = f"{self.path}.convert-tmp-{os.getpid()}"
+
+  def __enter__(self) -> str:
+    shutil.rmtree(self.tmp, ignore_errors=True)
+    try:
+      os.makedirs(self.tmp)
+    except OSError as e:
+      raise ConvertError(f"cannot create {self.tmp}: {e.strerror or e}") from None
+    return self.tmp
+
+  def __exit__(self, kind, error, tb) -> bool:
+    if kind is not None:
+      shutil.rmtree(self.tmp, ignore_errors=True)
+      return False
+    old = f"{self.path}.convert-old-{os.getpid()}"
+    if os.path.exists(self.path):
+      os.rename(self.path, old)
+    os.rename(self.tmp, self.path)
+    shutil.rmtree(old, ignore_errors=True)
+    return False
+
+
+def _progress(total: int, what: str):
+  from tqdm import tqdm
+  return tqdm(total=total, unit="tensor", desc=what, file=sys.stderr, dynamic_ncols=True,
+              disable=not sys.stderr.isatty())
+
+
+def _abstract_leaves(mcfg) -> tuple[Any, dict[str, tuple]]:
+  """The pure abstract state of the model and its leaf shapes (plus the MoE biases)."""
+  from flax import nnx
+  from dsv41_jax.model import abstract_model
+  _, state = nnx.split(abstract_model(mcfg))
+  pure = nnx.as_pure(state)
+  leaves = dict(iter_params(pure))
+  leaves[rl.MOE_BIAS] = (mcfg.num_hidden_layers, 2, mcfg.n_routed_experts)
+  return pure, leaves
+
+
+def _model(cfg: ml_collections.ConfigDict):
+  try:
+    mcfg = model_config(cfg)
+  except (ConfigError, SectionError, KeyError, TypeError, ValueError) as e:
+    raise ConvertError(f"config.model: {e}") from None
+  problems = rc.unexportable(mcfg)
+  if problems:
+    raise ConvertError("the released layout cannot hold this model: " + "; ".join(problems))
+  return mcfg
+
+
+# --- import ---------------------------------------------------------------------------------------
+
+def import_checkpoint(cfg: ml_collections.ConfigDict, checkpoint: str, workdir: str,
+                      overwrite: bool = False) -> dict[str, Any]:
+  """Released checkpoint → work directory at step 0 (module docstring); returns a summary."""
+  released, infos, shards = read_checkpoint(checkpoint)
+  try:
+    fields = rc.model_fields(released)
+  except rc.ConfigMismatch as e:
+    raise ConvertError(str(e)) from None
+  differ = rc.disagreements(fields, dict(cfg.model))
+  if differ:
+    raise ConvertError(f"{checkpoint}/config.json and --config disagree: {'; '.join(differ[:6])} "
+                       "(use the matching config file or --config.model.<field>=<value>)")
+  mcfg = _model(cfg)
+  try:
+    rc.check_rows(released, mcfg)
+  except rc.ConfigMismatch as e:
+    raise ConvertError(str(e)) from None
+  block = tuple((released.get("quantization_config") or {}).get("weight_block_size", (128, 128)))
+  tensors = rl.released_tensors(mcfg)
+  dropped = check_checkpoint(tensors, infos, block)
+  pure, leaves = _abstract_leaves(mcfg)
+  problems = rl.check_coverage(mcfg, leaves, tensors)
+  if problems:  # the map itself is wrong for this config: a bug, not bad input
+    raise ConvertError(f"the tensor map does not cover this model: {problems[0]}")
+  dest = Destination(workdir, overwrite)
+  t0 = time.time()
+  with dest as tmp:
+    scratch = os.path.join(tmp, "scratch")
+    os.makedirs(scratch)
+    dtypes = {path_str(p): x.dtype for p, x in jax.tree_util.tree_flatten_with_path(pure)[0]}
+    dtypes[rl.MOE_BIAS] = np.dtype(np.float32)
+    arrays = {path: np.memmap(os.path.join(scratch, f"{n}.bin"), dtype=dtypes[path], mode="w+",
+                              shape=shape)
+              for n, (path, shape) in enumerate(leaves.items())}
+    by_shard = collections.defaultdict(list)
+    for tensor in tensors:
+      by_shard[infos[tensor.name].path].append(tensor)
+    with _progress(len(tensors), "import") as bar:
+      for n, shard in enumerate(shards, 1):
+        for tensor in by_shard[os.path.join(checkpoint, shard)]:
+          pl = tensor.placement
+          target = arrays[pl.path]
+          target[pl.index] = rl.from_released(decode(tensor, infos, block), pl.transform,
+                                              target[pl.index].shape)
+          bar.update(1)
+        log.info("shard %d/%d read: %s", n, len(shards), shard)
+    vision = _fresh_vision(mcfg, int(cfg.train.seed), arrays)
+    save_weights(tmp, 0, jax.tree_util.tree_map_with_path(lambda p, _: arrays[path_str(p)], pure),
+                 arrays[rl.MOE_BIAS])
+    del arrays
+    shutil.rmtree(scratch)
+    out = cfg.to_dict()
+    tokenizer = os.path.join(os.path.abspath(checkpoint), "tokenizer.json")
+    if not out["data"].get("tokenizer_path") and os.path.exists(tokenizer):
+      out["data"]["tokenizer_path"] = tokenizer   # generate/score read the release's tokenizer
+    ckpt_lib.check_or_write_config(tmp, out, True)
+    summary = {"source": os.path.abspath(checkpoint), "step": 0, "tensors": len(tensors),
+               "dropped": len(dropped), "dropped_prefixes": sorted(
+                   {n.split(".")[0] for n in dropped}), "fresh": vision,
+               "seconds": round(time.time() - t0, 1)}
+    with open(os.path.join(tmp, ckpt_lib.IMPORTED), "w") as f:
+      json.dump(summary, f, indent=1)
+  log.info("imported %d tensors into %s (step 0; %d released tensors dropped: %s; fresh: %s)",
+           len(tensors), dest.path, len(dropped), ", ".join(summary["dropped_prefixes"]) or "none",
+           ", ".join(vision) or "none")
+  return summary
+
+
+def save_weights(workdir: str, step: int, params, moe_bias) -> None:
+  """Step `step` of `workdir/checkpoints` holding only parameters (the model's pure state, leaves
+  of host or device arrays) and MoE biases: what `launch.generate.load_model` and
+  `Checkpointer.restore_imported` read."""
+  manager = ckpt_lib.ocp.CheckpointManager(
+      os.path.join(workdir, "checkpoints"),
+      options=ckpt_lib.ocp.CheckpointManagerOptions(create=True), item_names=("state",))
+  manager.save(step, args=ckpt_lib.ocp.args.Composite(state=ckpt_lib.ocp.args.StandardSave(
+      {"params": params, "moe_bias": moe_bias})))
+  manager.wait_until_finished()
+  manager.close()
+
+
+def _fresh_vision(mcfg, seed: int, arrays: dict[str, np.ndarray]) -> list[str]:
+  """Fill the vision pathway's leaves with a fresh initialisation (the release's vision tower is
+  not imported); returns the prefixes filled."""
+  if mcfg.vision is None:
+    return []
+  import jax.numpy as jnp
+  from flax import nnx
+  from dsv41_jax.vision.projector import Projector
+  from dsv41_jax.vision.vit import ViT
+  rngs, pd = nnx.Rngs(seed), jnp.dtype(mcfg.param_dtype)
+  parts = {"vision": ViT(mcfg.vision, rngs, dtype=mcfg.dtype, param_dtype=pd),
+           "projector": Projector(mcfg.vision, mcfg.hidden_size, rngs, dtype=mcfg.dtype,
+                                  param_dtype=pd)}
+  for prefix, module in parts.items():
+    for p, x in jax.tree_util.tree_flatten_with_path(nnx.as_pure(nnx.state(module)))[0]:
+      arrays[f"{prefix}/{path_str(p)}"][...] = np.asarray(x)
+  log.warning("the release's vision tower is not imported: the ViT and projector start fresh "
+              "(seed %d)", seed)
+  return list(parts)
+
+
+# --- export ---------------------------------------------------------------------------------------
+
+def _stored(tensor: rl.Tensor) -> list[tuple[str, str, tuple[int, ...]]]:
+  """(name, dtype, shape) of the file entries of one released tensor."""
+  R, C = tensor.shape[0], tensor.shape[-1]
+  if tensor.storage in STORED:
+    return [(tensor.name, STORED[tensor.storage], tensor.shape)]
+  if tensor.storage == "fp4":
+    return [(tensor.name, "I8", (R, C // 2)), (tensor.scale_name, "F8_E8M0", (R, C // wf.FP4_BLOCK))]
+  block = wf.ROW_BLOCK if tensor.storage == "fp8_rows" else wf.FP8_TILE
+  return [(tensor.name, "F8_E4M3", tensor.shape),
+          (tensor.scale_name, "F8_E8M0", wf.scale_grid(tensor.shape, block))]
+
+
+def encode(tensor: rl.Tensor, x: np.ndarray) -> list[np.ndarray]:
+  """The file entries of a released tensor from its float values (in `_stored` order)."""
+  import ml_dtypes
+  if tensor.storage == "bf16":
+    return [np.asarray(x, np.float32).astype(ml_dtypes.bfloat16)]
+  if tensor.storage == "f32":
+    return [np.asarray(x, np.float32)]
+  if tensor.storage == "fp4":
+    return list(wf.encode_fp4(x, tensor.name))
+  return list(wf.encode_fp8(x, wf.ROW_BLOCK if tensor.storage == "fp8_rows" else wf.FP8_TILE))
+
+
+def _groups(tensors: list[rl.Tensor], leaves: dict[str, tuple], dtypes: dict[str, np.dtype],
+            budget: float) -> Iterator[tuple[list[str], list[rl.Tensor]]]:
+  """(leaf paths restored together within `budget` bytes, the tensors they fill), in order."""
+  by_leaf = collections.OrderedDict()
+  for tensor in tensors:
+    by_leaf.setdefault(tensor.placement.path, []).append(tensor)
+  paths, group, used = [], [], 0
+  for path, ts in by_leaf.items():
+    size = int(np.prod(leaves[path])) * dtypes[path].itemsize
+    if paths and used + size > budget:
+      yield paths, group
+      paths, group, used = [], [], 0
+    paths.append(path)
+    group += ts
+    used += size
+  if paths:
+    yield paths, group
+
+
+def _restore(state_dir: str, pure, leaves: dict[str, tuple], paths: list[str]
+             ) -> dict[str, np.ndarray]:
+  """The named leaves of a checkpoint's state (params by path, and MOE_BIAS) as host arrays."""
+  import orbax.checkpoint as ocp
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  want = set(paths)
+  target: dict = {}
+  for p, x in jax.tree_util.tree_flatten_with_path(pure)[0]:
+    if path_str(p) in want:
+      node = target.setdefault("params", {})
+      keys = [getattr(k, "key", getattr(k, "idx", None)) for k in p]
+      for k in keys[:-1]:
+        node = node.setdefault(k, {})
+      node[keys[-1]] = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device)
+  if rl.MOE_BIAS in want:
+    target[rl.MOE_BIAS] = jax.ShapeDtypeStruct(leaves[rl.MOE_BIAS], np.float32, sharding=device)
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", UserWarning)
+      restored = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
+          item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+          partial_restore=True))
+  except Exception as e:  # noqa: BLE001 -- a damaged or foreign checkpoint, reported in one line
+    first = (str(e).splitlines() or [""])[0][:200]
+    raise ConvertError(f"cannot restore {paths[0]} from {state_dir} ({type(e).__name__}: "
+                       f"{first})") from None
+  return {path_str(p).removeprefix("params/"): np.asarray(x)
+          for p, x in jax.tree_util.tree_flatten_with_path(restored)[0]}
+
+
+def export_checkpoint(workdir: str, checkpoint: str, step: int | None = None,
+                      overwrite: bool = False, shard_bytes: float = 5e9,
+                      memory_bytes: float = 8e9) -> dict[str, Any]:
+  """Work directory (step `step`, default the newest) → released checkpoint; returns a summary."""
+  from launch.generate import checkpoint_steps
+  path = os.path.join(workdir, "config.json")
+  try:
+    with open(path) as f:
+      cfg = ml_collections.ConfigDict(json.load(f))
+  except (OSError, ValueError) as e:
+    raise ConvertError(f"cannot read {path} ({e}); --workdir must be a launch.train or "
+                       "launch.convert work directory") from None
+  steps = checkpoint_steps(workdir)
+  if not steps:
+    raise ConvertError(f"{workdir} holds no checkpoint")
+  step = steps[-1] if step is None else step
+  if step not in steps:
+    raise ConvertError(f"{workdir} has no checkpoint of step {step} (steps {steps})")
+  mcfg = _model(cfg)
+  tensors = rl.released_tensors(mcfg)
+  narrow = next((t for t in tensors if t.storage == "fp4" and t.shape[1] % wf.FP4_BLOCK), None)
+  if narrow is not None:
+    raise ConvertError(f"{narrow.name} {list(narrow.shape)}: the released FP4 experts need input "
+                       f"widths (hidden_size, moe_intermediate_size) that are multiples of "
+                       f"{wf.FP4_BLOCK}")
+  pure, leaves = _abstract_leaves(mcfg)
+  dtypes = {path_str(p): np.dtype(x.dtype) for p, x in jax.tree_util.tree_flatten_with_path(pure)[0]}
+  dtypes[rl.MOE_BIAS] = np.dtype(np.float32)
+  groups = list(_groups(tensors, leaves, dtypes, memory_bytes))
+  entries = [e for _, ts in groups for t in ts for e in _stored(t)]
+  files: list[list] = [[]]
+  used = 0
+  for _, ts in groups:       # a weight and its scale share a file
+    for t in ts:
+      size = sum(int(np.prod(s)) * st.DTYPES[d].itemsize for _, d, s in _stored(t))
+      if files[-1] and used + size > shard_bytes:
+        files.append([])
+        used = 0
+      files[-1] += _stored(t)
+      used += size
+  names = [f"model-{k:05d}-of-{len(files):05d}.safetensors" for k in range(1, len(files) + 1)]
+  state_dir = os.path.join(os.path.abspath(workdir), "checkpoints", str(step), "state")
+  dest = Destination(checkpoint, overwrite)
+  t0 = time.time()
+  with dest as tmp:
+    writers = iter([(n, plan) for n, plan in zip(names, files)])
+    writer, remaining = None, 0
+    with _progress(len(tensors), "export") as bar:
+      for paths, ts in groups:
+        values = _restore(state_dir, pure, leaves, paths)
+        for t in ts:
+          pl = t.placement
+          x = rl.to_released(values[pl.path][pl.index], pl.transform, t.shape)
+          for (name, _, _), array in zip(_stored(t), encode(t, x)):
+            if remaining == 0:
+              if writer is not None:
+                writer.close()
+              shard, plan = next(writers)
+              writer = st.ShardWriter(os.path.join(tmp, shard), plan, {"format": "pt"})
+              remaining = len(plan)
+              log.info("writing %s (%d tensors)", shard, len(plan))
+            writer.write(name, array)
+            remaining -= 1
+          bar.update(1)
+        del values
+    writer.close()
+    weight_map = {name: names[k] for k, plan in enumerate(files) for name, _, _ in plan}
+    total = sum(int(np.prod(s)) * st.DTYPES[d].itemsize for d, s in
+                ((d, s) for _, d, s in entries))
+    with open(os.path.join(tmp, INDEX), "w") as f:
+      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+      json.dump(rc.config_json(mcfg), f, indent=1)
+    tokenizer = cfg.data.get("tokenizer_path", "")
+    if tokenizer and tokenizer.endswith(".json") and os.path.exists(tokenizer):
+      shutil.copy(tokenizer, os.path.join(tmp, "tokenizer.json"))
+  dropped = sorted({p.split("/")[0] for p in leaves if p.startswith(rl.UNRELEASED_PREFIXES)})
+  log.info("exported step %d of %s: %d tensors in %d shards to %s (not exported: optimizer "
+           "state%s)", step, workdir, len(tensors), len(files), dest.path,
+           "".join(f", {d}" for d in dropped))
+  return {"step": step, "tensors": len(tensors), "shards": len(files), "bytes": total,
+          "dropped": dropped, "seconds": round(time.time() - t0, 1)}
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+def define_flags():
+  """The command line's flags (defined only when run as a program, so the module imports cleanly)."""
+  from absl import flags
+  from ml_collections import config_flags
+  config_flags.DEFINE_config_file("config", None, "import: the project config the checkpoint "
+                                  "must match (the same --config launch.train is given).",
+                                  lock_config=True)
+  flags.DEFINE_string("checkpoint", None, "The released-layout directory: import source, export "
+                      "destination.")
+  flags.DEFINE_string("workdir", None, "The work directory: import destination, export source.")
+  flags.DEFINE_integer("step", None, "export: the checkpoint step (default: the newest).")
+  flags.DEFINE_bool("overwrite", False, "Replace an existing destination.")
+  flags.DEFINE_float("shard_gb", 5.0, "export: bytes per safetensors shard, in GB.")
+  flags.DEFINE_float("memory_gb", 8.0, "export: parameters restored at a time, in GB (a larger "
+                     "parameter is restored alone).")
+
+
+def main(argv):
+  from absl import flags
+  from absl import logging as absl_logging
+  absl_logging.set_verbosity(absl_logging.WARNING)   # orbax logs every write at INFO
+  ours = logging.getLogger("dsv41")
+  if not ours.handlers:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    ours.addHandler(handler)
+  ours.setLevel(logging.INFO)
+  ours.propagate = False
+  f = flags.FLAGS
+  try:
+    if len(argv) != 2 or argv[1] not in ("import", "export"):
+      raise ConvertError("give one command: import or export (python -m launch.convert import "
+                         "--config=... --checkpoint=... --workdir=...)")
+    for name in ("checkpoint", "workdir") + (("config",) if argv[1] == "import" else ()):
+      if not getattr(f, name):
+        raise ConvertError(f"{argv[1]} needs --{name}")
+    if argv[1] == "import":
+      summary = import_checkpoint(f.config, f.checkpoint, f.workdir, f.overwrite)
+    else:
+      summary = export_checkpoint(f.workdir, f.checkpoint, f.step, f.overwrite,
+                                  f.shard_gb * 1e9, f.memory_gb * 1e9)
+  except (ConvertError, st.FormatError, wf.FormatError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+  from absl import app
+  define_flags()
+  app.run(main)
