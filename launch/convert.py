@@ -427,5 +427,6 @@ def main(argv):
 
 if __name__ == "__main__":
   from absl import app
+  from launch import cli
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)
