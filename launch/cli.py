@@ -8,10 +8,12 @@ traceback.
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 
 from absl import flags
+from absl import logging as absl_logging
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -31,3 +33,16 @@ def parse_flags(argv: list[str]) -> list[str]:
     print(f"error: a --config override does not fit the config file: {text} (overrides given: "
           f"{given}); fix the key or value", file=sys.stderr)
   sys.exit(2)
+
+
+def log_to_stderr() -> None:
+  """absl owns the root logger (set to WARNING: orbax logs every save at INFO); the project's own
+  logger ("dsv41.*") gets a stderr handler of its own at INFO."""
+  absl_logging.set_verbosity(absl_logging.WARNING)
+  ours = logging.getLogger("dsv41")
+  if not ours.handlers:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    ours.addHandler(handler)
+  ours.setLevel(logging.INFO)
+  ours.propagate = False

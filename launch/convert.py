@@ -397,15 +397,8 @@ def define_flags():
 
 def main(argv):
   from absl import flags
-  from absl import logging as absl_logging
-  absl_logging.set_verbosity(absl_logging.WARNING)   # orbax logs every write at INFO
-  ours = logging.getLogger("dsv41")
-  if not ours.handlers:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    ours.addHandler(handler)
-  ours.setLevel(logging.INFO)
-  ours.propagate = False
+  from launch import cli
+  cli.log_to_stderr()
   f = flags.FLAGS
   try:
     if len(argv) != 2 or argv[1] not in ("import", "export"):

@@ -43,13 +43,12 @@ import jax
 import ml_collections
 import numpy as np
 from absl import app, flags
-from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from data.pipeline import make_eval_iterator, make_tokenizer, make_train_iterator
 from dsv41_jax import flops
 from launch import checkpoint as ckpt_lib
-from launch import compile_cache, evaluation, metrics as metrics_lib, setup, xla_flags
+from launch import cli, compile_cache, evaluation, metrics as metrics_lib, setup, xla_flags
 from launch.cli import parse_flags  # noqa: F401 -- launch.train.parse_flags, as before
 from launch.setup import SetupError, compile_train_steps, replicate, to_global  # noqa: F401
 from optim import schedule
@@ -488,16 +487,7 @@ def format_summary(s: dict[str, Any], workdir: str) -> str:
 
 def main(argv):
   del argv
-  # absl owns the root logger (set to WARNING: orbax logs every save at INFO); this job's own
-  # logger ("dsv41.*") gets a handler of its own at INFO.
-  absl_logging.set_verbosity(absl_logging.WARNING)
-  ours = logging.getLogger("dsv41")
-  if not ours.handlers:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    ours.addHandler(handler)
-  ours.setLevel(logging.INFO)
-  ours.propagate = False
+  cli.log_to_stderr()
   xla_flags.apply_defaults()   # before the first jax call starts the backend
   init_distributed(_COORD.value, _NPROC.value, _PID.value)
   try:
