@@ -14,9 +14,18 @@ cols), after turning tall matrices wide, are concatenated and go through ONE New
 whose iterations are a `lax.fori_loop` over the coefficient table, so the compiled update holds one
 Newton–Schulz body per distinct matrix shape, however many parameters share it.
 
-Precision (`ns_dtype`): "float32" runs the products in float32 at HIGHEST precision; "bfloat16"
-feeds them bfloat16 operands with float32 accumulation (the iterate itself stays float32), the
-tensor-core path of accelerators; "auto" picks float32 on CPU and bfloat16 elsewhere.
+Precision (`ns_dtype`): "float32" runs the products in float32 at HIGHEST precision with a float32
+iterate; "bfloat16" keeps the iterate X and the Gram matrices in bfloat16 between products, every
+product accumulating in float32 and each polynomial combined in float32 before its one rounding
+to bfloat16 (so no product is preceded by a separate cast pass); the last step is written in
+float32. That is the tensor-core path of accelerators: singular values within 1 ± 5e-3 of one and
+the update RMS within 1 % of 0.18 on real gradients (`benchmarks/muon_precision.py`). "auto" picks
+float32 on CPU and bfloat16 elsewhere.
+
+Frozen parameters (`frozen(path)`, the chain's frozen set, e.g. the ViT until the decay) get zero
+gradients and so a zero direction while frozen: their matrices are batched apart from the others,
+and each such batch runs Newton–Schulz only when some entry is non-zero (`lax.cond`), so a frozen
+ViT costs no matrix products. Newton–Schulz maps zero to zero, so the result is the same either way.
 """
 
 from __future__ import annotations
@@ -46,36 +55,65 @@ def resolve_ns_dtype(ns_dtype: str) -> str:
   return ns_dtype
 
 
-def newton_schulz(x_BxMxN: jax.Array, coeffs=NS_COEFFS, ns_dtype: str = "float32") -> jax.Array:
-  """Approximate U Vᵀ of each matrix in the batch (float32 iterate, see `ns_dtype` above).
-
-  The matrix is normalized by its Frobenius norm (so every singular value is ≤ 1), then each step
-  maps X ← aX + (bA + cA²)X with A = XXᵀ, i.e. each singular value s ← as + bs³ + cs⁵.
-  """
-  ns_dtype = resolve_ns_dtype(ns_dtype)
-  x = x_BxMxN.astype(jnp.float32)
-  tall = x.shape[-2] > x.shape[-1]
-  if tall:  # iterate on the wide orientation: A is min(m, n)²
-    x = jnp.swapaxes(x, -1, -2)
+def _normalized(x: jax.Array) -> jax.Array:
+  """Each matrix divided by its Frobenius norm (every singular value ≤ 1), in float32."""
+  x = x.astype(jnp.float32)
   norm = jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True))
-  x = x / jnp.maximum(norm, 1e-30)
+  return x / jnp.maximum(norm, 1e-30)
+
+
+def _iterate(x_BxMxN: jax.Array, coeffs, ns_dtype: str) -> jax.Array:
+  """The Newton–Schulz steps on wide, normalized matrices (already in the iterate's dtype);
+  float32 out. Each step maps X ← aX + (bA + cA²)X with A = XXᵀ, i.e. each singular value
+  s ← as + bs³ + cs⁵."""
+  table = jnp.asarray(np.asarray(coeffs, np.float32))
   if ns_dtype == "float32":
     mm = lambda eq, u, v: jnp.einsum(eq, u, v, precision=_HI)
-  else:
-    mm = lambda eq, u, v: jnp.einsum(eq, u.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
-                                     preferred_element_type=jnp.float32)
-  table = jnp.asarray(np.asarray(coeffs, np.float32))
 
-  def step(i, x):
-    a, b, c = table[i, 0], table[i, 1], table[i, 2]
-    a_MxM = mm("...mn,...kn->...mk", x, x)
-    b_MxM = b * a_MxM + c * mm("...mk,...kl->...ml", a_MxM, a_MxM)
-    return a * x + mm("...mk,...kn->...mn", b_MxM, x)
+    def step(i, x):
+      a, b, c = table[i, 0], table[i, 1], table[i, 2]
+      a_MxM = mm("...mn,...kn->...mk", x, x)
+      b_MxM = b * a_MxM + c * mm("...mk,...kl->...ml", a_MxM, a_MxM)
+      return a * x + mm("...mk,...kn->...mn", b_MxM, x)
 
-  x = jax.lax.fori_loop(0, len(coeffs), step, x)
-  if tall:
-    x = jnp.swapaxes(x, -1, -2)
-  return x
+    return jax.lax.fori_loop(0, len(coeffs), step, x_BxMxN)
+
+  # bfloat16: the same polynomial about the identity, A = I + Aₛ, so that what is rounded to
+  # bfloat16 is small once X is near orthogonal (A ≈ I, the Gram matrices' rounding would
+  # otherwise move the singular values by up to 4e-3):
+  #   aX + bAX + cA²X = (a + b + c)·X + ((b + 2c)·Aₛ + c·Aₛ²)·X.
+  bf16 = jnp.bfloat16
+  mm = lambda eq, u, v: jnp.einsum(eq, u, v, preferred_element_type=jnp.float32)
+  m = x_BxMxN.shape[-2]
+  eye = jnp.eye(m, dtype=jnp.float32)
+
+  def bf16_step(x, a, b, c, out_dtype):
+    as_MxM = (mm("...mn,...kn->...mk", x, x) - eye).astype(bf16)
+    b_MxM = ((b + 2 * c) * as_MxM.astype(jnp.float32)
+             + c * mm("...mk,...kl->...ml", as_MxM, as_MxM)).astype(bf16)
+    return ((a + b + c) * x.astype(jnp.float32) + mm("...mk,...kn->...mn", b_MxM, x)
+            ).astype(out_dtype)
+
+  x = jax.lax.fori_loop(
+      0, len(coeffs) - 1,
+      lambda i, x: bf16_step(x, table[i, 0], table[i, 1], table[i, 2], bf16), x_BxMxN)
+  a, b, c = coeffs[-1]
+  return bf16_step(x, a, b, c, jnp.float32)
+
+
+def _iterate_dtype(ns_dtype: str):
+  return jnp.float32 if ns_dtype == "float32" else jnp.bfloat16
+
+
+def newton_schulz(x_BxMxN: jax.Array, coeffs=NS_COEFFS, ns_dtype: str = "float32") -> jax.Array:
+  """Approximate U Vᵀ of each matrix in the batch (float32 out; precision `ns_dtype`, module
+  docstring). The matrix is normalized by its Frobenius norm, then iterated in the wide
+  orientation (A is min(m, n)²)."""
+  ns_dtype = resolve_ns_dtype(ns_dtype)
+  tall = x_BxMxN.shape[-2] > x_BxMxN.shape[-1]
+  x = _normalized(jnp.swapaxes(x_BxMxN, -1, -2) if tall else x_BxMxN)
+  x = _iterate(x.astype(_iterate_dtype(ns_dtype)), coeffs, ns_dtype)
+  return jnp.swapaxes(x, -1, -2) if tall else x
 
 
 def _as_matrices(g: jax.Array, headwise: bool) -> jax.Array:
@@ -92,19 +130,30 @@ def _from_matrices(x: jax.Array, like: jax.Array, headwise: bool) -> jax.Array:
 
 
 def orthogonalize_many(gs: Sequence[jax.Array], headwise: Sequence[bool],
-                       ns_dtype: str = "float32") -> list[jax.Array]:
-  """`orthogonalize` of every array, with one batched Newton–Schulz per distinct matrix shape."""
+                       ns_dtype: str = "float32", frozen: Sequence[bool] | None = None
+                       ) -> list[jax.Array]:
+  """`orthogonalize` of every array, with one batched Newton–Schulz per distinct matrix shape
+  (and per frozen-or-not: a batch of `frozen` arrays is skipped while all of it is zero)."""
+  ns_dtype = resolve_ns_dtype(ns_dtype)
+  frozen = [False] * len(gs) if frozen is None else list(frozen)
   mats = [_as_matrices(g, h) for g, h in zip(gs, headwise)]
-  by_shape: dict[tuple[int, int], list[int]] = {}
+  by_key: dict[tuple[int, int, bool], list[int]] = {}
   for i, x in enumerate(mats):
-    by_shape.setdefault(tuple(sorted(x.shape[-2:])), []).append(i)
+    by_key.setdefault(tuple(sorted(x.shape[-2:])) + (frozen[i],), []).append(i)
   out: list[jax.Array | None] = [None] * len(mats)
-  for (small, _), idx in by_shape.items():
-    # Tall matrices turned wide, so every item of the batch iterates on the same orientation.
-    wide = [mats[i] if mats[i].shape[-2] == small else jnp.swapaxes(mats[i], -1, -2) for i in idx]
+  for (small, _, skippable), idx in by_key.items():
+    # Each item normalized and turned wide, then rounded once to the iterate's dtype.
+    wide = [_normalized(mats[i] if mats[i].shape[-2] == small else jnp.swapaxes(mats[i], -1, -2)
+                        ).astype(_iterate_dtype(ns_dtype)) for i in idx]
     sizes = np.cumsum([w.shape[0] for w in wide])[:-1]
-    done = jnp.split(newton_schulz(jnp.concatenate(wide, axis=0), ns_dtype=ns_dtype), sizes)
-    for i, y in zip(idx, done):
+    x = jnp.concatenate(wide, axis=0)
+    run = lambda x: _iterate(x, NS_COEFFS, ns_dtype)
+    if skippable:
+      x = jax.lax.cond(jnp.any(x != 0), run,
+                       lambda x: jnp.zeros(x.shape, jnp.float32), x)
+    else:
+      x = run(x)
+    for i, y in zip(idx, jnp.split(x, sizes)):
       y = y if mats[i].shape[-2] == small else jnp.swapaxes(y, -1, -2)
       out[i] = _from_matrices(y, gs[i], headwise[i])
   return out
@@ -138,8 +187,10 @@ class MuonState(NamedTuple):
 
 
 def scale_by_muon(momentum: float, update_rms: float, headwise: Callable[[str], bool],
-                  ns_dtype: str = "auto") -> optax.GradientTransformation:
-  """Nesterov momentum + Newton–Schulz + RMS rescaling; `headwise(path)` picks the variant.
+                  ns_dtype: str = "auto", frozen: Callable[[str], bool] = lambda path: False
+                  ) -> optax.GradientTransformation:
+  """Nesterov momentum + Newton–Schulz + RMS rescaling; `headwise(path)` picks the variant,
+  `frozen(path)` marks parameters whose direction is zero while frozen (module docstring).
 
   All parameters' matrices are orthogonalized together (`orthogonalize_many`)."""
 
@@ -152,9 +203,10 @@ def scale_by_muon(momentum: float, update_rms: float, headwise: Callable[[str], 
 
     flat_g, treedef = jax.tree_util.tree_flatten_with_path(updates)
     flat_m = treedef.flatten_up_to(new_m)
-    hw = [headwise(table_lib.path_str(p)) for p, _ in flat_g]
+    paths = [table_lib.path_str(p) for p, _ in flat_g]
+    hw = [headwise(p) for p in paths]
     dirs = [g + momentum * m for (_, g), m in zip(flat_g, flat_m)]
-    orth = orthogonalize_many(dirs, hw, ns_dtype)
+    orth = orthogonalize_many(dirs, hw, ns_dtype, [frozen(p) for p in paths])
     out = [(o * rms_scale(d.shape, h, update_rms)).astype(d.dtype)
            for o, d, h in zip(orth, dirs, hw)]
     return jax.tree.unflatten(treedef, out), MuonState(momentum=new_m)

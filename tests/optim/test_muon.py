@@ -1,5 +1,6 @@
 """Muon group (optim/muon.py) against float64 SVD references on random gradients."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -89,3 +90,40 @@ def test_update_rms_is_018_lr():
   for name in ("q", "w"):
     # every matrix of the batch has unit singular values within 5.4e-4
     assert refs.rms(u[name]) == pytest.approx(0.18 * 0.02, rel=6e-4)
+
+
+def test_bfloat16_iterate_keeps_singular_values_within_1e3():
+  """bf16 iterate, float32 accumulation (the accelerator path), on matrices whose spectrum spans
+  four decades: every singular value within 1 ± 1e-3 (issue 25 asks 5e-3; the iteration about the
+  identity gets the float32 figure, 5.6e-4 here)."""
+  rng = np.random.default_rng(5)
+  m, n = 96, 48
+  u, _ = np.linalg.qr(rng.standard_normal((m, n)))
+  v, _ = np.linalg.qr(rng.standard_normal((n, n)))
+  g = np.stack([(u * np.logspace(0, -4, n)) @ v.T, rng.standard_normal((m, n))]).astype(np.float32)
+  o16 = np.asarray(muon.newton_schulz(jnp.asarray(g), ns_dtype="bfloat16"), np.float64)
+  o32 = np.asarray(muon.newton_schulz(jnp.asarray(g), ns_dtype="float32"), np.float64)
+  for a in o16:
+    s = np.linalg.svd(a, compute_uv=False)
+    assert np.all(np.abs(s - 1) < 1e-3), (s.min(), s.max())
+  # On the well-conditioned (Gaussian) item the two precisions agree to bf16 rounding; on the
+  # decaying spectrum the directions of singular values near 1e-4 are below bf16's resolution.
+  assert np.abs(o16[1] - o32[1]).max() < 0.04 / np.sqrt(n), np.abs(o16[1] - o32[1]).max()
+
+
+def test_frozen_matrices_are_skipped_while_zero_and_equal_otherwise():
+  """A frozen batch runs Newton–Schulz under a conditional; a zero direction gives zero, a
+  non-zero one the same as if not frozen."""
+  rng = np.random.default_rng(6)
+  gs = [jnp.asarray(rng.standard_normal((2, 16, 40)), jnp.float32),
+        jnp.asarray(rng.standard_normal((16, 40)), jnp.float32)]
+  free = muon.orthogonalize_many(gs, [False, False], "float32")
+  frozen = jax.jit(lambda gs: muon.orthogonalize_many(gs, [False, False], "float32",
+                                                      [False, True]))
+  for a, b in zip(frozen(gs), free):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  out = frozen([gs[0], jnp.zeros_like(gs[1])])
+  np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(free[0]))
+  assert np.all(np.asarray(out[1]) == 0)
+  text = frozen.lower(gs).as_text()
+  assert text.count("stablehlo.case") + text.count("stablehlo.if") == 1
