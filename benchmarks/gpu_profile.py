@@ -1,0 +1,217 @@
+"""Where a config's train step spends its GPU time, by source: one command (issue 28).
+
+  PYTHONUNBUFFERED=1 python benchmarks/gpu_profile.py --size s3 --batch 4 --seq 4096 [--top 30]
+      [--out DIR] [--json PATH] [--set model.remat=false ...]
+
+Runs `benchmarks/gpu_step.py`'s step for the size (`bench`: the real train step, compiled ahead of
+time, timed over `--steps`), profiles two more steps, and attributes every GPU kernel to its
+source. CUDA command buffers are turned off (`--xla_gpu_enable_command_buffer=`), so each kernel
+event names its XLA instruction (`hlo_op`); the compiled HLO text's metadata gives that
+instruction's `stack_frame_id`, and the text's FileNames / FunctionNames / FileLocations /
+StackFrames tables give the frame's file, function and line (or `source_file` / `source_line`
+where the metadata carries them). Printed, kernel time per step (the trace holds two steps):
+
+  - by component (optimizer, attention, indexer, mHC, MoE, Engram, dense, norms, loss, other),
+    from the innermost frame inside this repository (`COMPONENTS`: file and function rules);
+  - by source file, by function, and by (op kind, file:line), the top `--top` rows each.
+
+Kernel time is the sum of kernel durations on the GPU streams; it can exceed the step when streams
+overlap and falls short of it by the gaps (the "busy" line). Without a GPU: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import sys
+
+_FLAG = "--xla_gpu_enable_command_buffer="
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+# Component of a kernel: the first rule matching the innermost in-repository frame's file and
+# function (prefix of the repository-relative path; function substring or None for any).
+COMPONENTS: tuple[tuple[str, str, str | None], ...] = (
+    ("optimizer", "optim/", None),
+    ("indexer", "dsv41_jax/layers/indexer.py", None),
+    ("indexer", "pallas_kernels/indexer.py", None),
+    ("attention", "dsv41_jax/layers/sparse_attention.py", None),
+    ("attention", "pallas_kernels/sparse_attention.py", None),
+    ("attention", "dsv41_jax/layers/attention.py", None),
+    ("attention", "dsv41_jax/layers/compressor.py", None),
+    ("attention", "dsv41_jax/layers/rope.py", None),
+    ("mHC", "dsv41_jax/layers/mhc.py", None),
+    ("mHC", "pallas_kernels/mhc", None),
+    ("mHC", "dsv41_jax/block.py", "_residual"),
+    ("MoE", "dsv41_jax/layers/moe", None),
+    ("MoE", "pallas_kernels/grouped_matmul.py", None),
+    ("Engram", "dsv41_jax/engram/", None),
+    ("Engram", "dsv41_jax/layers/engram.py", None),
+    ("norms", "dsv41_jax/layers/norm.py", None),
+    ("loss", "dsv41_jax/loss.py", None),
+    ("dense", "dsv41_jax/model.py", None),     # embedding, head
+    ("dense", "dsv41_jax/block.py", None),
+    ("dense", "launch/step.py", None),         # the finite-step select, metrics
+)
+COMPONENT_ORDER = ("optimizer", "attention", "indexer", "mHC", "MoE", "Engram", "dense", "norms",
+                   "loss", "other")
+
+_META = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\S+\s+([\w\-]+)\(.*?metadata=\{([^}]*)\}")
+_TABLE_ROW = re.compile(r"^(\d+) (.*)$")
+
+
+class HloSources:
+  """Instruction name → (op kind, op_name, [(file, function, line)] innermost frame first), read
+  from a compiled HLO text (`compiled.as_text()`)."""
+
+  def __init__(self, text: str):
+    tables: dict[str, dict[int, str]] = collections.defaultdict(dict)
+    section = None
+    self.ops: dict[str, tuple[str, str, dict[str, str]]] = {}
+    for line in text.splitlines():
+      if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+        section = line
+        continue
+      if section and (m := _TABLE_ROW.match(line)):
+        tables[section][int(m.group(1))] = m.group(2)
+        continue
+      section = None
+      if m := _META.match(line):
+        fields = dict(re.findall(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)', m.group(3)))
+        self.ops[m.group(1)] = (m.group(2), fields.get("op_name", '""').strip('"'), fields)
+    self._files = {k: v.strip('"') for k, v in tables["FileNames"].items()}
+    self._funcs = {k: v.strip('"') for k, v in tables["FunctionNames"].items()}
+    self._locs = {k: dict(re.findall(r"(\w+)=(\d+)", v)) for k, v in tables["FileLocations"].items()}
+    self._frames = {k: dict(re.findall(r"(\w+)=(\d+)", v)) for k, v in tables["StackFrames"].items()}
+
+  def frames(self, op: str) -> list[tuple[str, str, int]]:
+    kind, _, fields = self.ops.get(op, ("", "", {}))
+    if "source_file" in fields:
+      return [(fields["source_file"].strip('"'), "?", int(fields.get("source_line", 0)))]
+    out, frame, seen = [], int(fields.get("stack_frame_id", 0)), set()
+    while frame and frame not in seen and frame in self._frames:
+      seen.add(frame)
+      loc = self._locs.get(int(self._frames[frame]["file_location_id"]), {})
+      out.append((self._files.get(int(loc.get("file_name_id", 0)), "?"),
+                  self._funcs.get(int(loc.get("function_name_id", 0)), "?"),
+                  int(loc.get("line", 0))))
+      frame = int(self._frames[frame].get("parent_frame_id", 0))
+    return out
+
+  def kind(self, op: str) -> str:
+    return self.ops.get(op, ("?",))[0]
+
+
+def repo_frame(frames: list[tuple[str, str, int]]) -> tuple[str, str, int] | None:
+  """The innermost frame inside this repository outside benchmarks/ (path relative to it)."""
+  for path, fn, line in frames:
+    rel = path[len(_REPO):] if path.startswith(_REPO) else None
+    if rel is not None and not rel.startswith("benchmarks/"):
+      return rel, fn, line
+  return None
+
+
+def component(frame: tuple[str, str, int] | None) -> str:
+  if frame is None:
+    return "other"
+  path, fn, _ = frame
+  for name, prefix, fn_part in COMPONENTS:
+    if path.startswith(prefix) and (fn_part is None or fn_part in fn):
+      return name
+  return "other"
+
+
+def gpu_kernels(trace: dict) -> tuple[list[dict], float]:
+  """The GPU streams' kernel events and the union of their busy time (µs)."""
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  procs = {e["pid"]: e["args"]["name"] for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  gpu = {pid for pid, n in procs.items() if "/device:GPU" in n}
+  spans = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu]
+  iv = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in spans)
+  busy, end = 0.0, -1.0
+  for a, b in iv:
+    if b > end:
+      busy += b - max(a, end)
+      end = b
+  return spans, busy
+
+
+def attribute(spans: list[dict], hlo: HloSources, steps: int) -> dict[str, collections.Counter]:
+  """Kernel ms per step, grouped four ways."""
+  groups = {k: collections.Counter() for k in ("component", "file", "function", "line")}
+  for e in spans:
+    op = str(e.get("args", {}).get("hlo_op", "")).lstrip("%")
+    frame = repo_frame(hlo.frames(op))
+    ms = e.get("dur", 0) / 1e3 / steps
+    groups["component"][component(frame)] += ms
+    where = frame or ("(no source)", "?", 0)
+    groups["file"][where[0]] += ms
+    groups["function"][f"{where[0]}:{where[1]}"] += ms
+    groups["line"][f"{hlo.kind(op) or '?'} {where[0]}:{where[2]} ({where[1]})"] += ms
+  return groups
+
+
+def report(groups: dict[str, collections.Counter], step_ms: float, busy_ms: float,
+           top: int) -> str:
+  total = sum(groups["component"].values())
+  lines = [f"step {step_ms:.1f} ms; kernel time {total:.1f} ms per step; GPU busy "
+           f"{busy_ms:.1f} ms per step", "",
+           "| component | ms per step | share of kernel time | share of step |", "|---|---|---|---|"]
+  for name in COMPONENT_ORDER:
+    ms = groups["component"].get(name, 0.0)
+    lines.append(f"| {name} | {ms:.1f} | {ms / max(total, 1e-9):.1%} | {ms / step_ms:.1%} |")
+  for key, title in (("file", "source file"), ("function", "function"),
+                     ("line", "op kind, file:line")):
+    lines += ["", f"top {top} by {title} (ms per step):"]
+    for name, ms in groups[key].most_common(top):
+      lines.append(f"  {ms:8.2f}  {ms / max(total, 1e-9):6.1%}  {name}")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--size", default="s3", help="a size of configs/small.py (optionally /noremat)")
+  ap.add_argument("--batch", type=int, default=4)
+  ap.add_argument("--seq", type=int, default=4096)
+  ap.add_argument("--steps", type=int, default=3, help="timed steps before the two profiled ones")
+  ap.add_argument("--top", type=int, default=25)
+  ap.add_argument("--out", default="/tmp/dsv41_profile", help="trace and HLO text directory")
+  ap.add_argument("--json", default=None, help="write the groups and step figures here")
+  args = ap.parse_args(argv)
+
+  import jax
+  if jax.default_backend() != "gpu":
+    print(f"error: gpu_profile needs a GPU; jax's backend here is {jax.default_backend()!r}")
+    return 2
+  from benchmarks import gpu_step
+  from benchmarks.common import header
+  out = gpu_step.bench(args.size, args.batch, args.seq, args.steps, False, args.out)
+  name = args.size.replace("/", "_")
+  with open(os.path.join(args.out, name + ".hlo.txt")) as f:
+    hlo = HloSources(f.read())
+  traces = sorted(glob.glob(os.path.join(args.out, name, "**", "perfetto_trace.json.gz"),
+                            recursive=True), key=os.path.getmtime)
+  from benchmarks.trace_summary import load
+  spans, busy = gpu_kernels(load(traces[-1]))
+  groups = attribute(spans, hlo, steps=2)
+  print("\n" + header())
+  print(f"{args.size} at {args.batch} × {args.seq}: MFU {out['mfu']:.1%}, "
+        f"{out['tokens_per_s']:,.0f} tok/s, compile {out['compile_s']:.1f} s")
+  print(report(groups, out["step_s"] * 1e3, busy / 1e3 / 2, args.top))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(bench=out, groups={k: dict(v) for k, v in groups.items()}), f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
