@@ -11,11 +11,17 @@ tables shrink with the size:
   s2    768   16  12×128     32 (4)       384       32768   100 000           2048
   s3    1024  20  16×128     48 (4)       512       32768   150 000           2048
   s4    1536  24  16×192     64 (6)       768       65536   200 000           4096
+  m3    1536  12  16×128     64 (6)       768       65536   200 000           4096
 
 Ledger (`python -m launch.ledger --config=configs/small.py:s2`): total / Engram / activated
 (decode) parameters and train FLOPs per token at the size's seq:
   s1 0.19 B / 77 M / 34 M, 2.4e8;   s2 0.80 B / 231 M / 129 M, 8.8e8;
-  s3 2.19 B / 462 M / 265 M, 1.8e9; s4 7.29 B / 1.23 B / 892 M, 5.9e9. Launch (one host, every local GPU in the batch/expert axes):
+  s3 2.19 B / 462 M / 265 M, 1.8e9; s4 7.29 B / 1.23 B / 892 M, 5.9e9;
+  m3 4.44 B (backbone 3.07 B: MaxText ds4mini's 3.04 B scale) / 1.23 B / 510 M, 3.3e9.
+m3 is the 3B-class config for one H200 (issue 28); its memory plan at a 4 × 4096 micro-batch
+(`python -m launch.aot --config=configs/small.py:m3 --mesh=data:1 --batch=4 --analytic`):
+parameters 16.6 GiB, gradients 16.6, optimizer 16.6, activations 45.5 (of which float32 logits
+12.0), 95.2 GiB in all. Launch (one host, every local GPU in the batch/expert axes):
 
   python -m launch.train --config=configs/small.py:s1 --workdir=/tmp/dsv41_s1
   python -m launch.train --config=configs/small.py:s2 --workdir=DIR \
@@ -52,6 +58,13 @@ SIZES: dict[str, dict] = {
     "s4": dict(d=1536, layers=24, heads=16, head_dim=192, experts=64, k=6, inter=768, vocab=65536,
                engram_rows=200_000, engram_heads=8, engram_dim=128, index_heads=16, index_dim=128,
                topk=512, seq=4096, batch=64, lr=8e-4, steps=50_000,
+               vit=dict(num_layers=12, hidden_size=768, num_heads=12, intermediate_size=3072,
+                        projector_hidden=3072)),
+    # 3B-class for one H200 (issue 28): MaxText ds4mini's width and expert scale (d 1536, 64
+    # experts of 768, top-6) on the V4.1 plan at 12 layers, so the two are comparable.
+    "m3": dict(d=1536, layers=12, heads=16, head_dim=128, experts=64, k=6, inter=768, vocab=65536,
+               engram_rows=200_000, engram_heads=8, engram_dim=128, index_heads=16, index_dim=128,
+               topk=512, seq=4096, batch=32, lr=8e-4, steps=50_000,
                vit=dict(num_layers=12, hidden_size=768, num_heads=12, intermediate_size=3072,
                         projector_hidden=3072)),
 }

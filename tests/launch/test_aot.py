@@ -140,7 +140,8 @@ def test_compiled_plan_arguments_are_params_optimizer_and_batch():
 
 def test_small_configs_keep_flash_layout_and_plan():
   """`configs/small.layout` at Flash's depth reproduces the released layer roles; every size builds
-  a valid ModelConfig, growing in width, depth and experts; s1 plans on an 8-device mesh."""
+  a valid ModelConfig, the s-ladder growing in width, depth and experts; s1 plans on an 8-device
+  mesh."""
   from configs import flash, small
   ref = model_config(flash.get_config())
   got = small.layout(ref.num_hidden_layers)
@@ -151,9 +152,10 @@ def test_small_configs_keep_flash_layout_and_plan():
     cfg = small.get_config(name)
     mcfg = model_config(cfg)
     assert mcfg.seq_len == cfg.data.seq_len and mcfg.vision is not None
-    now = (mcfg.hidden_size, mcfg.num_hidden_layers, mcfg.n_routed_experts)
-    assert all(a > b for a, b in zip(now, last)), name
-    last = now
+    if name.startswith("s"):   # m3 is a one-GPU 3B-class config beside the ladder
+      now = (mcfg.hidden_size, mcfg.num_hidden_layers, mcfg.n_routed_experts)
+      assert all(a > b for a, b in zip(now, last)), name
+      last = now
   sizes = memory_plan.resolve_mesh({"data": 2, "expert": 4}, 8)
   plan = memory_plan.analytic_plan(model_config(small.get_config("s1")), sizes, 8, 256)
   assert plan["rows_per_device"] == 1 and plan["opt_bytes"] >= plan["param_bytes"]
