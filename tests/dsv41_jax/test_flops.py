@@ -53,10 +53,13 @@ def test_attention_flops_match_a_per_query_loop():
     np.testing.assert_allclose(flops.attention_flops_per_token(cfg), total / T, rtol=1e-12)
 
 
-def test_train_is_three_forwards_and_routed_experts_at_k_over_e():
+def test_train_is_three_forwards_but_the_indexer_backward_and_routed_experts_at_k_over_e():
   cfg = _cfg()
   f = flops.forward_flops_per_token(cfg)
-  assert flops.train_flops_per_token(cfg) == pytest.approx(3 * f, rel=1e-12)
+  index_fwd, index_bwd = flops.indexer_flops_per_token(cfg)
+  assert 0 < index_bwd < 2 * index_fwd   # k̄ selected < n̄ visible entries at T = 64, k = 8
+  assert flops.train_flops_per_token(cfg) == pytest.approx(3 * f - 2 * index_fwd + index_bwd,
+                                                           rel=1e-12)
   # routed experts enter at k/E: 3 matrices D×I per expert, k of them per token, every layer
   routed = 3 * cfg.hidden_size * cfg.moe_intermediate_size * cfg.num_experts_per_tok
   assert flops.routed_expert_params_per_token(cfg) == routed * cfg.num_hidden_layers
@@ -64,6 +67,42 @@ def test_train_is_three_forwards_and_routed_experts_at_k_over_e():
   more = _cfg(n_routed_experts=16)
   assert flops.active_matrix_params(more) - flops.active_matrix_params(cfg) == (
       cfg.hidden_size * 8 * cfg.num_hidden_layers)
+
+
+def test_matrices_and_train_flops_match_a_hand_count():
+  """N and the train FLOPs of `_cfg`'s four layers counted by hand from the config and the spec
+  (docs/design.md §3–§7), not from the parameter tree: the weight matrices only (no norm scales,
+  mHC base/scale, attention sinks, Engram q_w/k_w), and the indexer's backward over the k
+  selected entries (dq and dk of its KL loss), its forward over every visible entry."""
+  cfg = _cfg()
+  D, Q, H, Dh, O = (cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads, cfg.head_dim,
+                    cfg.o_lora_rank)
+  n, I, E, k = cfg.hc_mult, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+  HI, DI, T, W, K = (cfg.index_n_heads, cfg.index_head_dim, cfg.seq_len, cfg.sliding_window,
+                     cfg.index_topk)
+  every_layer = (D * Q + Q * H * Dh + D * Dh     # wq_a, wq_b, wkv
+                 + H * Dh * O + O * cfg.o_groups * D  # wo_a (G groups of H·Dh/G → O), wo_b
+                 + 2 * (2 + n) * n * n * D       # mHC fn of the attention and the FFN block
+                 + D * E + 3 * D * I + k * 3 * D * I)  # router, shared expert, k routed experts
+  compressor = {1: 2 * D * Dh, 2: D * Dh}        # Full m=2: wkv and wgate; Full m=1: wkv
+  indexer = {1: Q * HI * DI + D * HI + Dh * DI,  # Full: wq_b, weights_proj, wk
+             2: Q * HI * DI + D * HI + Dh * DI,
+             3: Q * HI * DI + D * HI}            # Reindex: the Full layer's keys
+  engram = len(cfg.engram_orders) * cfg.engram_n_heads * cfg.engram_head_dim * (n + 1) * D
+  N = 4 * every_layer + sum(compressor.values()) + sum(indexer.values()) + engram + D * cfg.vocab_size
+  assert flops.active_matrix_params(cfg) == N
+
+  ratio = {0: 0, 1: 2, 2: 1, 3: 1}
+  attention = index = 0.0
+  for t in range(T):
+    for layer, m in ratio.items():
+      visible = (t + 1) // m if m else 0
+      selected = min(K, visible)
+      attention += 4 * H * Dh * (min(t + 1, W) + selected)
+      if layer:
+        index += 2 * HI * DI * visible + 4 * HI * DI * selected
+  want = 3 * (2 * N + attention / T) + index / T
+  np.testing.assert_allclose(flops.train_flops_per_token(cfg), want, rtol=1e-12)
 
 
 def test_formula_matches_xla_cost_analysis_of_forward_backward():

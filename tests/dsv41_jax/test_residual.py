@@ -57,8 +57,11 @@ def test_plain_residual_has_no_mhc_parameters_and_the_ledger_counts_none():
   assert lp["total_params"] == lm["total_params"] - n_hc
   assert lp["backbone_params"] == lm["backbone_params"] - n_hc
   assert lp["active_params_decode"] == lm["active_params_decode"] - n_hc
+  # FLOPs: 6 per token per weight of mHC's matrices (`fn`); base and scale are elementwise
+  n_hc_matrices = sum(int(np.prod(s)) for k, s in hc.items() if k.endswith("/fn"))
+  assert 0 < n_hc_matrices < n_hc
   np.testing.assert_allclose(lp["train_flops_per_token"],
-                             lm["train_flops_per_token"] - 6 * n_hc, rtol=1e-12)
+                             lm["train_flops_per_token"] - 6 * n_hc_matrices, rtol=1e-12)
   assert not any("_hc/" in rest for _, rest, _ in per_layer_params(plain, M.abstract_params(plain)))
 
 
