@@ -15,9 +15,9 @@ tables shrink with the size:
 
 Ledger (`python -m launch.ledger --config=configs/small.py:s2`): total / Engram / activated
 (decode) parameters and train FLOPs per token at the size's seq:
-  s1 0.19 B / 77 M / 34 M, 2.4e8;   s2 0.80 B / 231 M / 129 M, 8.8e8;
+  s1 0.19 B / 77 M / 34 M, 2.4e8;   s2 0.80 B / 231 M / 129 M, 8.7e8;
   s3 2.19 B / 462 M / 265 M, 1.8e9; s4 7.29 B / 1.23 B / 892 M, 5.9e9;
-  m3 4.44 B (backbone 3.07 B: MaxText ds4mini's 3.04 B scale) / 1.23 B / 510 M, 3.3e9.
+  m3 4.44 B (backbone 3.07 B: MaxText ds4mini's 3.04 B scale) / 1.23 B / 510 M, 3.2e9.
 m3 is the 3B-class config for one H200 (issue 28); its memory plan at a 4 × 4096 micro-batch
 (`python -m launch.aot --config=configs/small.py:m3 --mesh=data:1 --batch=4 --analytic`):
 parameters 16.6 GiB, gradients 16.6, optimizer 16.6, activations 45.5 (of which float32 logits
