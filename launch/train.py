@@ -351,9 +351,9 @@ def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
     start, tree = restored
     ts.restored(tree)
     log.info("resumed from step %d of %s", start, checkpointer.directory)
-  elif (imported := checkpointer.restore_imported(ckpt_lib.abstract_like(state.params),
-                                                  ckpt_lib.abstract_like(state.moe_bias))):
-    state.params, state.moe_bias = imported
+  elif (imported := checkpointer.restore_imported(ckpt_lib.abstract_like(ts.state.params),
+                                                  ckpt_lib.abstract_like(ts.state.moe_bias))):
+    ts.state = ts.state._replace(params=imported[0], moe_bias=imported[1])
     log.info("starting at step 0 from the weights launch.convert imported from %s; the "
              "optimizer state is fresh", checkpointer.imported["source"])
   t_state = time.time()
