@@ -97,9 +97,6 @@ class TrainConfig:
     _checked(errors, "train")
 
 
-MESH_AXES = ("data", "fsdp", "expert", "engram", "tensor")
-
-
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
   """The `mesh` section: device-mesh axis sizes (docs/design.md §T1); -1 takes the remaining devices.

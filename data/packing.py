@@ -65,10 +65,6 @@ class BestFitPacker:
     self.early_closes = 0  # bins closed with room left while data kept coming
     self._draining = False
 
-  @property
-  def open_bins(self) -> int:
-    return int((self.room >= 0).sum())
-
   def add(self, ref: list, n_images: int, cuttable: bool) -> None:
     n = ref_len(ref)
     if not 0 < n <= self.seq_len or n_images > self.max_images:

@@ -133,10 +133,6 @@ class ModelConfig:
     return self.num_hidden_layers // 2
 
   @property
-  def nope_head_dim(self) -> int:
-    return self.head_dim - self.qk_rope_head_dim
-
-  @property
   def heads_per_group(self) -> int:
     return self.num_attention_heads // self.o_groups
 

@@ -149,10 +149,6 @@ class LayerPlan:
         return r, layer - run.first_layer
     raise IndexError(f"layer {layer} is not in the plan ({len(self.layers)} layers)")
 
-  @property
-  def kv_sources(self) -> tuple[int, ...]:
-    return tuple(l.index for l in self.layers if l.owns_compressor)
-
   def table(self) -> str:
     """A printable table of the plan, one row per layer."""
     rows = ["layer ratio mode     kv_src idx_src engram cand      part"]

@@ -239,9 +239,6 @@ def fit_spec(spec: P, mesh) -> P:
   return P(*(keep(e) for e in spec))
 
 
-_fit = fit_spec
-
-
 def _sizes(mesh) -> Mapping[str, int]:
   return mesh if isinstance(mesh, Mapping) else dict(mesh.shape)
 

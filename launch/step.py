@@ -61,9 +61,9 @@ def make_train_step(cfg: ModelConfig, graphdef: nnx.GraphDef, tx: optax.Gradient
     params, opt_state, moe_bias = state
     (loss, (parts, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
         params, moe_bias, batch, train_vit)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, new_opt_state = tx.update(grads, opt_state, params)
-    update_norm = optax.global_norm(updates)
+    update_norm = optax.tree.norm(updates)
     # A finite gradient can still give a non-finite update (optimizer state gone bad): not applied.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
     new_params = optax.apply_updates(params, updates)
