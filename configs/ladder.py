@@ -40,6 +40,8 @@ the finished work directories.)
 
 from __future__ import annotations
 
+import re
+
 import ml_collections
 
 from configs import common
@@ -69,10 +71,17 @@ GRIDS: dict[str, dict] = {
     # 10-minute device call (measured step times in the docstring).
     "gpu": dict(sizes={"L8d256": (8, 256), "L12d384": (12, 384), "L16d512": (16, 512)},
                 steps=(200, 400, 800), seq=1024, batch=16, lr=2e-3, warmup=50,
-                ablation_size="L12d384", ablation_steps=400, seeds=(0, 1), xla_flags=""),
+                ablation_size="L12d384", ablation_steps=400, seeds=(0, 1), xla_flags="",
+                # Muon against AdamW, tuned (issue 29): 5 rates a factor 2 apart around each
+                # chain's default, 400 steps (6.6 M tokens) at two sizes; the best at 2 seeds.
+                sweep=dict(sizes=("L8d256", "L12d384"), steps=400, seeds=(0, 1), evals=4,
+                           lrs={"muon": (5e-4, 1e-3, 2e-3, 4e-3, 8e-3),
+                                "adamw": (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3)})),
     # The launch test's two points: tests/launch/micro_config.py's scale (two layers, seq 32).
     "micro": dict(sizes={"L2d32": (2, 32)}, steps=(3, 6), seq=32, batch=4, lr=3e-3, warmup=1,
-                  ablation_size="L2d32", ablation_steps=3, seeds=(0,), xla_flags=FASTER_CPU),
+                  ablation_size="L2d32", ablation_steps=3, seeds=(0,), xla_flags=FASTER_CPU,
+                  sweep=dict(sizes=("L2d32",), steps=4, seeds=(0, 1), evals=2,
+                             lrs={"muon": (1e-3, 3e-3, 1e-2), "adamw": (1e-3, 3e-3, 1e-2)})),
 }
 
 ABLATIONS = ("dense_attention", "full_depth_kv", "engram_off", "plain_residual", "qat",
@@ -165,9 +174,14 @@ def ablate(model: dict, name: str) -> dict:
   return {}
 
 
+_SWEEP_ARM = re.compile(r"^(muon|adamw)_lr([0-9.]+(?:e[+-]?\d+)?)$")
+
+
 def point_config(grid: str, size: str, steps: int, ablation: str | None = None
                  ) -> ml_collections.ConfigDict:
-  """The `launch.train` config of one point: a size of `grid` trained for `steps` steps."""
+  """The `launch.train` config of one point: a size of `grid` trained for `steps` steps, with one
+  ablation switch or a sweep arm `<chain>_lr<lr>` (`launch/sweep.py`: the chain at that peak
+  rate, evaluated `sweep.evals` times along the budget)."""
   g = GRIDS[grid]
   sizes = dict(g["sizes"], **{g["ablation_size"]: _parse_size(g["ablation_size"])})
   if size not in sizes:
@@ -175,7 +189,9 @@ def point_config(grid: str, size: str, steps: int, ablation: str | None = None
                      f"{sorted(sizes)})")
   layers, d = sizes[size]
   model = size_fields(layers, d, g["seq"])
-  optim = ablate(model, ablation) if ablation else {}
+  arm = _SWEEP_ARM.match(ablation or "")
+  optim = (dict(chain=arm.group(1), lr=float(arm.group(2))) if arm
+           else ablate(model, ablation) if ablation else {})
   cfg = common.base_config(model=model)
   cfg.optim.frozen = ()
   cfg.data.seq_len = g["seq"]
@@ -200,6 +216,8 @@ def point_config(grid: str, size: str, steps: int, ablation: str | None = None
   cfg.optim.decay_start = 0.6 * tokens
   cfg.optim.decay_end = float(tokens)
   cfg.optim.update(optim)
+  if arm:
+    cfg.train.eval_every = max(1, steps // g["sweep"]["evals"])
   return cfg
 
 
@@ -222,6 +240,8 @@ def ladder_spec(grid: str) -> ml_collections.ConfigDict:
   spec.ablations = ABLATIONS
   spec.seeds = tuple(g["seeds"])
   spec.xla_flags = g["xla_flags"]  # appended to XLA_FLAGS of every point's run
+  if "sweep" in g:                  # launch.ladder --sweep (launch/sweep.py)
+    spec.sweep = ml_collections.ConfigDict(dict(g["sweep"], lrs=dict(g["sweep"]["lrs"])))
   return spec
 
 

@@ -4,6 +4,7 @@
   python -m launch.ladder --config=configs/ladder.py:cpu --workdir=DIR --ablations   # ablations
   python -m launch.ladder --config=configs/ladder.py:cpu --workdir=DIR --list        # commands
   python -m launch.ladder --config=configs/ladder.py:micro --workdir=DIR             # <1 min
+  python -m launch.ladder --config=configs/ladder.py:gpu --workdir=DIR --sweep       # lr sweeps
   python -m launch.ladder --report DIR [--out=OUT]                                   # table, fits, plots
 
 A ladder config file (`configs/ladder.py`) answers a grid name with the grid's spec (`sizes`,
@@ -28,7 +29,8 @@ Held-out loss and bits per byte are `launch.train`'s last `eval/loss`, `eval/bit
 (`launch/evaluation.py`). Fits: `launch/scaling_fit.py`. Ablation points train the grid's
 ablation size with one switch each (`configs/ladder.py` `ablate`), the same data order (data.seed
 fixed) and the same token budget, once per seed (`train.seed`, the initialisation);
-the table gives each switch's held-out loss minus the baseline's at the same seed.
+the table gives each switch's held-out loss minus the baseline's at the same seed. `--sweep` runs
+the grid's learning-rate sweeps of the optimizer chains instead (`launch/sweep.py`: stages, report).
 """
 
 from __future__ import annotations
@@ -49,20 +51,22 @@ from typing import Any
 import numpy as np
 from absl import app, flags
 
-from launch import cli, scaling_fit
+from launch import cli, scaling_fit, sweep
 
-_CONFIG = _WORKDIR = _ABLATIONS = _LIST = _REPORT = _OUT = None
+_CONFIG = _WORKDIR = _ABLATIONS = _SWEEP = _LIST = _REPORT = _OUT = None
 
 
 def _define_flags() -> None:
   """The command's flags, defined only when it runs as a program: tests import this module beside
   `launch.train`, whose `--config` / `--workdir` flags would otherwise collide."""
-  global _CONFIG, _WORKDIR, _ABLATIONS, _LIST, _REPORT, _OUT
+  global _CONFIG, _WORKDIR, _ABLATIONS, _SWEEP, _LIST, _REPORT, _OUT
   _CONFIG = flags.DEFINE_string("config", None, "Ladder config: <file>:<grid>, e.g. "
                                 "configs/ladder.py:cpu.")
   _WORKDIR = flags.DEFINE_string("workdir", None, "Ladder directory: one sub-directory per point.")
   _ABLATIONS = flags.DEFINE_bool("ablations", False, "Run the ablations (DIR/ablations/...) "
                                  "instead of the grid.")
+  _SWEEP = flags.DEFINE_bool("sweep", False, "Run the grid's learning-rate sweeps of the optimizer "
+                             "chains (DIR/sweeps/...) instead of the grid.")
   _LIST = flags.DEFINE_bool("list", False, "Print each point's launch.train command; run nothing.")
   _REPORT = flags.DEFINE_string("report", None, "Redo table, fits and plots from the finished "
                                 "runs in this ladder directory; run nothing.")
@@ -81,10 +85,12 @@ class Point:
   name: str              # sub-directory under the ladder directory
   arg: str               # the config file's point argument
   seed: int
-  kind: str              # "grid" or "ablation"
+  kind: str              # "grid", "ablation" or "sweep"
   size: str
   steps: int
-  ablation: str = ""     # "" = the baseline (ablation points) or a grid point
+  ablation: str = ""     # "" = the baseline (ablation points) or a grid point; a sweep's arm
+  chain: str = ""        # sweep points: the optimizer chain and its peak learning rate
+  lr: float = 0.0
 
 
 def load_config_file(path: str, arg: str | None):
@@ -100,11 +106,16 @@ def split_config(config: str) -> tuple[str, str]:
   return os.path.abspath(path), grid
 
 
-def plan(spec, ablations: bool) -> list[Point]:
+def plan(spec, ablations: bool, sweeps: bool = False, records=()) -> list[Point]:
   """The points of a grid spec: every size × budget, cheapest budget first across the sizes (a
   ladder stopped early still spans the sizes), or the ablations at the ablation size, each switch
-  over every seed before the next switch (a partial run still has every seed of its switches)."""
+  over every seed before the next switch (a partial run still has every seed of its switches),
+  or the sweeps (`sweep.stage_one`, then `sweep.stage_two` of the finished `records`)."""
   grid = spec.grid
+  if sweeps:
+    if not spec.get("sweep"):
+      raise LadderError(f"grid {grid!r} has no sweep spec (configs/ladder.py GRIDS[...]['sweep'])")
+    return sweep.stage_one(spec, Point) + sweep.stage_two(spec, Point, list(records))
   if not ablations:
     return [Point(f"{size}_{steps}", f"{grid}/{size}/{steps}", 0, "grid", size, steps)
             for steps in spec.steps for size in spec.sizes]
@@ -208,13 +219,24 @@ def point_env(spec) -> dict[str, str]:
   return env
 
 
-def run_ladder(config: str, workdir: str, ablations: bool = False, log=print) -> list[dict]:
-  """Run every point not yet done, in order; returns the records."""
+def run_ladder(config: str, workdir: str, ablations: bool = False, log=print,
+               sweeps: bool = False) -> list[dict]:
+  """Run every point not yet done, in order; returns the records. Sweeps run in two stages: the
+  second (the best rates at more seeds) is planned from the first's results."""
   path, grid = split_config(config)
   spec = load_config_file(path, grid)
-  points = plan(spec, ablations)
-  described = validate(path, points)
   env = point_env(spec)
+  records = _run_points(path, spec, plan(spec, ablations, sweeps), workdir, env, log)
+  if sweeps:
+    done = {r["name"] for r in records}
+    more = [p for p in plan(spec, False, True, records) if p.name not in done]
+    records += _run_points(path, spec, more, workdir, env, log)
+  return records
+
+
+def _run_points(path: str, spec, points: list[Point], workdir: str, env: dict[str, str], log
+                ) -> list[dict]:
+  described = validate(path, points)
   records = []
   for i, p in enumerate(points):
     pdir = os.path.join(workdir, p.name)
@@ -256,7 +278,8 @@ def run_ladder(config: str, workdir: str, ablations: bool = False, log=print) ->
 
 # --- report ---------------------------------------------------------------------------------------
 
-COLUMNS = ("name", "kind", "size", "layers", "d", "steps", "seed", "ablation", "n_active",
+COLUMNS = ("name", "kind", "size", "layers", "d", "steps", "seed", "ablation", "chain", "lr",
+           "n_active",
            "flops_per_token", "tokens", "compute", "eval_loss", "eval_bpb", "train_loss",
            "seconds", "status", "log", "command")
 
@@ -264,7 +287,7 @@ COLUMNS = ("name", "kind", "size", "layers", "d", "steps", "seed", "ablation", "
 def collect(ladder_dir: str) -> list[dict[str, Any]]:
   """One row per point directory (grid and ablations), with its training-loss curve."""
   rows = []
-  for sub in ("", "ablations"):
+  for sub in ("", "ablations", "sweeps"):
     base = os.path.join(ladder_dir, sub)
     if not os.path.isdir(base):
       continue
@@ -279,6 +302,7 @@ def collect(ladder_dir: str) -> list[dict[str, Any]]:
       row = dict(rec, **(ev or {}))
       row["train_loss"] = curve[-1][1] if curve else None
       row["curve"] = curve
+      row["eval_curve"] = sweep.eval_curve(metrics, rec["tokens"] / rec["steps"])
       rows.append(row)
   return rows
 
@@ -445,12 +469,14 @@ def _save(fig, out_dir: str, name: str) -> str:
 
 
 def report(ladder_dir: str, out_dir: str | None = None) -> dict[str, Any]:
-  """Table (ladder.csv, ladder.json), fits, ablation table, plots and report.md in `out_dir`."""
+  """Table (ladder.csv, ladder.json), fits, ablation and sweep tables, plots and report.md in
+  `out_dir`."""
   out_dir = out_dir or ladder_dir
   os.makedirs(out_dir, exist_ok=True)
   rows = collect(ladder_dir)
   fit = fits(rows)
   abl = ablation_table(rows)
+  sweeps = sweep.sweep_table(rows)
   with open(os.path.join(out_dir, "ladder.csv"), "w", newline="") as f:
     w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
     w.writeheader()
@@ -458,15 +484,16 @@ def report(ladder_dir: str, out_dir: str | None = None) -> dict[str, Any]:
       w.writerow(r)
   table = [{k: r.get(k) for k in COLUMNS} for r in rows]
   with open(os.path.join(out_dir, "ladder.json"), "w") as f:
-    json.dump({"points": table, "fits": fit, "ablations": abl,
+    json.dump({"points": table, "fits": fit, "ablations": abl, "sweeps": sweeps,
                "curves": {r["name"]: r["curve"] for r in rows}}, f, indent=1,
               default=lambda v: None if isinstance(v, float) and not math.isfinite(v) else v)
-  text = markdown(rows, fit, abl)
+  text = markdown(rows, fit, abl) + ("\n" + sweep.markdown(sweeps) if sweeps else "")
   with open(os.path.join(out_dir, "report.md"), "w") as f:
     f.write(f"Ladder report of {ladder_dir} (`python -m launch.ladder --report {ladder_dir}`)\n\n")
     f.write(text)
   written = plots(rows, fit, out_dir)
-  return {"rows": rows, "fits": fit, "ablations": abl, "markdown": text, "plots": written}
+  return {"rows": rows, "fits": fit, "ablations": abl, "sweeps": sweeps, "markdown": text,
+          "plots": written}
 
 
 def main(argv):
@@ -481,14 +508,16 @@ def main(argv):
     if _LIST.value:
       path, grid = split_config(_CONFIG.value)
       spec = load_config_file(path, grid)
-      points = plan(spec, _ABLATIONS.value)
+      done = [r for r in (read_record(os.path.join(_WORKDIR.value, p.name))
+                          for p in plan(spec, False, True)) if r] if _SWEEP.value else []
+      points = plan(spec, _ABLATIONS.value, _SWEEP.value, done)
       validate(path, points)
       env = point_env(spec)
       for p in points:
         print(shell_line(command(path, p, _WORKDIR.value), env))
       return
     run_ladder(_CONFIG.value, _WORKDIR.value, _ABLATIONS.value,
-               log=lambda s: print(s, flush=True))
+               log=lambda s: print(s, flush=True), sweeps=_SWEEP.value)
     r = report(_WORKDIR.value, _OUT.value)
     print(r["markdown"], end="")
   except LadderError as e:
