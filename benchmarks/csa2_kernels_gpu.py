@@ -1,19 +1,23 @@
-"""CSA2 Pallas kernels vs the XLA forms, one device call (issue 13; docs/design.md §4.3, §5.4).
+"""CSA2 Pallas kernels vs the XLA forms, one device call (issues 13, 26; docs/design.md §4.3, §5.4).
 
   PYTHONUNBUFFERED=1 python benchmarks/csa2_kernels_gpu.py            # H200, writes $OUT/csa2.json
   JAX_PLATFORMS=cpu python benchmarks/csa2_kernels_gpu.py --smoke      # CPU: tiny, interpreted
 
 1. Correctness on the GPU (bf16 inputs, against float32 references on the same inputs):
-   sparse attention o, global_probs and the gradients (q, kv, entries, sink) vs `attend_reference`;
-   indexer scores vs `indexer_scores` + `entry_visible`, and the kernel's top-k sets vs XLA's.
-2. Sparse attention (H 16, D 256, window 128, m 2, top-512 distinct causal entries, sink; loss
-   Σ o², global_probs computed and detached, as `benchmarks/attention_cpu.py`): kernel vs the best
-   XLA form ("masked" to 16K, "gather" at 32K, RESULTS.md), forward and forward + backward.
-   Useful FLOPs: 4·B·T·H·D·(W + K) forward (QK + PV at the keys attended), ×3 with the backward.
-3. Indexer (H_I 32, D_I 128, top-512, m 1, one document): the kernel's scores alone, scores +
-   top-k (the forward `score_and_select`), and forward + backward of Σ r·scores_at_topk, vs the XLA
-   `score_and_select` (query_chunk 512). FLOPs: 2·T·N·H_I·D_I (all pairs, as the RESULTS table
-   counts; the causal half is the useful part, which the kernel skips block-wise).
+   each attention kernel's o, global_probs and gradients (q, kv, entries, sink) vs
+   `attend_reference`, and whether two backward runs are bitwise equal; indexer scores vs
+   `indexer_scores` + `entry_visible`, and the kernel's top-k sets vs XLA's.
+2. Sparse attention at s3's shapes (H 16, D 128, window 128, top-256 distinct causal entries,
+   ratios 2 and 1, sink; loss Σ o², global_probs computed and detached): the XLA forms ("masked",
+   query-chunked where its [rows, H, N] scores would not fit, and "gather"), the issue-13 kernel
+   (float32 atomics in its backward) and the deterministic kernel (`pallas_kernels.csa2_attention`)
+   at T = 4K (B 4), 16K, 32K, 64K (B 1), forward and forward + backward, and the ratio of the
+   deterministic kernel over the best XLA form. Useful FLOPs: 4·B·T·H·D·(W + K) forward (QK + PV at
+   the keys attended), ×3 with the backward.
+3. Indexer (s3: H_I 16, D_I 128, top-256, m 1, one document, 4 × 4096): the kernel's scores alone,
+   scores + top-k (the forward `score_and_select`), and forward + backward of Σ r·scores_at_topk,
+   vs the XLA `score_and_select` (query_chunk 512). FLOPs: 2·B·T·N·H_I·D_I (all pairs; the causal
+   half is the useful part, which the kernel skips block-wise).
 Rates are against the 790 TFLOP/s bf16 matmul ceiling measured on this H200. Median of `--reps`.
 Imports only jax, numpy, dsv41_jax and pallas_kernels.
 """
@@ -36,6 +40,7 @@ from dsv41_jax.layers import indexer as ix
 from dsv41_jax.layers import sparse_attention as sa
 from dsv41_jax.layers.types import CompressedKV, entry_visible
 from pallas_kernels import indexer as kx
+from pallas_kernels import csa2_attention as ca
 from pallas_kernels import sparse_attention as ks
 
 CEILING = 790e12
@@ -80,10 +85,17 @@ def attn_inputs(B, T, H, D, m, K, dtype, seed=0):
   g = jax.random.normal(k[2], (B, N, D), dtype)
   sink = 0.5 * jax.random.normal(k[4], (H,), jnp.float32)
   seg = jnp.ones((B, T), jnp.int32)
-  vis = (jnp.arange(N)[None, :] + 1) * m <= jnp.arange(T)[:, None] + 1
-  score = jnp.where(vis, jax.random.normal(k[3], (B, T, N)), -jnp.inf)
-  val, idx = jax.lax.top_k(score, K)
-  topk = jnp.where(jnp.isfinite(val), idx, -1).astype(jnp.int32)
+  rows = min(T, 2048)   # the random scores a chunk of rows at a time: [B, T, N] would not fit at 64K
+
+  def chunk(i):
+    t = i * rows + jnp.arange(rows)
+    vis = (jnp.arange(N)[None, :] + 1) * m <= t[:, None] + 1
+    score = jnp.where(vis, jax.random.normal(jax.random.fold_in(k[3], i), (B, rows, N)), -jnp.inf)
+    val, idx = jax.lax.top_k(score, K)
+    return jnp.where(jnp.isfinite(val), idx, -1).astype(jnp.int32)
+
+  topk = jax.lax.map(chunk, jnp.arange(T // rows))                  # [T/rows, B, rows, K]
+  topk = jnp.moveaxis(topk, 0, 1).reshape(B, T, K)
   return q, kv, g, sink, seg, topk
 
 
@@ -99,57 +111,120 @@ def attn_fns(fn, W, D):
 
 
 def attn_check(interp):
-  B, T, H, D, W, m, K = (1, 2048, 16, 256, 128, 2, 512) if not ARGS.smoke else (1, 48, 4, 32, 8, 2, 8)
+  """bf16 kernels vs the float32 reference on the same inputs; the new kernel's determinism."""
+  B, T, H, D, W, m, K = (1, 2048, 16, 128, 128, 2, 256) if not ARGS.smoke else (1, 48, 4, 32, 8, 2, 8)
   x = attn_inputs(B, T, H, D, m, K, jnp.bfloat16, seed=1)
   x32 = tuple(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in x)
-  kf, kg = attn_fns(partial(ks.sparse_attend, interpret=interp), W, D)
   rf, rg = attn_fns(sa.attend_reference, W, D)
-  o, p = kf(*x)
   ro, rp = rf(*x32)
-  (_, _), gk = kg(*x)
-  # The reference's loss uses its own o; compare gradients of the same function at the same point.
   (_, _), gr = rg(*x32)
-  emit(kind="check", what="sparse_attention bf16 vs f32 reference", shape=f"B{B} T{T} H{H} D{D} K{K}",
-       rel_o=rel(o, ro), rel_probs=rel(p, rp), rel_dq=rel(gk[0], gr[0]), rel_dkv=rel(gk[1], gr[1]),
-       rel_dglobal=rel(gk[2], gr[2]), rel_dsink=rel(gk[3], gr[3]))
+  for name, fn in {**KERNELS, "csa2 f32c": partial(ca.sparse_attend,
+                                                    contrib_dtype=jnp.float32)}.items():
+    kf, kg = attn_fns(partial(fn, interpret=interp), W, D)
+    o, p = kf(*x)
+    (_, _), gk = kg(*x)
+    (_, _), gk2 = kg(*x)
+    same = all(bool(jnp.all(a == b)) for a, b in zip(gk, gk2))
+    emit(kind="check", what=f"{name} bf16 vs f32 reference", shape=f"B{B} T{T} H{H} D{D} K{K}",
+         rel_o=rel(o, ro), rel_probs=rel(p, rp), rel_dq=rel(gk[0], gr[0]),
+         rel_dkv=rel(gk[1], gr[1]), rel_dglobal=rel(gk[2], gr[2]), rel_dsink=rel(gk[3], gr[3]),
+         bwd_bitwise_repeatable=same)
 
 
-def attn_bench(B, T, xla_impl, interp, reps, H=16, D=256, W=128, m=2, K=512,
-               variants=((64, 32, 4),)):
+# The kernels compared: the issue-13 kernel (float32 atomics in its backward) and the
+# deterministic one (pallas_kernels/csa2_attention.py).
+KERNELS = {"pallas atomic": ks.sparse_attend, "pallas csa2": ca.sparse_attend}
+# Tile variants of the deterministic kernel, timed at 4K only.
+VARIANTS = {"csa2 f32c search": partial(ca.sparse_attend, contrib_dtype=jnp.float32,
+                                         bounds="search"),
+            "csa2 search": partial(ca.sparse_attend, bounds="search"),
+            "csa2 sw1 be32": partial(ca.sparse_attend, sum_warps=1, block_e=32),
+            "csa2 sw2 be32": partial(ca.sparse_attend, sum_warps=2, block_e=32)}
+
+
+def attn_bench(B, T, m, interp, reps, xla_impls=(("masked", None),), kernels=tuple(KERNELS), H=16,
+               D=128, W=128, K=256):
+  """Forward and forward + backward of every form at one shape; returns {(impl, mode): s}."""
   x = attn_inputs(B, T, H, D, m, K, jnp.bfloat16)
   fl = 4.0 * B * T * H * D * (W + K)
-  shape = f"{B}x{T} H{H} D{D} N{T // m} K{K}"
+  shape = f"{B}x{T} m{m} H{H} D{D} N{T // m} K{K}"
   res = {}
-  for bk, bkb, nw in variants:   # key chunk forward, backward; warps
-    name = f"pallas bk{bk}/{bkb} w{nw}"
-    kf, kg = attn_fns(partial(ks.sparse_attend, interpret=interp, block_k=bk, block_k_bwd=bkb,
-                              num_warps=nw), W, D)
-    for mode, f, mult in (("fwd", kf, 1), ("fwd+bwd", kg, 3)):
+  forms = [(f"xla {i}" + (f" qc{c}" if c else ""), partial(sa.attend, impl=i, query_chunk=c))
+           for i, c in xla_impls]
+  forms += [(k, partial({**KERNELS, **VARIANTS}[k], interpret=interp)) for k in kernels]
+  for name, fn in forms:
+    fwd, grad = attn_fns(fn, W, D)
+    for mode, f, mult in (("fwd", fwd, 1), ("fwd+bwd", grad, 3)):
       r = guarded(f"attn {shape} {name} {mode}", lambda: time_calls(f, *x, reps=reps))
       if r:
         res[(name, mode)] = r[0]
         emit(kind="attn", shape=shape, impl=name, mode=mode, ms=1e3 * r[0], first_s=r[1],
              tflops=mult * fl / r[0] / 1e12, of_ceiling=mult * fl / r[0] / CEILING)
-  xf, xg = attn_fns(partial(sa.attend, impl=xla_impl), W, D)
-  for mode, f, mult in (("fwd", xf, 1), ("fwd+bwd", xg, 3)):
-    r = guarded(f"attn {shape} xla {xla_impl} {mode}", lambda: time_calls(f, *x, reps=reps))
-    if r:
-      res[("xla", mode)] = r[0]
-      emit(kind="attn", shape=shape, impl=f"xla {xla_impl}", mode=mode, ms=1e3 * r[0], first_s=r[1],
-           tflops=mult * fl / r[0] / 1e12, of_ceiling=mult * fl / r[0] / CEILING)
+  for mode in ("fwd", "fwd+bwd"):
+    xla = [v for (n, md), v in res.items() if md == mode and n.startswith("xla")]
+    if xla and ("pallas csa2", mode) in res:
+      emit(kind="ratio", shape=shape, mode=mode,
+           csa2_over_best_xla=min(xla) / res[("pallas csa2", mode)])
   return res
+
+
+def attn_breakdown(B, T, m, interp, reps, H=16, D=128, W=128, K=256):
+  """The deterministic backward's stages timed alone (each jitted apart) at one shape."""
+  q, kv, g, sink, seg, topk = attn_inputs(B, T, H, D, m, K, jnp.bfloat16)
+  shape = f"{B}x{T} m{m} H{H} D{D} N{T // m} K{K}"
+  fw = dict(window=W, scale=D ** -0.5, block_h=None, block_k=None, interpret=interp,
+            num_warps=4, num_stages=2)
+  o, lse, plan = ca._sa._forward(q, kv, seg, sink, g, topk, **fw)
+  do = jax.random.normal(jax.random.PRNGKey(7), o.shape, o.dtype)
+  bw = dict(fw, block_k=64, block_kw=64, block_e=16, sum_warps=4, bounds="count",
+            max_contrib_elems=1 << 29, contrib_dtype=jnp.bfloat16)
+  row = lambda name, t: emit(kind="stage", shape=shape, stage=name, ms=1e3 * t[0])
+  for name, kw in (("backward", {}), ("backward f32 contrib", dict(contrib_dtype=jnp.float32))):
+    f = jax.jit(lambda *a, kw=kw: ca._backward(*a, **{**bw, **kw}))
+    t = guarded(f"stage {name}", lambda: time_calls(f, q, kv, seg, sink, g, topk, o, lse, do,
+                                                     reps=reps))
+    if t:
+      row(name, t)
+  hp = plan.hp
+  pad = lambda a: jnp.pad(a, [(0, 0), (0, 0), (0, hp - H)] + [(0, 0)] * (a.ndim - 3))
+  f = jax.jit(lambda qp, dop, lse, dl: ca._window_dkv(
+      qp, dop, lse, dl, seg, kv, window=W, scale=D ** -0.5, hp=hp, bkw=64, interpret=interp,
+      num_warps=4, num_stages=2))
+  dl = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), -1)
+  t = guarded("stage window", lambda: time_calls(f, pad(q), pad(do), lse, pad(dl), reps=reps))
+  if t:
+    row("window dK/dV band kernel", t)
+  ids = jnp.pad(topk, ((0, 0), (0, 0), (0, plan.kp - K)), constant_values=-1).reshape(B, -1)
+  sort_only = jax.jit(lambda i: jax.lax.sort((i, jax.lax.broadcasted_iota(jnp.int32, i.shape, 1)),
+                                                dimension=1, num_keys=1))
+  t = guarded("stage sort", lambda: time_calls(sort_only, ids, reps=reps))
+  if t:
+    row("slot sort alone", t)
+  for bounds in ("count", "search"):
+    f = jax.jit(lambda i, b_=bounds: ca._slot_order(i, T // m, b_))
+    t = guarded("stage sort", lambda: time_calls(f, ids, reps=reps))
+    if t:
+      row(f"slot sort + bounds {bounds}", t)
+  order, lo, hi = f(ids)
+  c = jax.random.normal(jax.random.PRNGKey(8), (B, ids.shape[1], D), jnp.bfloat16)
+  for be, nw in ((16, 4), (32, 1), (32, 2), (64, 2), (16, 1)):
+    f2 = jax.jit(lambda c, o_, l, h, be=be, nw=nw: ca._entry_sums(
+        c, o_, l, h, be=be, interpret=interp, num_warps=nw, num_stages=2))
+    t = guarded("stage sums", lambda: time_calls(f2, c, order, lo, hi, reps=reps))
+    if t:
+      row(f"entry sums bf16 be{be} w{nw}", t)
 
 
 # --- indexer ------------------------------------------------------------------------------------
 
-def idx_inputs(T, H, I, K, dtype, seed=0):
+def idx_inputs(T, H, I, K, dtype, seed=0, B=1):
   k = jax.random.split(jax.random.PRNGKey(seed), 4)
-  q = jax.random.normal(k[0], (1, T, H, I), dtype)
-  w = jax.random.normal(k[1], (1, T, H), jnp.float32) * H ** -0.5
-  idx_k = jax.random.normal(k[2], (1, T, I), dtype)
-  r = jax.random.normal(k[3], (1, T, min(K, T)), jnp.float32)
-  seg = jnp.ones((1, T), jnp.int32)
-  pos = jnp.arange(T, dtype=jnp.int32)[None]
+  q = jax.random.normal(k[0], (B, T, H, I), dtype)
+  w = jax.random.normal(k[1], (B, T, H), jnp.float32) * H ** -0.5
+  idx_k = jax.random.normal(k[2], (B, T, I), dtype)
+  r = jax.random.normal(k[3], (B, T, min(K, T)), jnp.float32)
+  seg = jnp.ones((B, T), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
   return q, w, idx_k, r, seg, pos
 
 
@@ -171,10 +246,10 @@ def idx_check(interp):
        rows_same_topk_set=float(jnp.mean(same)))
 
 
-def idx_bench(T, interp, reps, xla=True, H=32, I=128, K=512, variants=((64, 64, 4),)):
-  q, w, idx_k, r, seg, pos = idx_inputs(T, H, I, K, jnp.bfloat16)
-  fl = 2.0 * T * T * H * I
-  shape = f"T{T} H{H} I{I} K{K} m1"
+def idx_bench(T, interp, reps, xla=True, H=32, I=128, K=512, variants=((64, 64, 4),), B=1):
+  q, w, idx_k, r, seg, pos = idx_inputs(T, H, I, K, jnp.bfloat16, B=B)
+  fl = 2.0 * B * T * T * H * I
+  shape = f"{B}x{T} H{H} I{I} K{K} m1"
   row = lambda **kw: emit(kind="indexer", shape=shape, **kw)
 
   def rate(impl, mode, t):
@@ -211,8 +286,12 @@ def idx_bench(T, interp, reps, xla=True, H=32, I=128, K=512, variants=((64, 64, 
 def table():
   print(f"\n{header()}\n({elapsed():.0f} s)")
   for r in ROWS:
-    if r["kind"] in ("attn", "indexer"):
-      print(f"{r['kind']:7s} {r['shape']:28s} {r['impl']:22s} {r['mode']:19s} {r['ms']:9.2f} ms "
+    if r["kind"] == "stage":
+      print(f"stage   {r['shape']:32s} {r['stage']:32s} {r['ms']:9.2f} ms")
+    elif r["kind"] == "ratio":
+      print(f"ratio   {r['shape']:32s} {r['mode']:8s} csa2 / best XLA = {r['csa2_over_best_xla']:.2f}x")
+    elif r["kind"] in ("attn", "indexer"):
+      print(f"{r['kind']:7s} {r['shape']:32s} {r['impl']:22s} {r['mode']:19s} {r['ms']:9.2f} ms "
             f"{r['tflops']:7.1f} TF/s {100 * r['of_ceiling']:5.1f}%")
     else:
       print({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()})
@@ -221,17 +300,39 @@ def table():
 def main():
   interp = jax.default_backend() == "cpu"
   reps = ARGS.reps
-  guarded("attn check", lambda: attn_check(interp))
-  guarded("idx check", lambda: idx_check(interp))
+  if not ARGS.cases or "check" in ARGS.cases.split(","):
+    guarded("attn check", lambda: attn_check(interp))
+    guarded("idx check", lambda: idx_check(interp))
   if ARGS.smoke:
-    attn_bench(1, 64, "masked", interp, 1, H=4, D=32, W=8, K=8, variants=((8, 8, 4),))
-    idx_bench(64, interp, 1, H=4, I=32, K=8, variants=((16, 16, 4),))
-  else:
-    attn_bench(2, 4096, "masked", interp, reps)
-    attn_bench(1, 32768, "gather", interp, reps, variants=((64, 32, 4), (64, 64, 4), (32, 32, 4)))
-    idx_bench(16384, interp, reps, variants=((64, 64, 4), (64, 128, 8), (128, 64, 8)))
-    attn_bench(1, 16384, "masked", interp, reps)
-    idx_bench(65536, interp, 1, xla=False)
+    attn_bench(1, 64, 2, interp, 1, xla_impls=(("masked", None), ("gather", None)), H=4, D=32,
+               W=8, K=8)
+    idx_bench(64, interp, 1, H=4, I=32, K=8, variants=((16, 16, 4),), B=2)
+    attn_breakdown(1, 64, 2, interp, 1, H=4, D=32, W=8, K=8)
+    table()
+    return
+  # s3's shapes (16 heads x 128, window 128, top-256), 16K tokens per call. "masked" at 32K+
+  # needs query chunks to fit in memory. `--cases` picks and orders them (the deadline skips the
+  # rest).
+  both = (("masked", None), ("gather", None))
+  cases = {
+      "4k-m1": lambda: attn_bench(4, 4096, 1, interp, reps, both,
+                                  kernels=tuple(KERNELS) + tuple(VARIANTS)),
+      "4k-m1-stages": lambda: attn_breakdown(4, 4096, 1, interp, reps),
+      "4k-m2": lambda: attn_bench(4, 4096, 2, interp, reps, both),
+      "idx-4k": lambda: idx_bench(4096, interp, reps, H=16, I=128, K=256, B=4),
+      "32k-m2": lambda: attn_bench(1, 32768, 2, interp, reps, (("masked", 4096), ("gather", None))),
+      "32k-m1": lambda: attn_bench(1, 32768, 1, interp, reps, (("masked", 2048), ("gather", None))),
+      "16k-m1": lambda: attn_bench(1, 16384, 1, interp, reps, both),
+      "16k-m2": lambda: attn_bench(1, 16384, 2, interp, reps, both),
+      "64k-m2": lambda: attn_bench(1, 65536, 2, interp, 3, (("masked", 2048), ("gather", None)),
+                                   kernels=("pallas csa2",)),
+      "64k-m1": lambda: attn_bench(1, 65536, 1, interp, 3, (("masked", 1024), ("gather", None)),
+                                   kernels=("pallas csa2",)),
+  }
+  for name in (ARGS.cases.split(",") if ARGS.cases else cases):
+    if name == "check":
+      continue
+    guarded(name, cases[name])
   table()
 
 
@@ -239,6 +340,7 @@ if __name__ == "__main__":
   ap = argparse.ArgumentParser()
   ap.add_argument("--smoke", action="store_true")
   ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
   ap.add_argument("--deadline", type=float, default=175.0, help="seconds; later cases are skipped")
   ARGS = ap.parse_args()
   main()

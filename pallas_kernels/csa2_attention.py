@@ -1,0 +1,340 @@
+"""Sparse attention (window ∪ selected entries ∪ sink) with a deterministic backward (docs/design.md §4.3, §14).
+
+The same function as `pallas_kernels.sparse_attention.sparse_attend` (whose forward and
+global_probs kernels it runs), with a backward that has no atomic adds, so two runs are bitwise
+equal and no float32 atomic sits on a popular row. For query t, head h (s = (q·k)·scale, K = V):
+
+  p_{t,h,j} = exp(s_{t,h,j} − lse_{t,h})      lse: log of the softmax denominator, sink included
+  Δ_{t,h}   = Σ_d dO_{t,h,d} · O_{t,h,d}        ds = p · (dO·k_j − Δ)
+  dq_t      = scale · Σ_j ds_{t,·,j} k_j
+  dk_j      = Σ_{t,h} scale · ds_{t,h,j} q_{t,h} + p_{t,h,j} dO_{t,h}     (dK + dV of one key)
+  dsink_h   = −Σ_t exp(sink_h − lse_{t,h}) · Δ_{t,h}
+
+Kernels of the backward:
+  `_dq_kernel`      query-outer, one program per (batch, token, head group), keys as in the
+                    forward: the window rows, then the selected entries read by index. Writes dq
+                    and, for each selected slot, its contribution C[t, g, slot] = the inner sum of
+                    dk_j over the group's heads ([Kp, D] float32 per token).
+  `_window_dkv_kernel`  key-outer band: one program per block of `block_kw` window keys loops over
+                    the queries that can see them (rows j … j + W − 1, all heads folded into the
+                    rows of one tile: [bkw, D] · [rows, D]ᵀ), no scatter.
+  `_entry_sum_kernel`  d(entries): the slots are sorted by entry (a stable sort of the top-k
+                    indices) and one program per entry adds its contributions in that order.
+The query rows are processed in pieces that keep C under `max_contrib_elems` (each piece's
+d(entries) added in piece order), which also keeps every Triton address below 2^31.
+
+Backend: Triton via `pl.pallas_call`; `interpret=True` on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import sparse_attention as _sa
+
+_F32 = jnp.float32
+_NT = _sa._NT                        # a · bᵀ
+_TN = _sa._TN                        # aᵀ · b
+_NN = (((1,), (0,)), ((), ()))       # a · b
+_dot = _sa._dot
+
+unsupported_reason = _sa.unsupported_reason
+
+
+def _params(interpret, num_warps, num_stages):
+  return None if interpret else _sa._triton_params(num_warps, num_stages)
+
+
+# --- kernels ---------------------------------------------------------------------------------------
+
+def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, kv_ref, seg_ref, *rest, scale, window, wb, bkw,
+               bk, n_chunks, t_off, has_global):
+  if has_global:
+    gkv_ref, topk_ref, dq_ref, c_ref = rest
+  else:
+    (dq_ref,) = rest
+  t = pl.program_id(1) + t_off
+  q = q_ref[...]                                                    # [Hb, D]
+  do = do_ref[...]
+  lse = lse_ref[...]
+  delta = delta_ref[...]
+  seg_t = seg_ref[pl.ds(t + wb, 1)]
+
+  def grads(k, ok):
+    s = _dot(q, k, _NT) * scale
+    p = jnp.where(ok[None, :], jnp.exp(s - lse[:, None]), 0.0)     # [Hb, bk]
+    ds = p * (_dot(do, k, _NT) - delta[:, None])
+    return ds, p
+
+  def window_chunk(c, dq):
+    start, ok = _sa._window_rows(t, c, wb, bkw, window, seg_ref, seg_t)
+    k = kv_ref[pl.ds(start, bkw), :]
+    ds, _ = grads(k, ok)
+    return dq + _dot(ds.astype(k.dtype), k, _NN)
+
+  dq = jax.lax.fori_loop(0, wb // bkw, window_chunk, jnp.zeros(q.shape, _F32))
+  if has_global:
+    def global_chunk(c, dq):
+      idx = topk_ref[pl.ds(c * bk, bk)]
+      k = gkv_ref[jnp.maximum(idx, 0), :]
+      ds, p = grads(k, idx >= 0)
+      c_ref[pl.ds(c * bk, bk), :] = (_dot(ds.astype(q.dtype), q, _TN) * scale
+                                     + _dot(p.astype(do.dtype), do, _TN)).astype(c_ref.dtype)
+      return dq + _dot(ds.astype(k.dtype), k, _NN)
+    dq = jax.lax.fori_loop(0, n_chunks, global_chunk, dq)
+  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _window_dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, segq_ref, kv_ref, segk_ref, dkv_ref, *,
+                       scale, window, hp, bkw, rows, n_q):
+  j0 = pl.program_id(1) * bkw
+  k = kv_ref[pl.ds(j0, bkw), :]                                     # [bkw, D]
+  segk = segk_ref[pl.ds(j0, bkw)]
+  jrow = j0 + jax.lax.broadcasted_iota(jnp.int32, (bkw,), 0)
+
+  def chunk(c, dk):
+    r0 = j0 * hp + c * rows                                         # flat (token, head) row
+    qc = q_ref[pl.ds(r0, rows), :]                                  # [rows, D]
+    doc = do_ref[pl.ds(r0, rows), :]
+    lse = lse_ref[pl.ds(r0, rows)]
+    dl = delta_ref[pl.ds(r0, rows)]
+    segq = segq_ref[pl.ds(r0, rows)]
+    tcol = (r0 + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)) // hp
+    dt = tcol[None, :] - jrow[:, None]                              # t − j
+    ok = ((dt >= 0) & (dt < window) & (segq[None, :] == segk[:, None])
+          & (segk[:, None] > 0))
+    s = _dot(k, qc, _NT) * scale                                    # [bkw, rows]
+    p = jnp.where(ok, jnp.exp(s - lse[None, :]), 0.0)
+    ds = p * (_dot(k, doc, _NT) - dl[None, :])
+    return (dk + _dot(ds.astype(qc.dtype), qc, _NN) * scale
+            + _dot(p.astype(doc.dtype), doc, _NN))
+
+  dkv_ref[...] = jax.lax.fori_loop(0, n_q, chunk, jnp.zeros(k.shape, _F32))
+
+
+def _entry_sum_kernel(lo_ref, hi_ref, order_ref, c_ref, o_ref, *, be, zero_row):
+  lo = jnp.min(lo_ref[...])
+  hi = jnp.max(hi_ref[...])
+
+  def chunk(i, acc):
+    pos = lo + i * be + jax.lax.broadcasted_iota(jnp.int32, (be,), 0)
+    idx = jnp.where(pos < hi, order_ref[pl.ds(lo + i * be, be)], zero_row)
+    return acc + c_ref[idx, :].astype(_F32)
+
+  n = (hi - lo + be - 1) // be
+  acc = jax.lax.fori_loop(0, n, chunk, jnp.zeros((be, o_ref.shape[-1]), _F32))
+  o_ref[...] = jnp.sum(acc, axis=0)
+
+
+# --- backward --------------------------------------------------------------------------------------
+
+def _window_dkv(qp, dop, lse, delta, seg, kv, *, window, scale, hp, bkw, interpret, num_warps,
+                num_stages):
+  """dK + dV of the window keys [B, T, D] float32 (key-outer band kernel)."""
+  B, T, _, D = qp.shape
+  bt = max(1, 128 // hp)                                            # tokens per query tile
+  rows = bt * hp
+  n_q = -(-(bkw + window - 1) // bt)
+  nkb = -(-T // bkw)
+  tq = nkb * bkw + n_q * bt                                         # padded query tokens
+  pad_q = lambda a, v=0: jnp.pad(a, [(0, 0), (0, tq - T)] + [(0, 0)] * (a.ndim - 2),
+                                 constant_values=v)
+  q_flat = pad_q(qp).reshape(B, tq * hp, D)
+  do_flat = pad_q(dop).reshape(B, tq * hp, D)
+  lse_flat = pad_q(lse).reshape(B, tq * hp)
+  delta_flat = pad_q(delta).reshape(B, tq * hp)
+  segq = jnp.repeat(pad_q(seg.astype(jnp.int32), -1), hp, axis=1)
+  kvp = jnp.pad(kv, ((0, 0), (0, nkb * bkw - T), (0, 0)))
+  segk = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, nkb * bkw - T)), constant_values=-1)
+  row = lambda n: pl.BlockSpec((None, n, D), lambda b, j: (b, 0, 0))
+  vec = lambda n: pl.BlockSpec((None, n), lambda b, j: (b, 0))
+  kernel = functools.partial(_window_dkv_kernel, scale=scale, window=window, hp=hp, bkw=bkw,
+                             rows=rows, n_q=n_q)
+  dkv = pl.pallas_call(
+      kernel, grid=(B, nkb),
+      in_specs=[row(tq * hp), row(tq * hp), vec(tq * hp), vec(tq * hp), vec(tq * hp),
+                row(nkb * bkw), vec(nkb * bkw)],
+      out_specs=pl.BlockSpec((None, bkw, D), lambda b, j: (b, j, 0)),
+      out_shape=jax.ShapeDtypeStruct((B, nkb * bkw, D), _F32),
+      compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
+      name="csa2_window_dkv")(q_flat, do_flat, lse_flat, delta_flat, segq, kvp, segk)
+  return dkv[:, :T]
+
+
+def _slot_order(ids, n_entries, bounds: str = "count"):
+  """The slots [B, R] (entry ids, −1 empty) sorted by entry, stable: (order [B, R] of row numbers,
+  lo and hi [B, N, 16]: entry n's slots are order[lo[n]:hi[n]], in lanes of 16 copies that the
+  kernel reads as a block and reduces to a scalar). `bounds`: "count" (a histogram of the ids,
+  integer adds, and its running sum) or "search" (binary search of the sorted ids)."""
+  B, R = ids.shape
+  ids = jnp.where(ids >= 0, ids, n_entries).astype(jnp.int32)
+  rank = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 1)
+  sorted_ids, order = jax.lax.sort((ids, rank), dimension=1, is_stable=True, num_keys=1)
+  if bounds == "count":
+    rows = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 0)
+    counts = jnp.zeros((B, n_entries + 1), jnp.int32).at[rows, ids].add(1)[:, :n_entries]
+    hi = jnp.cumsum(counts, axis=1, dtype=jnp.int32)
+    lo = hi - counts
+  elif bounds == "search":
+    entries = jnp.arange(n_entries, dtype=jnp.int32)
+    search = lambda side: jax.vmap(lambda s: jnp.searchsorted(s, entries, side=side))(sorted_ids)
+    lo, hi = search("left").astype(jnp.int32), search("right").astype(jnp.int32)
+  else:
+    raise ValueError(f"bounds must be 'count' or 'search' (got {bounds!r})")
+  lanes = lambda a: jnp.broadcast_to(a[..., None], (B, n_entries, 16))
+  return order, lanes(lo), lanes(hi)
+
+
+def _entry_sums(contrib, order, lo, hi, *, be, interpret, num_warps, num_stages):
+  """d(entries) [B, N, D] float32: Σ of contrib rows [B, R, D] over order[lo[n]:hi[n]], added in
+  row order (one program per entry)."""
+  B, R, D = contrib.shape
+  n_entries = lo.shape[1]
+  order = jnp.pad(order, ((0, 0), (0, be)), constant_values=R)       # row R: zeros
+  contrib = jnp.pad(contrib, ((0, 0), (0, 1), (0, 0)))
+  bound = pl.BlockSpec((None, None, 16), lambda b, n: (b, n, 0))
+  return pl.pallas_call(
+      functools.partial(_entry_sum_kernel, be=be, zero_row=R), grid=(B, n_entries),
+      in_specs=[bound, bound, pl.BlockSpec((None, R + be), lambda b, n: (b, 0)),
+                pl.BlockSpec((None, R + 1, D), lambda b, n: (b, 0, 0))],
+      out_specs=pl.BlockSpec((None, None, D), lambda b, n: (b, n, 0)),
+      out_shape=jax.ShapeDtypeStruct((B, n_entries, D), _F32),
+      compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
+      name="csa2_entry_sums")(lo, hi, order, contrib)
+
+
+def _backward(q, kv, seg, sink, gkv, topk, o, lse, do, *, window, scale, block_h, block_k,
+              block_kw, block_e, sum_warps, bounds, max_contrib_elems, contrib_dtype, interpret,
+              num_warps, num_stages):
+  B, T, H, D = q.shape
+  has_global = gkv is not None
+  K = topk.shape[-1] if has_global else 0
+  N = gkv.shape[1] if has_global else 0
+  plan = _sa._Plan(H, D, K, window, block_h, block_k)
+  qp, kvp, segp, _, glob = _sa._prepare(q, kv, seg, sink, gkv, topk, plan)
+  dop = jnp.pad(do.astype(q.dtype), ((0, 0), (0, 0), (0, plan.hp - H), (0, 0)))
+  delta = jnp.sum(do.astype(_F32) * o.astype(_F32), axis=-1)       # [B, T, H]
+  deltap = jnp.pad(delta, ((0, 0), (0, 0), (0, plan.hp - H)))
+  hb, g_n = plan.hb, plan.g
+  if contrib_dtype is None:
+    contrib_dtype = jnp.bfloat16 if q.dtype == jnp.bfloat16 else _F32
+  # Query rows per piece: the slot contributions [B, P, G, Kp, D] stay under max_contrib_elems.
+  per_token = B * g_n * plan.kp * D
+  piece = T if not has_global else max(1, min(T, max_contrib_elems // max(per_token, 1)))
+  dq_parts, dg = [], None
+  for t0 in range(0, T, piece):
+    P = min(piece, T - t0)
+    sl = lambda a: a[:, t0:t0 + P]
+    tok = lambda *s: pl.BlockSpec((None, None) + s, lambda b, t, g: (b, t, g) + (0,) * (len(s) - 1))
+    full_kv = pl.BlockSpec((None, T + plan.wb, D), lambda b, t, g: (b, 0, 0))
+    full_seg = pl.BlockSpec((None, T + plan.wb), lambda b, t, g: (b, 0))
+    in_specs = [tok(hb, D), tok(hb, D), tok(hb), tok(hb), full_kv, full_seg]
+    args = [sl(qp), sl(dop), sl(lse), sl(deltap), kvp, segp]
+    out_specs = [tok(hb, D)]
+    out_shape = [jax.ShapeDtypeStruct((B, P, plan.hp, D), q.dtype)]
+    if has_global:
+      gkvp, topkp = glob
+      in_specs += [pl.BlockSpec((None, N + 1, D), lambda b, t, g: (b, 0, 0)),
+                   pl.BlockSpec((None, None, plan.kp), lambda b, t, g: (b, t, 0))]
+      args += [gkvp, sl(topkp)]
+      out_specs.append(pl.BlockSpec((None, None, None, plan.kp, D),
+                                    lambda b, t, g: (b, t, g, 0, 0)))
+      out_shape.append(jax.ShapeDtypeStruct((B, P, g_n, plan.kp, D), contrib_dtype))
+    kernel = functools.partial(_dq_kernel, scale=scale, window=window, wb=plan.wb, bkw=plan.bkw,
+                               bk=plan.bk, n_chunks=plan.n_chunks, t_off=t0,
+                               has_global=has_global)
+    outs = pl.pallas_call(
+        kernel, grid=(B, P, g_n), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
+        name="csa2_dq")(*args)
+    dq_parts.append(outs[0][:, :, :H])
+    if has_global:
+      ids = jnp.broadcast_to(sl(topkp)[:, :, None, :], (B, P, g_n, plan.kp))
+      order, lo, hi = _slot_order(ids.reshape(B, -1), N, bounds)
+      part = _entry_sums(outs[1].reshape(B, -1, D), order, lo, hi, be=block_e,
+                         interpret=interpret, num_warps=sum_warps, num_stages=num_stages)
+      dg = part if dg is None else dg + part
+  dq = dq_parts[0] if len(dq_parts) == 1 else jnp.concatenate(dq_parts, axis=1)
+  dkv = _window_dkv(qp, dop, lse, deltap, seg, kv, window=window, scale=scale, hp=plan.hp,
+                    bkw=block_kw, interpret=interpret, num_warps=num_warps,
+                    num_stages=num_stages)
+  p_sink = jnp.exp(sink.astype(_F32)[None, None, :] - lse[..., :H])
+  dsink = -jnp.sum(p_sink * delta, axis=(0, 1)).astype(sink.dtype)
+  return (dq, dkv.astype(kv.dtype), dsink,
+          None if dg is None else dg.astype(gkv.dtype))
+
+
+# --- the op ----------------------------------------------------------------------------------------
+
+_FWD_KEYS = ("window", "scale", "block_h", "block_k", "interpret", "num_warps", "num_stages")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attn(q, kv, seg, sink, gkv, topk, static):
+  return _attn_fwd(q, kv, seg, sink, gkv, topk, static)[0]
+
+
+def _attn_fwd(q, kv, seg, sink, gkv, topk, static):
+  st = dict(static)
+  o, lse, _ = _sa._forward(q, kv, seg, sink, gkv, topk, **{k: st[k] for k in _FWD_KEYS})
+  return (o, lse), (q, kv, seg, sink, gkv, topk, o, lse)
+
+
+def _attn_bwd(static, res, cts):
+  q, kv, seg, sink, gkv, topk, o, lse = res
+  do, _ = cts   # lse is used only under stop_gradient (global_probs): its cotangent is zero
+  st = dict(static)
+  st["block_k"] = st.pop("block_k_bwd")
+  dq, dkv, dsink, dg = _backward(q, kv, seg, sink, gkv, topk, o, lse, do, **st)
+  return dq, dkv, None, dsink, dg, None
+
+
+_attn.defvjp(_attn_fwd, _attn_bwd)
+
+
+def sparse_attend(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, global_kv_BxNxD=None,
+                  topk_BxTxK=None, *, window: int, scale: float, impl: str | None = None,
+                  query_chunk: int | None = None, interpret: bool | None = None,
+                  block_h: int | None = None, block_k: int | None = None,
+                  block_k_bwd: int | None = 64, block_kw: int = 64, block_e: int = 16,
+                  sum_warps: int = 4, bounds: str = "count",
+                  max_contrib_elems: int = 1 << 29, contrib_dtype=None, num_warps: int = 4,
+                  num_stages: int = 2):
+  """(o, global_probs) of `attend` (the op's arguments and results), deterministic backward.
+
+  `impl`, `query_chunk`: the reference's XLA form and chunking, ignored (no such intermediate).
+  `global_probs_BxTxK` carries no gradient (the model detaches it). Tiles: `block_k` selected
+  slots per step in the forward (None: 64 for D ≤ 256, else 32), `block_k_bwd` in the dq kernel,
+  `block_kw` window keys per band program, `block_e` contribution rows per step of an entry sum
+  (`sum_warps` warps per entry program), `bounds` how each entry's run of sorted slots is found
+  (`_slot_order`).
+  `contrib_dtype`: the slot contributions' storage (None: bfloat16 for bfloat16 inputs, which
+  halves their traffic and rounds each (token, slot) term once before the float32 entry sums;
+  float32 otherwise).
+  """
+  del impl, query_chunk
+  if (global_kv_BxNxD is None) != (topk_BxTxK is None):
+    raise ValueError("global_kv_BxNxD and topk_BxTxK must be given together")
+  if (reason := unsupported_reason(q_BxTxHxD, swa_kv_BxTxD, window)) is not None:
+    raise ValueError(f"csa2_attention kernel: {reason}")
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  static = (("window", int(window)), ("scale", float(scale)), ("block_h", block_h),
+            ("block_k", block_k), ("block_k_bwd", block_k_bwd), ("block_kw", int(block_kw)),
+            ("block_e", int(block_e)), ("sum_warps", int(sum_warps)), ("bounds", bounds),
+            ("max_contrib_elems", int(max_contrib_elems)),
+            ("contrib_dtype", None if contrib_dtype is None else jnp.dtype(contrib_dtype)),
+            ("interpret", bool(interpret)), ("num_warps", num_warps), ("num_stages", num_stages))
+  o, lse = _attn(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, global_kv_BxNxD, topk_BxTxK,
+                 static)
+  if global_kv_BxNxD is None:
+    return o, None
+  sg = jax.lax.stop_gradient
+  probs = _sa._global_probs(sg(q_BxTxHxD), sg(global_kv_BxNxD), topk_BxTxK, sg(lse), scale=scale,
+                            block_h=block_h, block_k=block_k, interpret=bool(interpret),
+                            num_warps=num_warps, num_stages=num_stages)
+  return o, probs

@@ -1,0 +1,90 @@
+"""pallas_kernels/csa2_attention.py (interpret mode) against dsv41_jax.layers.sparse_attention.attend_reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax.layers import sparse_attention as sa
+from pallas_kernels import csa2_attention as ca
+from tests.pallas_kernels.test_sparse_attention import W, _inputs
+
+# Small tiles so that T = 37 and N are off every tile, and contributions capped at 10 tokens per
+# piece (B · G · Kp · D = 2 · 1 · 8 · 32 elements per token), so the backward runs 4 pieces.
+TILES = dict(block_k=4, block_k_bwd=8, block_kw=8, block_e=4, max_contrib_elems=2 * 8 * 32 * 10)
+
+
+def _run(fn, x, D=32, **kw):
+  return fn(x["q"], x["kv"], x["seg"], x["sink"], global_kv_BxNxD=x["g"], topk_BxTxK=x["topk"],
+            window=W, scale=D ** -0.5, **kw)
+
+
+def _kernel(*a, **kw):
+  return ca.sparse_attend(*a, **{**TILES, **kw}, interpret=True)
+
+
+def _grads(fn, x, r, **kw):
+  def f(q, kv, sink, g):
+    o, _ = _run(fn, dict(x, q=q, kv=kv, sink=sink, g=g), **kw)
+    return jnp.sum(o.astype(jnp.float32) * r)
+  return jax.grad(f, argnums=(0, 1, 2, 3))(x["q"], x["kv"], x["sink"], x["g"])
+
+
+@pytest.mark.parametrize("m", [2, pytest.param(1, marks=pytest.mark.slow)])
+def test_forward_gradients_and_determinism(m):
+  x = _inputs(20 + m, m)
+  # One head with a large sink (most mass on "nowhere"), one with a very negative one.
+  x["sink"] = x["sink"].at[0].set(6.0).at[1].set(-30.0)
+  topk = np.asarray(x["topk"])
+  assert (topk[:, 1] < 0).any() and (topk >= 0).sum() > 0      # −1 slots, rows with < K visible
+  o, probs = _run(_kernel, x)
+  ro, rprobs = _run(sa.attend_reference, x)
+  # float32 throughout (HIGHEST dots): only the summation order differs.
+  np.testing.assert_allclose(np.asarray(o), np.asarray(ro), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(probs), np.asarray(rprobs), rtol=1e-5, atol=1e-6)
+  r = jnp.asarray(np.random.default_rng(m).standard_normal(o.shape), jnp.float32)
+  got = _grads(_kernel, x, r)
+  for g, want in zip(got, _grads(sa.attend_reference, x, r)):
+    scale = float(jnp.max(jnp.abs(want)))
+    assert scale > 0.1
+    np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-5, atol=1e-5 * scale)
+  # No atomics: the sums run in a fixed order, so the other way of finding each entry's slots
+  # gives the same bits (two GPU runs are compared by benchmarks/csa2_kernels_gpu.py).
+  for a, b in zip(got, _grads(_kernel, x, r, bounds="search")):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bfloat16_window_only_and_bad_input():
+  x = _inputs(30, 2, D=64, dtype=jnp.bfloat16)
+  x32 = {k: (v.astype(jnp.float32) if v.dtype == jnp.bfloat16 else v) for k, v in x.items()}
+  rel = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b))
+  # bf16: exponentials and outputs are rounded to 8 significant bits (2^-9 relative each);
+  # 1e-2 relative is the bf16 bound. (The bf16 gradients, with their bfloat16 slot
+  # contributions, are compared on the GPU by benchmarks/csa2_kernels_gpu.py: ~2e-3.)
+  o, probs = _run(_kernel, x, D=64)
+  ro, rprobs = _run(sa.attend_reference, x32, D=64)
+  assert o.dtype == jnp.bfloat16 and rel(o, ro) < 1e-2 and rel(probs, rprobs) < 1e-2
+  ow, none = ca.sparse_attend(x["q"], x["kv"], x["seg"], x["sink"], window=W, scale=0.125,
+                              interpret=True)
+  rw, _ = sa.attend_reference(x32["q"], x32["kv"], x["seg"], x["sink"], window=W, scale=0.125)
+  assert none is None and rel(ow, rw) < 1e-2
+  with pytest.raises(ValueError, match="head_dim 24"):
+    ca.sparse_attend(x["q"][..., :24], x["kv"][..., :24], x["seg"], x["sink"], window=W,
+                     scale=0.2, interpret=True)
+
+
+def test_lowers_for_cuda():
+  # Triton lowering of every backward kernel on the CPU host via jax.export for CUDA, with the
+  # GPU layout (16 heads, D a power of two) and pieces.
+  from jax import export
+  x = _inputs(31, 2, D=64, dtype=jnp.bfloat16)
+  q = jnp.tile(x["q"], (1, 1, 6, 1))[:, :, :16]
+
+  def loss(q, kv, g, sink):
+    o, p = ca.sparse_attend(q, kv, x["seg"], sink, g, x["topk"], window=W, scale=0.125,
+                            interpret=False, max_contrib_elems=2 * 64 * 64 * 9)
+    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(p)
+
+  export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), platforms=["cuda"],
+                disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+                    q, x["kv"], x["g"], jnp.zeros((16,), jnp.float32))
