@@ -18,6 +18,8 @@
    scores + top-k (the forward `score_and_select`), and forward + backward of Σ r·scores_at_topk,
    vs the XLA `score_and_select` (query_chunk 512). FLOPs: 2·B·T·N·H_I·D_I (all pairs; the causal
    half is the useful part, which the kernel skips block-wise).
+4. Selection alone (`--cases topk-4k`): `lax.top_k` against the radix threshold select of
+   `pallas_kernels.topk_select` over [4, 4096, 4096] causal scores, and whether the sets agree.
 Rates are against the 790 TFLOP/s bf16 matmul ceiling measured on this H200. Median of `--reps`.
 Imports only jax, numpy, dsv41_jax and pallas_kernels.
 """
@@ -42,6 +44,7 @@ from dsv41_jax.layers.types import CompressedKV, entry_visible
 from pallas_kernels import indexer as kx
 from pallas_kernels import csa2_attention as ca
 from pallas_kernels import sparse_attention as ks
+from pallas_kernels import topk_select as tsel
 
 CEILING = 790e12
 ROWS: list[dict] = []
@@ -283,6 +286,24 @@ def idx_bench(T, interp, reps, xla=True, H=32, I=128, K=512, variants=((64, 64, 
         rate("xla chunk512", mode, t)
 
 
+def topk_bench(B, T, K, interp, reps):
+  """Selection alone over [B, T, N = T] causal scores: `lax.top_k` (`select_topk`) vs the radix
+  threshold select (`pallas_kernels.topk_select`), and whether their sets agree (scores rounded
+  to bf16 so that ties occur)."""
+  s = jax.random.normal(jax.random.PRNGKey(3), (B, T, T)).astype(jnp.bfloat16).astype(jnp.float32)
+  vis = jnp.broadcast_to(jnp.arange(T)[None, :] <= jnp.arange(T)[:, None], (B, T, T))
+  shape = f"{B}x{T} N{T} K{K}"
+  ref = jax.jit(lambda s: ix.select_topk(s, vis, K)[0])
+  rad = jax.jit(lambda s: tsel.radix_topk(s, vis, K))
+  same = bool(jnp.all(jnp.sort(ref(s), -1) == jnp.sort(rad(s), -1)))
+  emit(kind="check", what="radix top-k set == lax.top_k set", shape=shape, equal=same)
+  for name, f in (("lax.top_k (select_topk)", ref), ("radix select", rad)):
+    t = guarded(f"topk {shape} {name}", lambda: time_calls(f, s, reps=reps))
+    if t:
+      emit(kind="indexer", shape=shape, impl=name, mode="selection", ms=1e3 * t[0], first_s=t[1],
+           tflops=0.0, of_ceiling=0.0)
+
+
 def table():
   print(f"\n{header()}\n({elapsed():.0f} s)")
   for r in ROWS:
@@ -308,6 +329,7 @@ def main():
                W=8, K=8)
     idx_bench(64, interp, 1, H=4, I=32, K=8, variants=((16, 16, 4),), B=2)
     attn_breakdown(1, 64, 2, interp, 1, H=4, D=32, W=8, K=8)
+    topk_bench(2, 64, 8, interp, 1)
     table()
     return
   # s3's shapes (16 heads x 128, window 128, top-256), 16K tokens per call. "masked" at 32K+
@@ -319,6 +341,7 @@ def main():
                                   kernels=tuple(KERNELS) + tuple(VARIANTS)),
       "4k-m1-stages": lambda: attn_breakdown(4, 4096, 1, interp, reps),
       "4k-m2": lambda: attn_bench(4, 4096, 2, interp, reps, both),
+      "topk-4k": lambda: topk_bench(4, 4096, 256, interp, reps),
       "idx-4k": lambda: idx_bench(4096, interp, reps, H=16, I=128, K=256, B=4),
       "32k-m2": lambda: attn_bench(1, 32768, 2, interp, reps, (("masked", 4096), ("gather", None))),
       "32k-m1": lambda: attn_bench(1, 32768, 1, interp, reps, (("masked", 2048), ("gather", None))),

@@ -1,0 +1,68 @@
+"""Exact top-k selection without a sort: a radix threshold select (docs/design.md §5.4).
+
+The indexer keeps, for each query row, the K best-scoring visible entries, −1 padded when fewer
+are visible (`dsv41_jax.layers.indexer.select_topk`, through `lax.top_k`, a full sort of each row
+on the GPU). The selected *set* needs no sort, only the K-th largest value:
+
+  key(x)   = the float32 bits mapped to uint32 so that key order is the total order of the floats
+             (−0.0 below +0.0, as `lax.top_k` orders them); invisible entries get key 0
+  τ        = the K-th largest key of the row (K = min(k, visible)), found a 4-bit digit at a time
+             from the top: 8 passes, each a 16-bin count of the digit over the entries that match
+             the digits found so far (one fused compare-and-count reduction per pass)
+  selected = visible ∧ (key > τ  ∨  (key == τ  ∧  fewer than `need` equal keys before it))
+
+so ties at τ go to the lowest indices, `lax.top_k`'s rule, and the set equals its set. The
+selected indices are written in ascending index order (not by score): every consumer (attention,
+`scores_at_topk`, the KL loss) treats a row of top-k as a set.
+
+Pure jax (XLA): the passes read the scores 8 times instead of sorting them. Not yet timed on the
+GPU (`benchmarks/csa2_kernels_gpu.py --cases topk-4k` compares it with `lax.top_k`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_U32 = jnp.uint32
+
+
+def ordered_keys(x: jax.Array) -> jax.Array:
+  """uint32 keys of float32 values, in the floats' total order (−0.0 < +0.0)."""
+  b = jax.lax.bitcast_convert_type(x.astype(jnp.float32), _U32)
+  return jnp.where((b >> 31) == 1, ~b, b | _U32(0x80000000))
+
+
+def radix_topk(scores_BxTxN: jax.Array, visible_BxTxN: jax.Array, k: int) -> jax.Array:
+  """topk_BxTxK int32 (K = min(k, N)): the set `lax.top_k` selects among the visible entries,
+  ascending, −1 in the slots past the number of visible entries."""
+  n = scores_BxTxN.shape[-1]
+  k_eff = min(k, n)
+  keys = jnp.where(visible_BxTxN, ordered_keys(jax.lax.stop_gradient(scores_BxTxN)), _U32(0))
+  need = jnp.minimum(jnp.sum(visible_BxTxN, axis=-1, dtype=jnp.int32), k_eff)   # [B, T]
+  prefix = jnp.zeros(need.shape, _U32)
+  bins = jnp.arange(16, dtype=_U32)
+  for shift in range(28, -4, -4):                                    # the 8 digits, top first
+    digit = (keys >> shift) & _U32(15)
+    if shift == 28:
+      match = jnp.ones(keys.shape, bool)
+    else:
+      match = (keys >> (shift + 4)) == (prefix >> (shift + 4))[..., None]
+    counts = jnp.sum(match[..., None] & (digit[..., None] == bins), axis=-2, dtype=jnp.int32)
+    at_or_above = jnp.cumsum(counts[..., ::-1], axis=-1)[..., ::-1]  # [B, T, 16]: digit ≥ b
+    v = jnp.sum(at_or_above >= need[..., None], axis=-1, dtype=jnp.int32) - 1
+    v = jnp.maximum(v, 0)
+    above = jnp.take_along_axis(at_or_above, v[..., None], -1)[..., 0] - jnp.take_along_axis(
+        counts, v[..., None], -1)[..., 0]
+    need = jnp.where(need > 0, need - above, 0)
+    prefix = prefix | (v.astype(_U32) << shift)
+  tau = prefix[..., None]
+  tie = (keys == tau) & visible_BxTxN
+  ties_before = jnp.cumsum(tie, axis=-1, dtype=jnp.int32) - tie
+  selected = visible_BxTxN & ((keys > tau) | (tie & (ties_before < need[..., None])))
+  slot = jnp.where(selected, jnp.cumsum(selected, axis=-1, dtype=jnp.int32) - 1, k_eff)
+  b, t = (jax.lax.broadcasted_iota(jnp.int32, slot.shape, d) for d in (0, 1))
+  entry = jax.lax.broadcasted_iota(jnp.int32, slot.shape, 2)
+  # Unselected entries all land in the spare slot k_eff, which is cut off.
+  out = jnp.full(slot.shape[:2] + (k_eff + 1,), -1, jnp.int32).at[b, t, slot].set(entry)
+  return out[..., :k_eff]
