@@ -138,7 +138,8 @@ def attn_check(interp):
 # deterministic one (pallas_kernels/csa2_attention.py).
 KERNELS = {"pallas atomic": ks.sparse_attend, "pallas csa2": ca.sparse_attend}
 # Tile variants of the deterministic kernel, timed at 4K only.
-VARIANTS = {"csa2 f32c search": partial(ca.sparse_attend, contrib_dtype=jnp.float32,
+VARIANTS = {"csa2 flat sort": partial(ca.sparse_attend, sort="flat"),
+            "csa2 f32c search": partial(ca.sparse_attend, contrib_dtype=jnp.float32,
                                          bounds="search"),
             "csa2 search": partial(ca.sparse_attend, bounds="search"),
             "csa2 sw1 be32": partial(ca.sparse_attend, sum_warps=1, block_e=32),
@@ -203,11 +204,11 @@ def attn_breakdown(B, T, m, interp, reps, H=16, D=128, W=128, K=256):
   t = guarded("stage sort", lambda: time_calls(sort_only, ids, reps=reps))
   if t:
     row("slot sort alone", t)
-  for bounds in ("count", "search"):
-    f = jax.jit(lambda i, b_=bounds: ca._slot_order(i, T // m, b_))
+  for bounds, sort in (("count", "rows"), ("search", "rows"), ("count", "flat")):
+    f = jax.jit(lambda i, b_=bounds, s_=sort: ca._slot_order(i, T // m, b_, s_))
     t = guarded("stage sort", lambda: time_calls(f, ids, reps=reps))
     if t:
-      row(f"slot sort + bounds {bounds}", t)
+      row(f"slot sort {sort} + bounds {bounds}", t)
   order, lo, hi = f(ids)
   c = jax.random.normal(jax.random.PRNGKey(8), (B, ids.shape[1], D), jnp.bfloat16)
   for be, nw in ((16, 4), (32, 1), (32, 2), (64, 2), (16, 1)):

@@ -165,15 +165,26 @@ def _window_dkv(qp, dop, lse, delta, seg, kv, *, window, scale, hp, bkw, interpr
   return dkv[:, :T]
 
 
-def _slot_order(ids, n_entries, bounds: str = "count"):
+def _slot_order(ids, n_entries, bounds: str = "count", sort: str = "rows"):
   """The slots [B, R] (entry ids, −1 empty) sorted by entry, stable: (order [B, R] of row numbers,
   lo and hi [B, N, 16]: entry n's slots are order[lo[n]:hi[n]], in lanes of 16 copies that the
   kernel reads as a block and reduces to a scalar). `bounds`: "count" (a histogram of the ids,
-  integer adds, and its running sum) or "search" (binary search of the sorted ids)."""
+  integer adds, and its running sum) or "search" (binary search of the sorted ids). `sort`:
+  "rows" (one sort per batch row) or "flat" (one sort of all B·R slots, the row folded into the
+  key); both give the same order."""
   B, R = ids.shape
   ids = jnp.where(ids >= 0, ids, n_entries).astype(jnp.int32)
-  rank = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 1)
-  sorted_ids, order = jax.lax.sort((ids, rank), dimension=1, is_stable=True, num_keys=1)
+  if sort == "rows":
+    rank = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 1)
+    sorted_ids, order = jax.lax.sort((ids, rank), dimension=1, is_stable=True, num_keys=1)
+  elif sort == "flat":
+    base = jnp.arange(B, dtype=jnp.int32)[:, None]
+    keys, flat = jax.lax.sort(((ids + base * (n_entries + 1)).reshape(-1),
+                               jnp.arange(B * R, dtype=jnp.int32)), is_stable=True, num_keys=1)
+    sorted_ids = keys.reshape(B, R) - base * (n_entries + 1)
+    order = flat.reshape(B, R) - base * R
+  else:
+    raise ValueError(f"sort must be 'rows' or 'flat' (got {sort!r})")
   if bounds == "count":
     rows = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 0)
     counts = jnp.zeros((B, n_entries + 1), jnp.int32).at[rows, ids].add(1)[:, :n_entries]
@@ -208,8 +219,8 @@ def _entry_sums(contrib, order, lo, hi, *, be, interpret, num_warps, num_stages)
 
 
 def _backward(q, kv, seg, sink, gkv, topk, o, lse, do, *, window, scale, block_h, block_k,
-              block_kw, block_e, sum_warps, bounds, max_contrib_elems, contrib_dtype, interpret,
-              num_warps, num_stages):
+              block_kw, block_e, sum_warps, bounds, sort, max_contrib_elems, contrib_dtype,
+              interpret, num_warps, num_stages):
   B, T, H, D = q.shape
   has_global = gkv is not None
   K = topk.shape[-1] if has_global else 0
@@ -254,7 +265,7 @@ def _backward(q, kv, seg, sink, gkv, topk, o, lse, do, *, window, scale, block_h
     dq_parts.append(outs[0][:, :, :H])
     if has_global:
       ids = jnp.broadcast_to(sl(topkp)[:, :, None, :], (B, P, g_n, plan.kp))
-      order, lo, hi = _slot_order(ids.reshape(B, -1), N, bounds)
+      order, lo, hi = _slot_order(ids.reshape(B, -1), N, bounds, sort)
       part = _entry_sums(outs[1].reshape(B, -1, D), order, lo, hi, be=block_e,
                          interpret=interpret, num_warps=sum_warps, num_stages=num_stages)
       dg = part if dg is None else dg + part
@@ -301,7 +312,7 @@ def sparse_attend(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, global_kv_Bx
                   query_chunk: int | None = None, interpret: bool | None = None,
                   block_h: int | None = None, block_k: int | None = None,
                   block_k_bwd: int | None = 64, block_kw: int = 64, block_e: int = 16,
-                  sum_warps: int = 4, bounds: str = "count",
+                  sum_warps: int = 4, bounds: str = "count", sort: str = "rows",
                   max_contrib_elems: int = 1 << 29, contrib_dtype=None, num_warps: int = 4,
                   num_stages: int = 2):
   """(o, global_probs) of `attend` (the op's arguments and results), deterministic backward.
@@ -310,8 +321,8 @@ def sparse_attend(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, global_kv_Bx
   `global_probs_BxTxK` carries no gradient (the model detaches it). Tiles: `block_k` selected
   slots per step in the forward (None: 64 for D ≤ 256, else 32), `block_k_bwd` in the dq kernel,
   `block_kw` window keys per band program, `block_e` contribution rows per step of an entry sum
-  (`sum_warps` warps per entry program), `bounds` how each entry's run of sorted slots is found
-  (`_slot_order`).
+  (`sum_warps` warps per entry program); `bounds` and `sort`: how the slots are ordered by entry
+  (`_slot_order`; the same order either way).
   `contrib_dtype`: the slot contributions' storage (None: bfloat16 for bfloat16 inputs, which
   halves their traffic and rounds each (token, slot) term once before the float32 entry sums;
   float32 otherwise).
@@ -326,6 +337,7 @@ def sparse_attend(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, global_kv_Bx
   static = (("window", int(window)), ("scale", float(scale)), ("block_h", block_h),
             ("block_k", block_k), ("block_k_bwd", block_k_bwd), ("block_kw", int(block_kw)),
             ("block_e", int(block_e)), ("sum_warps", int(sum_warps)), ("bounds", bounds),
+            ("sort", sort),
             ("max_contrib_elems", int(max_contrib_elems)),
             ("contrib_dtype", None if contrib_dtype is None else jnp.dtype(contrib_dtype)),
             ("interpret", bool(interpret)), ("num_warps", num_warps), ("num_stages", num_stages))
