@@ -20,8 +20,8 @@ Ledger (`python -m launch.ledger --config=configs/small.py:s2`): total / Engram 
   m3 4.44 B (backbone 3.07 B: MaxText ds4mini's 3.04 B scale) / 1.23 B / 510 M, 3.2e9.
 m3 is the 3B-class config for one H200 (issue 28); its memory plan at a 4 × 4096 micro-batch
 (`python -m launch.aot --config=configs/small.py:m3 --mesh=data:1 --batch=4 --analytic`):
-parameters 16.6 GiB, gradients 16.6, optimizer 16.6, activations 45.5 (of which float32 logits
-12.0), 95.2 GiB in all. Launch (one host, every local GPU in the batch/expert axes):
+parameters 16.6 GiB, gradients 16.6, optimizer 16.6, activations 39.5 (of which the float32
+logits of one 8192-token loss chunk 6.0), 89.2 GiB in all. Launch (one host, every local GPU in the batch/expert axes):
 
   python -m launch.train --config=configs/small.py:s1 --workdir=/tmp/dsv41_s1
   python -m launch.train --config=configs/small.py:s2 --workdir=DIR \
@@ -119,6 +119,9 @@ def model_fields(size: str) -> dict:
       # TFLOP/s on the H200, docs/design.md §T7); the dropped fraction is logged every step.
       moe_dispatch="capacity",
       moe_capacity_factor=1.25,
+      # The LM loss from the head's input in chunks of 8192 tokens (loss.head_cross_entropy): no
+      # float32 [B, T, V] logits for the whole micro-batch (m3 at 4 × 4096: 12 GiB of them).
+      lm_loss_chunk=8192,
       vision=dict(s["vit"]),
       **layout(s["layers"]),
   )

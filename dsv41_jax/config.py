@@ -100,6 +100,9 @@ class ModelConfig:
   # score intermediates of long rows (the chunks are recomputed in the backward pass).
   attn_query_chunk: int = 0
   index_query_chunk: int = 512
+  # Training's LM loss from the final hidden state in chunks of this many tokens (`loss.
+  # head_cross_entropy`: no float32 [B, T, V] logits for the whole batch); 0 = plain logits.
+  lm_loss_chunk: int = 0
   # MoE dispatch: "dropless" (exact) or "capacity" (static per-expert capacity).
   moe_dispatch: Literal["dropless", "capacity"] = "dropless"
   moe_capacity_factor: float = 1.25
@@ -190,6 +193,8 @@ def _validate(c: ModelConfig) -> None:
        f"moe_dispatch must be 'dropless' or 'capacity' (got {c.moe_dispatch!r})")
   need(c.attn_query_chunk >= 0 and c.index_query_chunk >= 0,
        "attn_query_chunk and index_query_chunk must be >= 0 (0 = the whole row)")
+  need(c.lm_loss_chunk >= 0, f"lm_loss_chunk must be >= 0 (got {c.lm_loss_chunk}; 0 = plain "
+       "logits)")
   need(c.moe_capacity_factor > 0, f"moe_capacity_factor must be positive (got {c.moe_capacity_factor})")
   need(c.kernels in ("xla", "pallas"), f"kernels must be 'xla' or 'pallas' (got {c.kernels!r})")
   need(c.residual in ("mhc", "plain"), f"residual must be 'mhc' or 'plain' (got {c.residual!r})")

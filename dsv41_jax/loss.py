@@ -7,9 +7,17 @@ the layers are summed, not averaged: at Flash depth a mean would weight each lay
 
 The indexer loss only reaches indexer parameters (its inputs are detached, §5.5) and the LM loss
 never reaches them (top-k is not differentiable), so one scalar trains both without interference.
+
+`head_cross_entropy` is the same LM cross-entropy computed from the final hidden state and the head
+in chunks of tokens (`ModelConfig.lm_loss_chunk`), so the float32 [B, T, V] logits never exist
+for the whole batch: each chunk's logits are made, reduced and dropped, and made again in the
+backward pass (a hand-written VJP), where their cotangent is rounded to the compute dtype before
+the two products (bf16 tensor-core GEMMs on a GPU, not float32 ones).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +36,85 @@ def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array, mask_BxT: jax
   return ((lse - picked) * mask).sum() / jnp.maximum(n, 1.0), n
 
 
+def _chunks(x_NxK: jax.Array, chunk: int) -> jax.Array:
+  n = x_NxK.shape[0]
+  pad = -n % chunk
+  x = jnp.pad(x_NxK, ((0, pad),) + ((0, 0),) * (x_NxK.ndim - 1))
+  return x.reshape((n + pad) // chunk, chunk, *x_NxK.shape[1:])
+
+
+def _chunk_logits(h_CxD, head_DxV):
+  return jnp.einsum("cd,dv->cv", h_CxD, head_DxV.astype(h_CxD.dtype),
+                    preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _head_nll_sum(h_NxD, head_DxV, targets_N, weight_N, chunk):
+  """Σ_n weight_n · (logsumexp(h_n·W) − (h_n·W)[target_n]), chunk tokens at a time."""
+  return _head_nll_fwd(h_NxD, head_DxV, targets_N, weight_N, chunk)[0]
+
+
+def _head_nll_fwd(h_NxD, head_DxV, targets_N, weight_N, chunk):
+  def body(total, c):
+    h, t, w = c
+    logits = _chunk_logits(h, head_DxV)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
+    return total + ((lse - picked) * w).sum(), lse
+
+  total, lse = jax.lax.scan(body, jnp.zeros((), jnp.float32),
+                            (_chunks(h_NxD, chunk), _chunks(targets_N, chunk),
+                             _chunks(weight_N, chunk)))
+  return total, (h_NxD, head_DxV, targets_N, weight_N, lse)
+
+
+def _head_nll_bwd(chunk, res, g):
+  h_NxD, head_DxV, targets_N, weight_N, lse = res
+  n, v = h_NxD.shape[0], head_DxV.shape[1]
+  w_c = head_DxV.astype(h_NxD.dtype)
+
+  def body(d_head, c):
+    h, t, w, l = c
+    p = jnp.exp(_chunk_logits(h, head_DxV) - l[:, None])
+    d_logits = ((p - jax.nn.one_hot(t, v, dtype=p.dtype)) * (g * w)[:, None]).astype(h.dtype)
+    d_h = jnp.einsum("cv,dv->cd", d_logits, w_c, preferred_element_type=jnp.float32)
+    d_head = d_head + jnp.einsum("cd,cv->dv", h, d_logits, preferred_element_type=jnp.float32)
+    return d_head, d_h.astype(h.dtype)
+
+  d_head, d_h = jax.lax.scan(body, jnp.zeros(head_DxV.shape, jnp.float32),
+                             (_chunks(h_NxD, chunk), _chunks(targets_N, chunk),
+                              _chunks(weight_N, chunk), lse))
+  return (d_h.reshape(-1, h_NxD.shape[1])[:n], d_head.astype(head_DxV.dtype),
+          None, jnp.zeros_like(weight_N))
+
+
+_head_nll_sum.defvjp(_head_nll_fwd, _head_nll_bwd)
+
+
+def head_cross_entropy(h_BxTxD: jax.Array, head_DxV: jax.Array, targets_BxT: jax.Array,
+                       mask_BxT: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
+  """`cross_entropy` of logits h·W (h in the compute dtype, W cast to it, float32 products),
+  `chunk` tokens at a time (module docstring). Gradients reach h and W; `targets` and `mask`
+  get none."""
+  d = h_BxTxD.shape[-1]
+  mask = jax.lax.stop_gradient(mask_BxT.astype(jnp.float32)).reshape(-1)
+  n = mask.sum()
+  total = _head_nll_sum(h_BxTxD.reshape(-1, d), head_DxV,
+                        targets_BxT.reshape(-1).astype(jnp.int32), mask, int(chunk))
+  return total / jnp.maximum(n, 1.0), n
+
+
 def objective(cfg: ModelConfig, logits_BxTxV: jax.Array, aux: dict[str, jax.Array],
               batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-  lm, n_tokens = cross_entropy(logits_BxTxV, batch["targets"], batch["loss_mask"])
+  """The training loss and its parts from the model's logits (or, for a model called with
+  `return_hidden=True`, from `(hidden_BxTxD, head_DxV)`: `head_cross_entropy` in chunks of
+  `cfg.lm_loss_chunk` tokens)."""
+  if isinstance(logits_BxTxV, tuple):
+    h, head = logits_BxTxV
+    lm, n_tokens = head_cross_entropy(h, head, batch["targets"], batch["loss_mask"],
+                                      cfg.lm_loss_chunk)
+  else:
+    lm, n_tokens = cross_entropy(logits_BxTxV, batch["targets"], batch["loss_mask"])
   balance = aux["balance_loss"].sum()                      # one α-weighted term per MoE layer
   indexer = aux["indexer_loss"].sum()
   total = lm + cfg.balance_loss_weight * balance + cfg.indexer_loss_weight * indexer

@@ -212,8 +212,9 @@ class Transformer(nnx.Module):
   def __call__(self, batch: dict[str, jax.Array], moe_bias_Lx2xE: jax.Array, *,
                stop_after_encoder: bool = False,
                input_embeddings_BxTxD: jax.Array | None = None,
-               train_vit: bool = True) -> tuple[jax.Array, dict[str, Any]]:
-    """Logits [B, T, V] (or, with `stop_after_encoder`, the prefill dict) and aux.
+               train_vit: bool = True, return_hidden: bool = False) -> tuple[Any, dict[str, Any]]:
+    """Logits [B, T, V] (or, with `stop_after_encoder`, the prefill dict; with `return_hidden`,
+    the head's input and weight `(x_BxTxD, head_DxV)`, for `loss.head_cross_entropy`) and aux.
 
     `batch` holds `tokens`, `positions`, `segment_ids` ([B, T] int32), optionally `image_mask`
     (bool) and `engram_ids` (dict layer → [B, T, H] int32 rows from `dsv41_jax.engram`).
@@ -246,6 +247,8 @@ class Transformer(nnx.Module):
       state, aux = self.run_layers(r, state, ctx, moe_bias_Lx2xE)
       auxes.append(aux)
     x = self.final_norm(mhc.collapse(state.X_BxTxNxD, state.pre_mix_BxTxN)).astype(cfg.dtype)
+    if return_hidden:
+      return (x, self.head[...]), _collect(auxes)
     logits = jnp.einsum("btd,dv->btv", x, self.head[...].astype(cfg.dtype),
                         preferred_element_type=jnp.float32)
     return logits, _collect(auxes)

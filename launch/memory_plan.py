@@ -204,7 +204,9 @@ def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int])
                  (SCORE_COPIES live copies: measured, see the constant)
       moe        b·T·k·(D + 3·I/tp)·a + b·T·k·D·4     (sorted pairs, gate/up/act, f32 outputs)
       mhc        4 · b·T·N·D·4                         (pre/post mixes of the streams, f32)
-    logits       3 · b·T·(V/tp)·4                      (f32 logits, softmax, their gradient)
+    logits       3 · n·(V/tp)·4                        (f32 logits, softmax, their gradient;
+                                                       n = b·T, or min(b·T, lm_loss_chunk) tokens
+                                                       at a time with `lm_loss_chunk`)
   """
   a = jnp.dtype(cfg.dtype).itemsize
   tp = sizes.get("tensor", 1)
@@ -238,7 +240,8 @@ def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int])
   else:
     carries = 0.0
     work = sum(per_layer)
-  logits = 3 * b * T * -(-cfg.vocab_size // tp) * 4
+  tokens = min(b * T, cfg.lm_loss_chunk) if cfg.lm_loss_chunk else b * T
+  logits = 3 * tokens * -(-cfg.vocab_size // tp) * 4
   return {"carries": float(carries), "layer_work": float(work), "logits": float(logits),
           "total": float(carries + work + logits)}
 

@@ -51,9 +51,14 @@ def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
 
 def make_train_step(cfg: ModelConfig, graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                     bias_gamma: float) -> Callable:
+  # With `lm_loss_chunk` the model hands the head's input and weight to the loss, which never
+  # makes the whole batch's float32 logits (`loss.head_cross_entropy`).
+  head = dict(return_hidden=True) if cfg.lm_loss_chunk else {}
+
   def loss_fn(params, moe_bias, batch, train_vit):
-    logits, aux = nnx.merge(graphdef, params)(model_inputs(batch), moe_bias, train_vit=train_vit)
-    total, parts = objective(cfg, logits, aux, batch)
+    out, aux = nnx.merge(graphdef, params)(model_inputs(batch), moe_bias, train_vit=train_vit,
+                                           **head)
+    total, parts = objective(cfg, out, aux, batch)
     return total, (parts, aux)
 
   def train_step(state: TrainState, batch, train_vit: bool = True):

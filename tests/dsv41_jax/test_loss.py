@@ -39,3 +39,57 @@ def test_objective_weights_every_moe_layer_balance_loss():
   np.testing.assert_allclose(float(got), want, rtol=1e-6)
   # each layer's balance loss enters with the full weight α, not α / n_layers
   np.testing.assert_array_equal(np.asarray(d_bal), np.full(L, 0.3, np.float32))
+
+
+def _np_head_loss_and_grads(h, w, targets, mask):
+  """float64: mean masked NLL of logits h·W and its gradients w.r.t. h and W."""
+  h64, w64 = h.astype(np.float64), w.astype(np.float64)
+  x = h64 @ w64
+  p = np.exp(x - x.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  lse = np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1)) + x.max(-1)
+  nll = lse - np.take_along_axis(x, targets[..., None], -1)[..., 0]
+  n = mask.sum()
+  d_x = (p - np.eye(w.shape[1])[targets]) * (mask / n)[..., None]
+  return (nll * mask).sum() / n, d_x @ w64.T, np.einsum("btd,btv->dv", h64, d_x)
+
+
+def test_head_cross_entropy_in_chunks_equals_float64_logits():
+  """Loss and both gradients of the chunked head loss against float64 full logits: float32
+  compute to float32 rounding, with a chunk that does not divide the tokens (13 = 2 × 5 + 3
+  padding tokens, weight 0) and masked positions; in bfloat16 compute within the rounding of h,
+  W and the logits' cotangent to bfloat16 (8 bits: 2⁻⁸ relative per term)."""
+  from dsv41_jax.loss import cross_entropy, head_cross_entropy
+  rng = np.random.default_rng(3)
+  Bh, Th, D, Vh = 1, 13, 8, 37
+  h = rng.normal(size=(Bh, Th, D)).astype(np.float32)
+  w = rng.normal(size=(D, Vh)).astype(np.float32) * 0.5
+  targets = rng.integers(0, Vh, size=(Bh, Th)).astype(np.int32)
+  mask = rng.random((Bh, Th)) < 0.7
+  want, want_dh, want_dw = _np_head_loss_and_grads(h, w, targets, mask.astype(np.float64))
+
+  def loss(h, w, chunk, dtype):
+    return head_cross_entropy(h.astype(dtype), w, targets, mask, chunk)[0]
+
+  for chunk in (5, 13, 64):
+    got, (dh, dw) = jax.value_and_grad(loss, argnums=(0, 1))(h, w, chunk, jnp.float32)
+    np.testing.assert_allclose(float(got), want, rtol=2e-6)
+    np.testing.assert_allclose(np.asarray(dh), want_dh, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(dw), want_dw, rtol=1e-5, atol=1e-6)
+  n_tok = head_cross_entropy(h, w, targets, mask, 5)[1]
+  assert float(n_tok) == mask.sum()
+  plain = cross_entropy(jnp.einsum("btd,dv->btv", h, w), targets, mask)[0]
+  np.testing.assert_allclose(float(head_cross_entropy(h, w, targets, mask, 5)[0]), float(plain),
+                             rtol=1e-6)
+
+  got, (dh, dw) = jax.value_and_grad(loss, argnums=(0, 1))(h, w, 5, jnp.bfloat16)
+  hb = np.asarray(jnp.asarray(h).astype(jnp.bfloat16).astype(jnp.float32))
+  wb = np.asarray(jnp.asarray(w).astype(jnp.bfloat16).astype(jnp.float32))
+  want_b, want_dhb, want_dwb = _np_head_loss_and_grads(hb, wb, targets, mask.astype(np.float64))
+  assert dw.dtype == jnp.float32   # accumulated over chunks in float32, not rounded to bf16
+  np.testing.assert_allclose(float(got), want_b, rtol=1e-6)
+  scale_h, scale_w = np.abs(want_dhb).max(), np.abs(want_dwb).max()
+  # each gradient element sums V (d_h) or tokens (d_W) terms, each rounded once to bf16, plus
+  # the bf16 rounding of d_h itself
+  assert np.abs(np.asarray(dh, np.float64) - want_dhb).max() <= 2 * 2.0 ** -8 * scale_h
+  assert np.abs(np.asarray(dw, np.float64) - want_dwb).max() <= 2.0 ** -8 * scale_w

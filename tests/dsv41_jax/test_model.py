@@ -179,3 +179,24 @@ def test_loss_isolation_and_sharded_equals_single_device(cfg, split_model):
       assert not np.any(flat_idx[k]), f"indexer loss reached {k}"
   assert all(np.any(flat_idx[k]) for k in indexer_keys if "wq_b" in k)
   assert any(np.any(flat_lm[k]) for k in flat_lm if "'attn'" in k)
+
+
+def test_chunked_head_loss_equals_the_logits_loss(cfg, split_model):
+  """`return_hidden` hands the loss the head's input and weight; with `lm_loss_chunk` the
+  objective (a chunk of 24 tokens over 2 × 32, so one chunk is padded) equals the logits path's
+  to float32 rounding (its gradients: tests/dsv41_jax/test_loss.py, against float64)."""
+  graphdef, state = split_model
+  bias = M.zero_moe_bias(cfg)
+  batch = testing.packed_batch(cfg, 5, boundaries=((13,), ()), pad_from=(None, 27))
+
+  @jax.jit
+  def both(params):
+    model = nnx.merge(graphdef, params)
+    plain = objective(cfg, *model(batch, bias), batch)
+    chunked = objective(cfg.replace(lm_loss_chunk=24), *model(batch, bias, return_hidden=True),
+                        batch)
+    return plain, chunked
+
+  (a, pa), (b, pb) = both(state)
+  np.testing.assert_allclose(float(b), float(a), rtol=1e-6)
+  assert float(pa["loss_tokens"]) == float(pb["loss_tokens"]) > 0
