@@ -42,7 +42,29 @@ _TN = _sa._TN                        # aᵀ · b
 _NN = (((1,), (0,)), ((), ()))       # a · b
 _dot = _sa._dot
 
-unsupported_reason = _sa.unsupported_reason
+# Triton computes element offsets in 32-bit integers: every array a kernel indexes stays below this.
+_MAX_ELEMS = 1 << 31
+
+
+def _band_rows(T, hp, window, bkw):
+  """(query tokens per tile, tiles per key block, padded query tokens) of the window band kernel."""
+  bt = max(1, 128 // hp)
+  n_q = -(-(bkw + window - 1) // bt)
+  return bt, n_q, -(-T // bkw) * bkw + n_q * bt
+
+
+def unsupported_reason(q_BxTxHxD, swa_kv_BxTxD, window: int, block_kw: int = 64) -> str | None:
+  """Why the kernel cannot take these shapes (None if it can): the forward kernel's reasons, and
+  the window band kernel's padded [B, T', H_pad, D] query rows past 32-bit offsets."""
+  if (reason := _sa.unsupported_reason(q_BxTxHxD, swa_kv_BxTxD, window)) is not None:
+    return reason
+  B, T, H, D = q_BxTxHxD.shape
+  hp = _sa._Plan(H, D, 0, window, None, None).hp
+  elems = B * _band_rows(T, hp, window, block_kw)[2] * hp * D
+  if elems >= _MAX_ELEMS:
+    return (f"{B} x {T} tokens x {hp} heads x {D}: {elems} padded query elements reach 2^31 "
+            "(32-bit offsets in the window band kernel)")
+  return None
 
 
 def _params(interpret, num_warps, num_stages):
@@ -136,11 +158,9 @@ def _window_dkv(qp, dop, lse, delta, seg, kv, *, window, scale, hp, bkw, interpr
                 num_stages):
   """dK + dV of the window keys [B, T, D] float32 (key-outer band kernel)."""
   B, T, _, D = qp.shape
-  bt = max(1, 128 // hp)                                            # tokens per query tile
+  bt, n_q, tq = _band_rows(T, hp, window, bkw)      # tokens per tile, tiles, padded tokens
   rows = bt * hp
-  n_q = -(-(bkw + window - 1) // bt)
   nkb = -(-T // bkw)
-  tq = nkb * bkw + n_q * bt                                         # padded query tokens
   pad_q = lambda a, v=0: jnp.pad(a, [(0, 0), (0, tq - T)] + [(0, 0)] * (a.ndim - 2),
                                  constant_values=v)
   q_flat = pad_q(qp).reshape(B, tq * hp, D)
@@ -330,7 +350,7 @@ def sparse_attend(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, global_kv_Bx
   del impl, query_chunk
   if (global_kv_BxNxD is None) != (topk_BxTxK is None):
     raise ValueError("global_kv_BxNxD and topk_BxTxK must be given together")
-  if (reason := unsupported_reason(q_BxTxHxD, swa_kv_BxTxD, window)) is not None:
+  if (reason := unsupported_reason(q_BxTxHxD, swa_kv_BxTxD, window, block_kw)) is not None:
     raise ValueError(f"csa2_attention kernel: {reason}")
   if interpret is None:
     interpret = jax.default_backend() == "cpu"

@@ -71,6 +71,9 @@ def test_bfloat16_window_only_and_bad_input():
   with pytest.raises(ValueError, match="head_dim 24"):
     ca.sparse_attend(x["q"][..., :24], x["kv"][..., :24], x["seg"], x["sink"], window=W,
                      scale=0.2, interpret=True)
+  big = jax.ShapeDtypeStruct((1, 1 << 16, 64, 512), jnp.bfloat16)   # Flash heads at 64K tokens
+  assert "2^31" in ca.unsupported_reason(big, jax.ShapeDtypeStruct((1, 1 << 16, 512),
+                                                                   jnp.bfloat16), 128)
 
 
 def test_lowers_for_cuda():
