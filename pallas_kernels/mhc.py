@@ -47,9 +47,15 @@ def _next_pow2(v: int) -> int:
 def _coefficient_rows(acc, ss, scale_row, base_row, *, n: int, groups: int, k_total: int,
                       iters: int, hc_eps: float, norm_eps: float):
   """[bt, P] rows (pre | post | comb rows | padding) from the raw mix acc = x̂·fnᵀ and Σx̂²."""
-  bt = acc.shape[0]
   rho = jax.lax.rsqrt(ss / k_total + norm_eps)
   z = (acc * rho) * scale_row + base_row                     # [bt, P]
+  return gate_rows(z, n=n, groups=groups, iters=iters, hc_eps=hc_eps)
+
+
+def gate_rows(z, *, n: int, groups: int, iters: int, hc_eps: float):
+  """[bt, P] rows (pre | post | comb rows | padding) from the gate logits z [bt, P] (same layout):
+  sigmoids and the Sinkhorn projection in registers (a kernel body's code)."""
+  bt = z.shape[0]
   z3 = z.reshape(bt, groups, n)
   group = jax.lax.broadcasted_iota(jnp.int32, (bt, groups, n), 1)
   is_comb = (group >= 2) & (group < 2 + n)
