@@ -178,3 +178,99 @@ def test_routing_weight_scales_the_activation_before_w2_in_bf16(mode):
   want = ref(weight_first=True)
   np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=0, atol=1e-6)
   assert np.abs(ref(weight_first=False) - want).max() > 1e-3   # the orders are distinguishable
+
+
+def _skewed_routing(rng, n, k, e, empty=(2, 5)):
+  """Top-k ids per token from a skewed popularity with `empty` experts never chosen."""
+  p = np.exp(1.2 * rng.standard_normal(e))
+  p[list(empty)] = 0.0
+  return np.stack([rng.choice(e, k, replace=False, p=p / p.sum()) for _ in range(n)])
+
+
+def _autodiff_dropless(x_NxD, weights_NxK, experts_NxK, valid_N, w1, w3, w2, limit):
+  """The dispatch with plain gathers (jax's scatter transposes) and separate gate / up products
+  through `ragged_dot`: what the fused product and the gather VJPs must equal."""
+  n, k = experts_NxK.shape
+  e = w1.shape[0]
+  dt = x_NxD.dtype
+  e_P = jnp.where(valid_N[None, :], experts_NxK.T, e).reshape(-1)
+  order = jnp.argsort(e_P, stable=True)
+  sizes = jnp.zeros((e + 1,), jnp.int32).at[e_P].add(1)[:e]
+  xs = x_NxD[order % n]
+  mm = lambda a, w: jax.lax.ragged_dot(a, w.astype(dt), sizes, preferred_element_type=jnp.float32)
+  h = moe_dispatch.clamped_swiglu(mm(xs, w1), mm(xs, w3), limit)
+  h = (h * weights_NxK.T.reshape(-1)[order][:, None]).astype(dt)
+  y = jnp.where((e_P[order] < e)[:, None], mm(h, w2), 0.0)
+  return jnp.zeros((n * k, x_NxD.shape[1]), jnp.float32).at[order].set(y).reshape(k, n, -1).sum(0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_dropless_equals_ragged_dot_under_skewed_routing(dtype):
+  """Fused [w1 | w3] product and gather-only VJPs = separate ragged_dot products and jax's own
+  scatter transposes, outputs and all gradients; two experts get no rows, padding tokens none."""
+  rng = np.random.default_rng(21)
+  n, d, f, e, k = 40, 16, 8, 8, 2
+  experts = jnp.asarray(_skewed_routing(rng, n, k, e), jnp.int32)
+  weights = jnp.asarray(rng.uniform(0.2, 1.2, (n, k)), jnp.float32)
+  valid = jnp.asarray(rng.uniform(size=n) > 0.1)
+  x = jnp.asarray(rng.standard_normal((n, d)), dtype)
+  ws = [jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), jnp.float32)
+        for s in ((e, d, f), (e, d, f), (e, f, d))]
+  r = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+
+  def fast(x, g, w1, w3, w2):
+    y, _ = moe_dispatch.routed_experts(x[None], g[None], experts[None], valid[None], w1, w3, w2,
+                                       mode="dropless", swiglu_limit=LIMIT, impl="ragged_dot")
+    return y[0]
+
+  def slow(x, g, w1, w3, w2):
+    return _autodiff_dropless(x, g, experts, valid, w1, w3, w2, LIMIT)
+
+  loss = lambda f: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * r), argnums=range(5)))
+  (v_fast, g_fast), (v_slow, g_slow) = loss(fast)(x, weights, *ws), loss(slow)(x, weights, *ws)
+  np.testing.assert_allclose(np.asarray(fast(x, weights, *ws)), np.asarray(slow(x, weights, *ws)),
+                             rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(float(v_fast), float(v_slow), rtol=1e-6)
+  for name, a, b in zip(["x", "weights", "w1", "w3", "w2"], g_fast, g_slow):
+    assert a.dtype == b.dtype, name
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    # float32: the same products, gradients summed in another order; bf16 x: its gradient is
+    # rounded to bf16 once either way, so the order can flip one rounding (an ulp).
+    tol = 1e-5 if dtype == jnp.float32 or name != "x" else 2 ** -7
+    np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max(), err_msg=name)
+  empty = np.asarray(g_fast[2])[[2, 5]]
+  assert np.all(empty == 0.0)   # the empty experts' weights get exactly no gradient
+
+
+def test_fused_gate_up_product_equals_two_products():
+  rng = np.random.default_rng(22)
+  rows, d, f, e = 48, 32, 16, 4
+  sizes = jnp.asarray([20, 0, 17, 9], jnp.int32)          # 2 padding rows past the groups
+  x = jnp.asarray(rng.standard_normal((rows, d)), jnp.bfloat16)
+  w1, w3, w2 = (jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), jnp.float32)
+                for s in ((e, d, f), (e, d, f), (e, f, d)))
+  g = jnp.asarray(rng.uniform(0.2, 1.2, rows), jnp.float32)
+  got = moe_dispatch.grouped_ffn(x, g, w1, w3, w2, sizes, LIMIT, "ragged_dot")
+  mm = lambda a, w: moe_dispatch.grouped_matmul(a, w, sizes, "ragged_dot")
+  h = (moe_dispatch.clamped_swiglu(mm(x, w1), mm(x, w3), LIMIT) * g[:, None]).astype(x.dtype)
+  want = mm(h, w2)
+  # Each column of the fused product is the same bf16 dot with float32 accumulation; only the
+  # bf16 rounding of h could differ by an ulp, which W2 then spreads: well inside 2^-8 relative.
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                             atol=2 ** -8 * float(jnp.abs(want).max()))
+  assert float(jnp.abs(got[46:]).max()) == 0.0
+
+
+def test_nan_input_gives_nan_output_not_finite_numbers():
+  rng = np.random.default_rng(23)
+  n, d, f, e, k = 12, 16, 8, 8, 2
+  experts = jnp.asarray(_skewed_routing(rng, n, k, e), jnp.int32)
+  x = np.asarray(rng.standard_normal((n, d)), np.float32)
+  x[3, 5] = np.nan
+  ws = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d))]
+  y, _ = moe_dispatch.routed_experts(jnp.asarray(x)[None], jnp.ones((1, n, k)), experts[None],
+                                     jnp.ones((1, n), bool), *ws, mode="dropless",
+                                     swiglu_limit=LIMIT)
+  y = np.asarray(y[0])
+  assert np.isnan(y[3]).any()
+  assert np.isfinite(np.delete(y, 3, axis=0)).all()   # NaN stays with its token
