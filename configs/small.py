@@ -115,9 +115,10 @@ def model_fields(size: str) -> dict:
       engram_compressed_vocab_size=s["vocab"],
       seq_len=s["seq"],
       yarn_enabled=False,  # pre-training: plain RoPE (docs/design.md §4.5)
-      # GPU defaults: capacity buckets (exact `dropless` runs through lax.ragged_dot at ~10
-      # TFLOP/s on the H200, docs/design.md §T7); the dropped fraction is logged every step.
-      moe_dispatch="capacity",
+      # Exact `dropless`: on a Hopper GPU the Mosaic grouped GEMM; the s3 routed-experts layer
+      # forward+backward measured 2.40 ms against capacity's 4.60 (benchmarks/RESULTS.md, issue 27).
+      # `capacity` (factor below) stays a switch.
+      moe_dispatch="dropless",
       moe_capacity_factor=1.25,
       # The LM loss from the head's input in chunks of 8192 tokens (loss.head_cross_entropy): no
       # float32 [B, T, V] logits for the whole micro-batch (m3 at 4 × 4096: 12 GiB of them).

@@ -1,0 +1,253 @@
+"""mHC site and routed-experts layer at s3's shapes on the GPU: reference, fast XLA, kernel (issue 27).
+
+  PYTHONUNBUFFERED=1 timeout 200 python3 -u benchmarks/mhc_moe_gpu.py --json=$OUT/r.json \
+      --baseline-moe=../dsv41_jax/layers/moe_dispatch.py        # H200, one call
+  JAX_PLATFORMS=cpu python benchmarks/mhc_moe_gpu.py --smoke    # CPU: tiny shapes, runs everything
+
+mHC (configs/small.py:s3 at 4 × 4096 tokens, d 1024, hc_mult 4, 20 Sinkhorn iterations; float32
+streams X as the model keeps them, bf16 sublayer output F): one single-pass site (previous expand,
+this site's coefficients, collapse + norm) forward and forward+backward (the gradient of a random
+projection of all five outputs w.r.t. all nine inputs), for
+- `reference`: `dsv41_jax.layers.mhc.hc_site` (einsums at HIGHEST, `fori_loop` Sinkhorn, autodiff);
+- `fast`: `pallas_kernels.mhc_fast.hc_site` (broadcast multiply-adds with hand VJPs, the mix GEMM,
+  the Sinkhorn gates as one Triton kernel and its recomputing backward);
+- `kernel`: `pallas_kernels.mhc_site.hc_site` (the fused Triton site, its custom VJP);
+and the pieces alone: expand, and the Sinkhorn on [T, 4, 4].
+Minimum bytes (each input read once, each output written once): forward X, F read, X', x
+written; forward+backward adds X, F, gX', gx read and gX, gF written (X' recomputed, not stored).
+
+MoE (s3: 48 experts, top-4, 1024 -> 512, 16,384 tokens, skewed routing with two empty experts):
+`moe_dispatch.routed_experts` dropless forward and forward+backward (gradients w.r.t. x and the
+three weights), this tree's code vs `--baseline-moe` (the module file of an earlier tree, loaded
+under another name) vs capacity mode (factor 1.25). Useful FLOPs: 3 products × 2·pairs·D·F forward,
+3× that forward+backward.
+
+Ceilings: 4.3 TB/s copy and 790 TFLOP/s bf16 matrix rate (the H200 as measured here, KINDS.md).
+Imports only jax/numpy/flax and this repository (runs on the GPU image without the data stack).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.common import elapsed, header, log, time_calls  # noqa: E402
+from dsv41_jax.layers import mhc, moe_dispatch  # noqa: E402
+from pallas_kernels import mhc_site, mhc_fast  # noqa: E402
+
+COPY_BPS, MMA_FLOPS = 4.3e12, 790e12
+KW = dict(iters=20, hc_eps=1e-6, norm_eps=1e-20)
+ROWS: list[dict] = []
+_REFS: dict = {}
+
+
+def _save(path):
+  if path:
+    with open(path, "w") as f:
+      json.dump(ROWS, f, indent=1)
+
+
+def _row(**kw):
+  ROWS.append(kw)
+  print(json.dumps(kw), flush=True)
+
+
+def site_inputs(rng, lead, n, d):
+  X = rng.standard_normal((*lead, n, d)).astype(np.float32) * rng.uniform(0.5, 2, (*lead, 1, 1))
+  F = rng.standard_normal((*lead, d)).astype(np.float32)
+  pre = rng.uniform(0.05, 1.0, (*lead, n)).astype(np.float32)
+  post = rng.uniform(0.0, 2.0, (*lead, n)).astype(np.float32)
+  logits = (2 * rng.standard_normal((*lead, n, n))).astype(np.float32)
+  fn = (0.2 / np.sqrt(n * d) * rng.standard_normal(((2 + n) * n, n * d))).astype(np.float32)
+  base = rng.standard_normal(((2 + n) * n,)).astype(np.float32)
+  scale = rng.uniform(0.5, 1.5, (3,)).astype(np.float32)
+  w = rng.uniform(0.5, 1.5, (d,)).astype(np.float32)
+  comb = mhc.sinkhorn_project(jnp.asarray(logits), 20, 1e-6)
+  return (jnp.asarray(X), jnp.asarray(F, jnp.bfloat16), jnp.asarray(post), comb, jnp.asarray(pre),
+          jnp.asarray(fn), jnp.asarray(base), jnp.asarray(scale), jnp.asarray(w))
+
+
+def _loss_grad(f, args, seed=1):
+  outs = jax.eval_shape(f, *args)
+  outs = outs if isinstance(outs, tuple) else (outs,)
+  rng = np.random.default_rng(seed)
+  ws = [jnp.asarray(rng.standard_normal(o.shape), o.dtype) for o in outs]
+
+  def loss(*a):
+    o = f(*a)
+    o = o if isinstance(o, tuple) else (o,)
+    return sum(jnp.vdot(w.astype(jnp.float32), oi.astype(jnp.float32)) for w, oi in zip(ws, o))
+  return jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))
+
+
+def _max_rel(got, want):
+  out = []
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    out.append(float(np.abs(g - w).max() / max(np.abs(w).max(), 1e-30)))
+  return max(out)
+
+
+def time_case(case, impl, fn, args, reps, nbytes=None, flops=None, ref=None):
+  try:
+    t, first = time_calls(fn, *args, reps=reps)
+  except Exception as e:  # noqa: BLE001  (a failing variant is reported, the others still run)
+    _row(case=case, impl=impl, error=f"{type(e).__name__}: {str(e)[:300]}")
+    traceback.print_exc()
+    return None
+  row = dict(case=case, impl=impl, ms=round(t * 1e3, 4), first_s=round(first, 2))
+  if nbytes:
+    row.update(GBps=round(nbytes / t / 1e9, 1), of_copy=round(nbytes / t / COPY_BPS, 3))
+  if flops:
+    row.update(TFLOPs=round(flops / t / 1e12, 1), of_mma=round(flops / t / MMA_FLOPS, 3))
+  if ref is not None:
+    row["max_rel_vs_reference"] = _max_rel(fn(*args), ref)
+  _row(**row)
+  return t
+
+
+def mhc_cases(lead, n, d, reps, budget_s, interpret, impls, pieces):
+  rng = np.random.default_rng(0)
+  args = site_inputs(rng, lead, n, d)
+  tokens = int(np.prod(lead))
+  sx, sf = 4, 2
+  fwd_bytes = tokens * (2 * n * d * sx + d * sf + d * sx)
+  bwd_bytes = fwd_bytes + tokens * (n * d * sx + d * sf + n * d * sx + d * sx + n * d * sx + d * sf)
+  site = {
+      "reference": lambda *a: mhc.hc_site(*a, **KW),
+      "fast": lambda *a: mhc_fast.hc_site(*a, **KW, interpret=interpret),
+      "fast gates block 64": lambda *a: mhc_fast.hc_site(*a, **KW, interpret=interpret,
+                                                         block_tokens=64),
+      "kernel": lambda *a: mhc_site.hc_site(*a, **KW, interpret=interpret),
+  }
+  if "site" not in _REFS:
+    _REFS["site"] = (jax.jit(site["reference"])(*args), _loss_grad(site["reference"], args)(*args))
+  ref_fwd, ref_grad = _REFS["site"]
+  for impl in impls:
+    f = site[impl]
+    if elapsed() > budget_s:
+      break
+    if not ARGS.quick:
+      time_case("mhc site fwd", impl, jax.jit(f), args, reps, nbytes=fwd_bytes, ref=ref_fwd)
+    time_case("mhc site fwd+bwd", impl, _loss_grad(f, args), args, reps, nbytes=bwd_bytes,
+              ref=ref_grad)
+    _save(ARGS.json)
+  if not pieces:
+    return
+  X, F, post, comb = args[:4]
+  e_args = (X, post, comb, F)
+  if ARGS.quick:
+    e_args = ()
+  e_bytes = tokens * (2 * n * d * sx + d * sf)
+  for impl, f in (("reference", mhc.expand), ("fast", mhc_fast.expand)) if e_args else ():
+    time_case("expand fwd", impl, jax.jit(f), e_args, reps, nbytes=e_bytes)
+    time_case("expand fwd+bwd", impl, _loss_grad(f, e_args), e_args, reps,
+              nbytes=e_bytes + tokens * (3 * n * d * sx + 2 * d * sf))
+  z = jnp.asarray(2 * rng.standard_normal((tokens, (2 + n) * n)), jnp.float32)
+  gate_ref = lambda z: _ref_gates(z, n)
+  gate_fast = lambda z: mhc_fast.gates(z, (n, 20, 1e-6, 16, interpret))
+  for impl, g in (("reference", gate_ref), ("fast", gate_fast)):
+    time_case("gates (sigmoids + sinkhorn) fwd", impl, jax.jit(g), (z,), reps,
+              nbytes=tokens * (2 + n) * n * 8)
+    time_case("gates (sigmoids + sinkhorn) fwd+bwd", impl, _loss_grad(g, (z,)), (z,), reps,
+              nbytes=tokens * (2 + n) * n * 16)
+  _save(ARGS.json)
+
+
+def _ref_gates(z, n):
+  pre = jax.nn.sigmoid(z[..., :n]) + 1e-6
+  post = 2.0 * jax.nn.sigmoid(z[..., n:2 * n])
+  comb = mhc.sinkhorn_project(z[..., 2 * n:].reshape(*z.shape[:-1], n, n), 20, 1e-6)
+  return jnp.concatenate([pre, post, comb.reshape(*z.shape[:-1], n * n)], -1)
+
+
+def _load_baseline(path):
+  spec = importlib.util.spec_from_file_location("baseline_moe_dispatch", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def moe_cases(tokens, d, f, e, k, reps, budget_s, impl):
+  rng = np.random.default_rng(1)
+  p = np.exp(0.9 * rng.standard_normal(e))
+  p[rng.choice(e, 2, replace=False)] = 0.0
+  p /= p.sum()
+  experts = np.stack([rng.choice(e, k, replace=False, p=p) for _ in range(tokens)])
+  b = 4 if tokens % 4 == 0 else 1
+  experts = jnp.asarray(experts.reshape(b, tokens // b, k), jnp.int32)
+  weights = jnp.asarray(rng.uniform(0.1, 1.0, (b, tokens // b, k)), jnp.float32)
+  valid = jnp.ones((b, tokens // b), bool)
+  x = jnp.asarray(rng.standard_normal((b, tokens // b, d)), jnp.bfloat16)
+  w1, w3 = (jnp.asarray(rng.standard_normal((e, d, f)) / np.sqrt(d), jnp.float32) for _ in "ab")
+  w2 = jnp.asarray(rng.standard_normal((e, f, d)) / np.sqrt(f), jnp.float32)
+  fl = 3 * 2 * tokens * k * d * f
+  variants = {"dropless (this tree)": (moe_dispatch, dict(mode="dropless", impl=impl))}
+  if ARGS.baseline_moe and os.path.exists(ARGS.baseline_moe):
+    variants["dropless (baseline)"] = (_load_baseline(ARGS.baseline_moe),
+                                       dict(mode="dropless", impl=impl))
+  variants["capacity 1.25"] = (moe_dispatch, dict(mode="capacity", capacity_factor=1.25))
+  ref_fwd = ref_grad = None
+  for name, (mod, kw) in variants.items():
+    if elapsed() > budget_s:
+      break
+    fwd = lambda x, w1, w3, w2, mod=mod, kw=kw: mod.routed_experts(
+        x, weights, experts, valid, w1, w3, w2, swiglu_limit=10.0, **kw)[0]
+    args = (x, w1, w3, w2)
+    grad = _loss_grad(fwd, args)
+    if ref_fwd is None:
+      ref_fwd, ref_grad = jax.jit(fwd)(*args), grad(*args)
+    time_case("moe routed fwd", name, jax.jit(fwd), args, reps, flops=fl, ref=ref_fwd)
+    time_case("moe routed fwd+bwd", name, grad, args, reps, flops=3 * fl, ref=ref_grad)
+    _save(ARGS.json)
+
+
+def main():
+  global ARGS
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--smoke", action="store_true")
+  ap.add_argument("--reps", type=int, default=20)
+  ap.add_argument("--budget-s", type=float, default=150.0)
+  ap.add_argument("--json", default="")
+  ap.add_argument("--baseline-moe", default="")
+  ap.add_argument("--only", choices=["mhc", "moe", ""], default="")
+  ap.add_argument("--quick", action="store_true",
+                  help="mHC only: the site forward+backward (fast, kernel) and the gates")
+  ARGS = ap.parse_args()
+  print(header())
+  cpu = jax.default_backend() == "cpu"
+  if ARGS.smoke:
+    lead, n, d, moe = (2, 16), 4, 64, (64, 128, 128, 8, 2)
+    reps = 2
+  else:
+    lead, n, d, moe = (4, 4096), 4, 1024, (16384, 1024, 512, 48, 4)
+    reps = ARGS.reps
+  t0 = time.time()
+  if ARGS.quick:
+    mhc_cases(lead, n, d, reps, ARGS.budget_s, cpu, ("fast", "kernel"), True)
+  elif ARGS.only in ("", "mhc"):
+    mhc_cases(lead, n, d, reps, ARGS.budget_s * 0.35, cpu, ("reference", "fast"), False)
+  if ARGS.only in ("", "moe") and not ARGS.quick:
+    moe_cases(*moe, reps=reps, budget_s=ARGS.budget_s * 0.7,
+              impl="ragged_dot" if cpu else "auto")
+  if ARGS.only in ("", "mhc") and not ARGS.quick:
+    mhc_cases(lead, n, d, reps, ARGS.budget_s, cpu, ("kernel", "fast gates block 64"), True)
+  _save(ARGS.json)
+  print(f"# done in {time.time() - t0:.0f} s")
+  for r in ROWS:
+    print(" | ".join(f"{k}={v}" for k, v in r.items()))
+
+
+if __name__ == "__main__":
+  main()
