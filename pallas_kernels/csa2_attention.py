@@ -14,7 +14,7 @@ Kernels of the backward:
   `_dq_kernel`      query-outer, one program per (batch, token, head group), keys as in the
                     forward: the window rows, then the selected entries read by index. Writes dq
                     and, for each selected slot, its contribution C[t, g, slot] = the inner sum of
-                    dk_j over the group's heads ([Kp, D] float32 per token).
+                    dk_j over the group's heads ([Kp, D] per token; bfloat16 for bfloat16 inputs).
   `_window_dkv_kernel`  key-outer band: one program per block of `block_kw` window keys loops over
                     the queries that can see them (rows j … j + W − 1, all heads folded into the
                     rows of one tile: [bkw, D] · [rows, D]ᵀ), no scatter.
