@@ -33,7 +33,10 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
+from launch.run_log import DETAIL
+
 log = logging.getLogger("dsv41.checkpoint")
+detail = logging.getLogger(DETAIL)  # tracebacks: train.log only (launch/run_log.py)
 
 MODEL_SECTION = "model"
 IMPORTED = "imported.json"
@@ -59,14 +62,17 @@ def _jsonable(tree: Any) -> Any:
   return tree
 
 
-def check_or_write_config(workdir: str, config: dict, is_primary: bool) -> None:
-  """Refuse a work directory whose stored model section differs; else store the config."""
+def check_config(workdir: str, config: dict) -> dict | None:
+  """Refuse a work directory whose checkpoints belong to another model (its stored model section
+  differs); returns the stored config (None without one). Reads only."""
   path = os.path.join(workdir, "config.json")
-  config = _jsonable(config)
-  if os.path.exists(path) and os.path.isdir(os.path.join(workdir, "checkpoints")) and any(
-      n.isdigit() for n in os.listdir(os.path.join(workdir, "checkpoints"))):
-    with open(path) as f:
-      stored = json.load(f)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    stored = json.load(f)
+  ckpts = os.path.join(workdir, "checkpoints")
+  if os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts)):
+    config = _jsonable(config)
     old, new = stored.get(MODEL_SECTION, {}), config.get(MODEL_SECTION, {})
     diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     if diff:
@@ -74,22 +80,29 @@ def check_or_write_config(workdir: str, config: dict, is_primary: bool) -> None:
       raise WorkdirMismatch(
           f"{workdir} holds checkpoints of another model (config.model differs in {diff}: "
           f"{detail}); use a new --workdir or the stored model settings")
-  if is_primary:
-    os.makedirs(workdir, exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-      json.dump(config, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+  return stored
+
+
+def write_config(workdir: str, config: dict) -> None:
+  """Store the run's resolved config as DIR/config.json (atomically)."""
+  path = os.path.join(workdir, "config.json")
+  os.makedirs(workdir, exist_ok=True)
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(_jsonable(config), f, indent=1, sort_keys=True)
+  os.replace(tmp, path)
 
 
 class Checkpointer:
   """Asynchronous saves and fall-back restores of one work directory's checkpoints."""
 
   def __init__(self, workdir: str, keep: int):
+    """Opens the checkpoints of `workdir` without creating anything: the directory is made by
+    the first `save`."""
     self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
     self.manager = ocp.CheckpointManager(
         self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=False,
                                              enable_async_checkpointing=True),
         item_names=("state", "data_iter"))
     self._pending: int | None = None  # the step whose background save may still be running
@@ -105,6 +118,7 @@ class Checkpointer:
   def save(self, step: int, state: dict, data_iter: grain.DatasetIterator) -> None:
     """Start saving `step` (the previous save is finished first); SaveError if either fails."""
     try:
+      os.makedirs(self.directory, exist_ok=True)
       self.manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state),
           data_iter=grain.checkpoint.CheckpointSave(data_iter)))
@@ -138,7 +152,7 @@ class Checkpointer:
     will save those steps again, and orbax refuses to overwrite a step). When checkpoints exist
     but none restores, nothing is moved and `RestoreError` says so: starting over silently would
     hide an incompatible configuration (another optimizer state layout, say)."""
-    damaged, errors = [], []
+    damaged, errors = {}, []
     result = None
     for step in reversed(self.steps()):
       if self.imported is not None and step == self.imported["step"]:
@@ -150,18 +164,18 @@ class Checkpointer:
         result = step, restored["state"]
         break
       except Exception as e:  # a damaged checkpoint: fall back to the one before
-        first_line = (str(e).splitlines() or [""])[0][:300]
-        log.warning("checkpoint at step %d cannot be restored (%s: %s); trying an older one",
-                    step, type(e).__name__, first_line)
-        damaged.append(step)
-        errors.append(f"step {step}: {type(e).__name__}: {first_line}")
+        first_line = (str(e).splitlines() or [""])[0][:160]
+        detail.warning("checkpoint at step %d cannot be restored", step, exc_info=True)
+        damaged[step] = f"{type(e).__name__}: {first_line}"
+        errors.append(f"step {step}: {damaged[step]}")
     if damaged and result is None:
       raise RestoreError(
           f"none of the checkpoints in {self.directory} can be restored ({'; '.join(errors)}); "
           "if they are damaged, move them away; if the optimizer or model settings changed, "
           "restore those settings or use a new --workdir")
-    if damaged:
-      self._move_aside(damaged)
+    for step, target in self._move_aside(sorted(damaged)).items():
+      log.warning("checkpoint at step %d cannot be restored (%s); moved to %s, resuming from step "
+                  "%d (the detail is in train.log)", step, damaged[step], target, result[0])
     return result
 
   def restore_imported(self, abstract_params: Any, abstract_moe_bias: Any) -> tuple | None:
@@ -172,8 +186,10 @@ class Checkpointer:
         state=ocp.args.StandardRestore({"params": abstract_params, "moe_bias": abstract_moe_bias})))
     return restored["state"]["params"], restored["state"]["moe_bias"]
 
-  def _move_aside(self, steps: list[int]) -> None:
-    if jax.process_index() == 0:
+  def _move_aside(self, steps: list[int]) -> dict[int, str]:
+    """Rename each damaged step's directory to `damaged-<step>`; step -> where it went."""
+    moved = {}
+    if steps and jax.process_index() == 0:
       for step in steps:
         target = os.path.join(self.directory, f"damaged-{step}")
         n = 0
@@ -181,11 +197,13 @@ class Checkpointer:
           n += 1
           target = os.path.join(self.directory, f"damaged-{step}.{n}")
         os.rename(os.path.join(self.directory, str(step)), target)
-        log.warning("moved the damaged checkpoint of step %d to %s", step, target)
-    if jax.process_count() > 1:
+        moved[step] = target
+    if steps and jax.process_count() > 1:
       from jax.experimental import multihost_utils
       multihost_utils.sync_global_devices("dsv41: damaged checkpoints moved aside")
-    self.manager.reload()
+    if steps:
+      self.manager.reload()
+    return moved
 
   def wait(self) -> None:
     """Block until the background save is complete; SaveError if it failed."""

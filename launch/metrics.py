@@ -81,11 +81,38 @@ def last_logged(workdir: str) -> dict[str, float]:
   return out
 
 
+def roll_back(path: str, step: int) -> int:
+  """Keep the records of metrics.jsonl at steps <= `step` (and drop a torn last line); returns
+  how many records were dropped. The file is replaced atomically."""
+  if not os.path.exists(path):
+    return 0
+  kept, dropped = [], 0
+  with open(path) as f:
+    for line in f:
+      try:
+        keep = json.loads(line)["step"] <= step
+      except (ValueError, KeyError, TypeError):
+        keep = False
+      if keep:
+        kept.append(line if line.endswith("\n") else line + "\n")
+      else:
+        dropped += 1
+  if dropped:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(kept)
+    os.replace(tmp, path)
+  return dropped
+
+
 class MetricWriter:
   """Writes each logged step to metrics.jsonl and TensorBoard (and W&B when `wandb_project`)."""
 
   def __init__(self, workdir: str, enabled: bool, wandb_project: str = "",
-               config: dict | None = None):
+               config: dict | None = None, rollback_to: int | None = None):
+    """`rollback_to` = the step a run starts from: the records of later steps (a run lost after
+    its last checkpoint, whose steps this run does again) leave metrics.jsonl, and TensorBoard
+    hides them (`purge_step`), so every step is logged once."""
     self.enabled = enabled
     self.jsonl = None
     self.tb = None
@@ -103,9 +130,13 @@ class MetricWriter:
                                 name=os.path.basename(os.path.abspath(workdir)),
                                 id=_run_id(workdir), resume="allow")
       os.makedirs(workdir, exist_ok=True)
-      self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+      path = os.path.join(workdir, "metrics.jsonl")
+      if rollback_to is not None:
+        roll_back(path, rollback_to)
+      self.jsonl = open(path, "a")
       from tensorboardX import SummaryWriter
-      self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
+                              purge_step=None if rollback_to is None else rollback_to + 1)
 
   def write(self, step: int, metrics: dict[str, Any]) -> None:
     if not self.enabled:

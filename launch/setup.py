@@ -10,7 +10,8 @@ train step, and the batch adapter that turns a process's host rows into the glob
     ts = setup.init_state(run, mesh)             # or setup.abstract_state(run, mesh) to plan
     adapter = setup.BatchAdapter(run.model, run.data, mesh, cmap)
     step = setup.train_step_jit(run, ts)         # donated, sharded, traced under the mesh
-    compiled = setup.compile_train_steps(step, mesh, phases, (ts.state, adapter(rows)))
+    compiled = setup.compile_train_steps(step, mesh, phases, (ts.state, adapter(rows)),
+                                         setup.schedule_input(run, ts))
     ts.state, metrics = compiled[train_vit](ts.state, adapter(rows))  # one step
 
 Every check here raises `SetupError` whose message starts with the config key it is about
@@ -39,6 +40,7 @@ from dsv41_jax.vision.merge import check_image_batch
 from launch.step import TrainState, engram_sub_tables, make_eval_step, make_train_step
 from optim.chain import build_optimizer, init_opt_state, opt_state_shardings
 from optim.config import OptimConfig, optim_config
+from optim.schedule import Schedule, schedule_of
 
 
 class SetupError(ValueError):
@@ -284,22 +286,32 @@ def abstract_state(run: RunConfig, mesh, rules=None) -> TrainSetup:
 # --- steps -------------------------------------------------------------------------------------
 
 def train_step_jit(run: RunConfig, ts: TrainSetup) -> Callable:
-  """The jitted train step of `launch.step`, `(state, batch, train_vit) -> (state, metrics)`:
-  state donated, outputs on the state's shardings, `train_vit` static, so each ViT phase is its
-  own program."""
+  """The jitted train step of `launch.step`, `(state, batch, train_vit, schedule) -> (state,
+  metrics)`: state donated, outputs on the state's shardings, `train_vit` static, so each ViT
+  phase is its own program; the learning-rate schedule is an input (`schedule_input`), so one
+  program serves every `train.steps` and `optim.lr`."""
   return jax.jit(make_train_step(run.model, ts.graphdef, ts.tx, run.optim.moe_bias_gamma),
                  donate_argnums=(0,), static_argnums=(2,),
                  out_shardings=(ts.shardings, ts.replicated))
 
 
-def compile_train_steps(jitted, mesh, phases, args) -> dict[bool, Any]:
+def schedule_input(run: RunConfig, ts: TrainSetup) -> Schedule:
+  """The run's learning-rate schedule as the train step's input: replicated float32 scalars."""
+  return Schedule(*(replicate(v, ts.replicated) for v in schedule_of(run.optim)))
+
+
+def compile_train_steps(jitted, mesh, phases, args, schedule: Schedule | None = None
+                        ) -> dict[bool, Any]:
   """AOT-compile the train step for each `train_vit` phase, concurrently (XLA compiles outside the
   GIL; the main thread only waits, so a signal handler runs at once); with the persistent cache a
-  rerun loads them instead. The pool is not joined on the way out of an exception: an interrupted
-  compilation is abandoned, not awaited."""
+  rerun loads them instead. With `schedule`, each program takes it after `args`: called as
+  `compiled(*args, schedule)`. The pool is not joined on the way out of an exception: an
+  interrupted compilation is abandoned, not awaited."""
+  extra = () if schedule is None else (schedule,)
+
   def one(train_vit):
     with jax.set_mesh(mesh):
-      return jitted.lower(*args, train_vit).compile()
+      return jitted.lower(*args, train_vit, *extra).compile()
 
   pool = ThreadPoolExecutor(len(phases))
   try:

@@ -1,6 +1,6 @@
 """The pure, jitted training and evaluation steps (docs/design.md §T2, §T6).
 
-    train_step(state, batch, train_vit) -> (state, metrics)      # state: a `TrainState`
+    train_step(state, batch, train_vit, schedule) -> (state, metrics)   # state: a `TrainState`
 
 `TrainState` is the whole train state as one pytree: parameters, optimizer state and MoE routing
 biases; its shardings are a `TrainState` of `NamedSharding`s, so every part is reached by name.
@@ -61,13 +61,16 @@ def make_train_step(cfg: ModelConfig, graphdef: nnx.GraphDef, tx: optax.Gradient
     total, parts = objective(cfg, out, aux, batch)
     return total, (parts, aux)
 
-  def train_step(state: TrainState, batch, train_vit: bool = True):
-    """`train_vit` (static) is False while the ViT is frozen: no gradient is computed for it."""
+  def train_step(state: TrainState, batch, train_vit: bool = True, schedule=None):
+    """`train_vit` (static) is False while the ViT is frozen: no gradient is computed for it.
+    `schedule` (an `optim.schedule.Schedule`, an input of the program) sets the learning rate;
+    None uses the optimizer config's schedule as constants."""
     params, opt_state, moe_bias = state
     (loss, (parts, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
         params, moe_bias, batch, train_vit)
     grad_norm = optax.tree.norm(grads)
-    updates, new_opt_state = tx.update(grads, opt_state, params)
+    updates, new_opt_state = tx.update(grads, opt_state, params,
+                                       **({} if schedule is None else {"schedule": schedule}))
     update_norm = optax.tree.norm(updates)
     # A finite gradient can still give a non-finite update (optimizer state gone bad): not applied.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)

@@ -15,16 +15,27 @@ file is the loop around it and what a person at the terminal sees:
 * Interruptions. SIGTERM or Ctrl-C (SIGINT) in the loop: the step in flight finishes, a
   checkpoint is saved, exit 0; a second Ctrl-C exits at once (status 130) without waiting for the
   save. During start-up or compilation, either signal stops the run at once (exit 0): nothing was
-  trained, nothing is saved, the work directory keeps its last checkpoint.
+  trained, nothing is saved, the work directory is as it was.
+* Nothing is written to the work directory (config.json, checkpoints/, metrics, TensorBoard,
+  train.log) before the first step is certain to start, i.e. until the train step is compiled: a
+  start that fails or is interrupted leaves it as it was, a finished run started again too. (A
+  damaged newest checkpoint is still moved aside to `damaged-<step>` when an older one restores.)
 * Errors. Configuration, file-system and input mistakes (unknown key, bad value, mesh vs devices,
   batch vs data axes, missing data or tokenizer file, a work directory that is not writable or
   holds another model, a checkpoint save that fails on a full disk) stop with one
   `error: ...` line naming the key or path and exit status 2; the last good checkpoint stays.
 * Non-finite steps are not applied; after `train.max_bad_steps` in a row the run stops (exit 2).
 * Output. A progress bar when stderr is a terminal (its ETA and tokens/s start after
-  compilation; log lines are written around it), plain log lines otherwise; `metrics.jsonl` and
-  TensorBoard always (W&B with `train.wandb_project`); an end-of-run summary (`format_summary`).
-* Resume. A work directory that holds a checkpoint is resumed from it (on any mesh shape).
+  compilation; warnings are written around it, the per-step lines only to train.log), plain log
+  lines otherwise; every log line also in WORKDIR/train.log (`launch/run_log.py`), with the
+  detail of what the libraries report (a damaged checkpoint's tracebacks) kept off the terminal;
+  `metrics.jsonl` and TensorBoard always (W&B with `train.wandb_project`); an end-of-run summary
+  (`format_summary`), skipped records and truncated documents counted in both.
+* Resume. A work directory that holds a checkpoint is resumed from it (on any mesh shape); the
+  records of steps after the restored one (a run lost after its last checkpoint) leave
+  metrics.jsonl and TensorBoard, so each step is logged once. A resume whose config changes the
+  learning-rate schedule (a new `train.steps` moves a fractional decay) warns with the next
+  step's rate under the old and the new schedule.
 """
 
 from __future__ import annotations
@@ -45,16 +56,19 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from data.pipeline import make_eval_iterator, make_tokenizer, make_train_iterator
+from data.pipeline import TRUNCATED, make_eval_iterator, make_tokenizer, make_train_iterator
 from dsv41_jax import flops
 from launch import checkpoint as ckpt_lib
 from launch import cli, compile_cache, evaluation, metrics as metrics_lib, setup, xla_flags
+from launch.run_log import RunLog
 from launch.cli import parse_flags  # noqa: F401 -- launch.train.parse_flags, as before
 from launch.setup import SetupError, compile_train_steps, replicate, to_global  # noqa: F401
 from optim import schedule
+from optim.config import optim_config
 from optim.chain import frozen_trainable, learning_rates
 
 log = logging.getLogger("dsv41.train")
+step_log = logging.getLogger("dsv41.train.step")  # per-step lines: off the terminal under the bar
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Work directory (logs, checkpoints).")
@@ -120,12 +134,17 @@ def _data_error(e: BaseException) -> str:
 
 
 def check_workdir(workdir: str) -> None:
-  """The work directory exists (or is created) and is writable, checked before any work."""
+  """The work directory is writable, or can be created (its nearest existing parent is a
+  writable directory); checked before any work, leaving no trace."""
   if not workdir:
     raise TrainingError("--workdir is empty; give a directory for logs and checkpoints")
-  probe = os.path.join(workdir, f".write-test-{os.getpid()}")
+  there = os.path.abspath(workdir)
+  while not os.path.exists(there):
+    there = os.path.dirname(there)
+  probe = os.path.join(there, f".write-test-{os.getpid()}")
   try:
-    os.makedirs(workdir, exist_ok=True)
+    if not os.path.isdir(there):
+      raise NotADirectoryError(f"{there} is not a directory")
     with open(probe, "w") as f:
       f.write("ok")
     os.remove(probe)
@@ -176,11 +195,19 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, profile_steps: str | None 
         ) -> dict[str, Any]:
   """Train per `cfg` in `workdir`; returns a summary (see `format_summary`).
 
-  The signal handlers are installed first, so a signal during start-up stops it (`Interrupted`)."""
+  The signal handlers are installed first, so a signal during start-up stops it (`Interrupted`);
+  the log goes to WORKDIR/train.log once the first step is certain (`launch/run_log.py`)."""
   stop = _Stop()
+  run_log = RunLog()
   try:
-    return _run(cfg, workdir, stop, profile_steps)
+    summary = _run(cfg, workdir, stop, profile_steps, run_log)
+    run_log.write(format_summary(summary, workdir))
+    return summary
+  except Exception as e:
+    run_log.write(f"error: {e}")
+    raise
   finally:
+    run_log.close()
     stop.restore()
 
 
@@ -214,12 +241,14 @@ class _Progress:
 
   def __init__(self, run: setup.RunConfig, workdir: str, start: int, primary: bool,
                config: dict, train_it):
+    """Opens the writers; metrics of steps after `start` (a lost run's) are rolled back."""
     self.run, self.train_it, self.primary = run, train_it, primary
     self.tokens_per_step = run.tokens_per_step
     self.flops_per_token = flops.train_flops_per_token(run.model.replace(seq_len=run.data.seq_len))
     self.peak = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind,
                                                   run.train.peak_flops_per_device)
-    self.writer = metrics_lib.MetricWriter(workdir, primary, run.train.wandb_project, config)
+    self.writer = metrics_lib.MetricWriter(workdir, primary, run.train.wandb_project, config,
+                                           rollback_to=start)
     self.window = [0.0, 0.0, 0]  # seconds, data-wait seconds, steps
     self.losses: dict[int, float] = {}
     self.tokens_per_second: list[float] = []
@@ -258,8 +287,10 @@ class _Progress:
         / max(1, record["data"].get("rows", 0) * self.run.data.seq_len))
     self.writer.write(step, record)
     mfu = f" mfu {u:.2%}" if u is not None else ""
-    log.info("process %d step %d loss %r step_time %.3f s (data wait %.3f s) tokens/s %.0f%s",
-             jax.process_index(), step, loss, step_time, record["data_wait"], tps, mfu)
+    skips = skipped_text(record["data"])
+    step_log.info("process %d step %d loss %.4f step_time %.3f s (data wait %.3f s) tokens/s "
+                  "%.0f%s%s", jax.process_index(), step, loss, step_time, record["data_wait"], tps,
+                  mfu, f"; {skips}" if skips else "")
     if self.bar is not None:
       self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", step_s=f"{step_time:.3f}",
                            **({"mfu": f"{u:.2%}"} if u is not None else {}))
@@ -267,7 +298,8 @@ class _Progress:
 
   def eval(self, step: int, figures: dict[str, float]) -> None:
     self.writer.write(step, {f"eval/{k}": v for k, v in figures.items()})
-    log.info("step %d eval %s", step, figures)
+    log.info("step %d held-out loss %.4f, %.4f bits/byte over %s tokens", step, figures["loss"],
+             figures["bits_per_byte"], f"{int(figures['tokens']):,}")
 
   def close(self) -> None:
     self.writer.close()
@@ -281,8 +313,8 @@ class _Progress:
                                                              jax.device_count(), self.peak)}
 
 
-def _run(cfg: ml_collections.ConfigDict, workdir: str, stop: _Stop,
-         profile_text: str | None) -> dict[str, Any]:
+def _run(cfg: ml_collections.ConfigDict, workdir: str, stop: _Stop, profile_text: str | None,
+         run_log: RunLog) -> dict[str, Any]:
   t_start = time.time()
   run = setup.run_config(cfg)
   tcfg = run.train
@@ -296,7 +328,7 @@ def _run(cfg: ml_collections.ConfigDict, workdir: str, stop: _Stop,
   for warning in schedule.notes(run.optim, tcfg.steps):
     log.warning("schedule: %s", warning)
   primary = jax.process_index() == 0
-  ckpt_lib.check_or_write_config(workdir, cfg.to_dict(), primary)
+  stored = ckpt_lib.check_config(workdir, cfg.to_dict())
 
   # --- data ---
   try:
@@ -313,7 +345,7 @@ def _run(cfg: ml_collections.ConfigDict, workdir: str, stop: _Stop,
   t_data = time.time()
   ctx = _Context(cfg, run, workdir, mesh, tok, features,
                  setup.BatchAdapter(run.model, run.data, mesh, cmap), profile, primary,
-                 t_start, t_data, cache_dir)
+                 t_start, t_data, cache_dir, stored, run_log)
   with contextlib.ExitStack() as cleanup:
     cleanup.callback(train_it.close)
     return _train(ctx, train_it, stop, cleanup)
@@ -336,6 +368,32 @@ class _Context:
   t_start: float                    # time.time() at the start of `_run`
   t_data: float                     # ... once the data pipeline was open
   cache_dir: str | None             # the persistent compilation cache, if on
+  stored: dict | None               # the work directory's config.json, if any
+  log: RunLog                       # train.log, opened by `_commit`
+
+
+def _schedule_change(ctx: _Context, start: int) -> str | None:
+  """The resume's schedule warning (`schedule.changed`), against the config the work directory
+  stores; None without one or when the schedule is the same."""
+  if not ctx.stored or "optim" not in ctx.stored:
+    return None
+  data = ctx.stored.get("data", {})
+  tokens = (data.get("batch_size", ctx.run.data.batch_size) * jax.process_count()
+            * data.get("seq_len", ctx.run.data.seq_len))
+  try:
+    old = optim_config({**ctx.stored["optim"], "tokens_per_step": tokens})
+    return schedule.changed(old, ctx.run.optim, start)
+  except (KeyError, TypeError, ValueError):  # a config.json of another version: nothing to compare
+    return None
+
+
+def _commit(ctx: _Context, start: int) -> None:
+  """The first step is certain to start: write what a run keeps in its work directory (its
+  config, the checkpoint directory, train.log with what was logged so far)."""
+  if ctx.primary:
+    ckpt_lib.write_config(ctx.workdir, ctx.cfg.to_dict())
+  os.makedirs(ctx.workdir, exist_ok=True)
+  ctx.log.open_file(ctx.workdir)
 
 
 def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
@@ -346,11 +404,15 @@ def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
   checkpointer = ckpt_lib.Checkpointer(ctx.workdir, tcfg.keep_checkpoints)
   cleanup.callback(checkpointer.close)
   start = 0
-  restored = checkpointer.restore_latest(ckpt_lib.abstract_like(ts.checkpoint(0)), train_it)
+  with ctx.log.quiet():  # a damaged checkpoint's tracebacks: train.log only
+    restored = checkpointer.restore_latest(ckpt_lib.abstract_like(ts.checkpoint(0)), train_it)
   if restored is not None:
     start, tree = restored
     ts.restored(tree)
     log.info("resumed from step %d of %s", start, checkpointer.directory)
+    change = _schedule_change(ctx, start) if start < tcfg.steps else None
+    if change:
+      log.warning("schedule: %s", change)
   elif (imported := checkpointer.restore_imported(ckpt_lib.abstract_like(ts.state.params),
                                                   ckpt_lib.abstract_like(ts.state.moe_bias))):
     ts.state = ts.state._replace(params=imported[0], moe_bias=imported[1])
@@ -359,27 +421,32 @@ def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
   t_state = time.time()
   log.info("startup: config and data %.1f s, model and optimizer state %.1f s",
            ctx.t_data - ctx.t_start, t_state - ctx.t_data)
+  if start >= tcfg.steps:  # nothing to train: the work directory stays as it is
+    return {"start_step": start, "end_step": start, "steps": tcfg.steps, "losses": {}, "eval": {},
+            "seconds": time.time() - ctx.t_start, "compile_seconds": 0.0,
+            "tokens_per_step": run.tokens_per_step, "interrupted": None,
+            "params": ts.state.params, "moe_bias": ts.state.moe_bias,
+            "median_tokens_per_second": None, "mfu": None, "data": {}}
 
   def train_vit_at(step: int) -> bool:
     """The ViT trains only once unfrozen (optim.frozen / unfreeze_at): one program per phase."""
     return not run.optim.frozen or frozen_trainable(run.optim, step)
 
-  batch, train_steps, compile_s = None, {}, 0.0
-  if start < tcfg.steps:
-    rows = next(train_it)
-    log.info("process %d: first batch at step %d: %d rows, tokens sha256 %s",
-             jax.process_index(), start + 1, len(rows["tokens"]), batch_digest(rows))
-    batch = adapter(rows)
-    phases = sorted({train_vit_at(start), train_vit_at(tcfg.steps - 1)})
-    t0 = time.perf_counter()
-    log.info("compiling the train step (%s)", " and ".join(
-        "ViT trainable" if tv else "ViT frozen" for tv in phases)
-        if run.model.vision is not None else "text only")
-    train_steps = compile_train_steps(setup.train_step_jit(run, ts), mesh, phases,
-                                      (ts.state, batch))
-    compile_s = time.perf_counter() - t0
-    log.info("train step compiled in %.1f s (compilation cache: %s)", compile_s,
-             ctx.cache_dir or "off")
+  rows = next(train_it)
+  log.info("process %d: first batch at step %d: %d rows, tokens sha256 %s",
+           jax.process_index(), start + 1, len(rows["tokens"]), batch_digest(rows))
+  batch = adapter(rows)
+  phases = sorted({train_vit_at(start), train_vit_at(tcfg.steps - 1)})
+  t0 = time.perf_counter()
+  log.info("compiling the train step (%s)", " and ".join(
+      "ViT trainable" if tv else "ViT frozen" for tv in phases)
+      if run.model.vision is not None else "text only")
+  lr_schedule = setup.schedule_input(run, ts)  # data: a new train.steps compiles nothing new
+  train_steps = compile_train_steps(setup.train_step_jit(run, ts), mesh, phases,
+                                    (ts.state, batch), lr_schedule)
+  compile_s = time.perf_counter() - t0
+  log.info("train step compiled in %.1f s (compilation cache: %s)", compile_s,
+           ctx.cache_dir or "off")
   eval_step = setup.eval_step(run, ts, mesh)
   token_bytes = replicate(evaluation.token_byte_lengths(ctx.tokenizer, run.model.vocab_size),
                           ts.replicated)
@@ -391,11 +458,15 @@ def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
                            tokenizer=ctx.tokenizer, token_features=ctx.features),
         tcfg.eval_batches)
 
+  _commit(ctx, start)
   progress = _Progress(run, ctx.workdir, start, ctx.primary, ctx.cfg.to_dict(), train_it)
   cleanup.callback(progress.close)
-  if progress.bar is not None:  # log lines go above the bar, not into it
+  if progress.bar is not None:  # log lines go above the bar, not into it; step lines: file only
     from tqdm.contrib.logging import logging_redirect_tqdm
     cleanup.enter_context(logging_redirect_tqdm([logging.getLogger("dsv41")]))
+    for h in logging.getLogger("dsv41").handlers:
+      if type(h).__name__ == "_TqdmLoggingHandler":
+        h.addFilter(lambda r: not r.name.startswith(step_log.name))
   profiler = _Profiler(ctx.profile, ctx.workdir)
   cleanup.callback(profiler.close)
   last_eval: dict[str, float] = {}
@@ -408,7 +479,7 @@ def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
       batch = adapter(next(train_it))
     t1 = time.perf_counter()
     profiler.before(step + 1)
-    ts.state, m = train_steps[train_vit_at(step)](ts.state, batch)
+    ts.state, m = train_steps[train_vit_at(step)](ts.state, batch, lr_schedule)
     finite, batch, step = bool(m["finite"]), None, step + 1
     profiler.after(step, m)
     progress.step(step, m, time.perf_counter() - t0, t1 - t0)
@@ -441,8 +512,25 @@ def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
           "eval": last_eval, "seconds": time.time() - ctx.t_start,
           "compile_seconds": compile_s, "tokens_per_step": run.tokens_per_step,
           "interrupted": stop.requested, "params": ts.state.params,
-          "moe_bias": ts.state.moe_bias,
+          "moe_bias": ts.state.moe_bias, "data": train_it.counters(),
           **progress.figures()}
+
+
+def skipped_text(counters: dict) -> str:
+  """Skipped records by reason and truncated documents, from the data iterator's counters, as
+  'skipped 3 records (malformed_json 2, invalid_utf8 1), 1 document cut at
+  data.max_document_tokens'; '' when there are none."""
+  skipped = {k.split("/", 1)[1]: int(v) for k, v in sorted(counters.items())
+             if k.startswith("skipped/") and v}
+  parts = []
+  if skipped:
+    n = sum(skipped.values())
+    parts.append(f"skipped {n} record{'s' * (n != 1)} ("
+                 + ", ".join(f"{k} {v}" for k, v in skipped.items()) + ")")
+  cut = int(counters.get(TRUNCATED, 0))
+  if cut:
+    parts.append(f"{cut} document{'s' * (cut != 1)} cut at data.max_document_tokens")
+  return ", ".join(parts)
 
 
 def format_summary(s: dict[str, Any], workdir: str) -> str:
@@ -476,9 +564,15 @@ def format_summary(s: dict[str, Any], workdir: str) -> str:
         f", {bpb:.4f} bits/byte" if bpb is not None else ""))
   if s.get("median_tokens_per_second"):
     mfu = s.get("mfu")
+    # No peak is known for CPUs: no MFU there, and no advice to set one.
+    mfu_text = (f", MFU {mfu:.2%}" if mfu is not None else
+                "" if jax.devices()[0].platform == "cpu" else
+                ", MFU n/a (set train.peak_flops_per_device)")
     lines.append(f"  throughput   {s['median_tokens_per_second']:,.0f} tokens/s (median of the "
-                 f"logged windows), MFU " + (f"{mfu:.2%}" if mfu is not None else
-                                           "n/a (set train.peak_flops_per_device)"))
+                 f"logged windows){mfu_text}")
+  skips = skipped_text(s.get("data", {}))
+  if skips:
+    lines.append(f"  data         {skips} (python -m launch.data_report lists where)")
   share = s["compile_seconds"] / s["seconds"] if s["seconds"] else 0.0
   lines.append(f"  wall time    {s['seconds']:.0f} s, compilation {s['compile_seconds']:.0f} s "
                f"({share:.0%})")

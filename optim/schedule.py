@@ -125,3 +125,33 @@ def learning_rate(schedule: Schedule | OptimConfig, step) -> jnp.ndarray:
   """The peak-scaled learning rate at `step` (`schedule` as in `lr_factor`)."""
   sc = schedule_of(schedule) if isinstance(schedule, OptimConfig) else schedule
   return jnp.asarray(sc.lr, jnp.float32) * lr_factor(sc, step)
+
+
+def changed(old: OptimConfig, new: OptimConfig, step: int) -> str | None:
+  """A one-line warning when a run resumed at `step` (updates done) under `new` would follow
+  another schedule than the `old` one it ran under, giving the next update's rate under each;
+  None when the schedules are equal. Raising `train.steps` moves a fractional schedule's decay
+  later, so the rate of the next step can jump back up (issue 33: a 50-step run resumed at 60
+  steps ran step 51 at 3.8× the rate it ended at)."""
+  a, b = boundaries(old), boundaries(new)
+  was, now = schedule_of(old), schedule_of(new)
+  if was == now:
+    return None
+  parts = []
+  if old.total_steps != new.total_steps:
+    parts.append(f"train.steps {old.total_steps} → {new.total_steps}")
+  if a.warmup != b.warmup:
+    parts.append(f"warm-up {a.warmup} → {b.warmup} steps")
+  if (a.decay_start, a.decay_end) != (b.decay_start, b.decay_end):
+    parts.append(f"decay over steps {a.decay_start}-{a.decay_end} → "
+                 f"{b.decay_start}-{b.decay_end}")
+  if was.lr != now.lr:
+    parts.append(f"peak lr {float(was.lr):g} → {float(now.lr):g}")
+  if was.final_fraction != now.final_fraction:
+    parts.append(f"final fraction {float(was.final_fraction):g} → {float(now.final_fraction):g}")
+  lr_was, lr_now = float(learning_rate(was, step)), float(learning_rate(now, step))
+  ratio = f" (×{lr_now / lr_was:.2f})" if lr_was > 0 else ""
+  return (f"resuming at step {step} under another schedule than the run's ({'; '.join(parts)}): "
+          f"step {step + 1} runs at lr {lr_now:.3g}, where the run's schedule gives {lr_was:.3g}"
+          f"{ratio}; to continue the run's schedule, resume with its settings (or set "
+          "optim.schedule_unit='steps' with decay_start / decay_end in steps)")

@@ -79,3 +79,21 @@ def test_metric_writer_jsonl(tmp_path):
   assert rec == {"step": 3, "loss": 2.5, "finite": True, "nan": None, "load/0/0": 1.0,
                  "load/0/1": 2.0, "data/rows": 8}
   assert metrics.MetricWriter(str(tmp_path / "off"), enabled=False).jsonl is None
+
+
+def test_metric_writer_rolls_back_a_lost_runs_steps(tmp_path):
+  """Resuming at step 2 after a run that logged up to step 4 (and died mid-line): the records of
+  steps 3 and 4 and the torn line leave metrics.jsonl, what follows is appended once."""
+  w = metrics.MetricWriter(str(tmp_path), enabled=True)
+  for step in range(1, 5):
+    w.write(step, {"loss": float(step)})
+  w.write(2, {"eval/loss": 9.0})
+  w.close()
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write('{"step": 5, "lo')
+  w = metrics.MetricWriter(str(tmp_path), enabled=True, rollback_to=2)
+  w.write(3, {"loss": 30.0})
+  w.close()
+  with open(tmp_path / "metrics.jsonl") as f:
+    recs = [json.loads(line) for line in f]
+  assert [(r["step"], r.get("loss")) for r in recs] == [(1, 1.0), (2, 2.0), (2, None), (3, 30.0)]

@@ -113,3 +113,19 @@ def test_summary_reads_the_last_logged_figures(tmp_path):
   text = train.format_summary(s, str(tmp_path))
   assert "nothing to train" in text and "last logged loss 3.2500 at step 4" in text
   assert "held-out     loss 3.5000, 1.2500 bits/byte" in text and "nan" not in text
+
+
+def test_summary_counts_skipped_records_and_cut_documents(tmp_path):
+  """Skipped records by reason and truncated documents, from the iterator's counters, in the
+  end-of-run summary (issue 33: they were only in metrics.jsonl); no line when there are none."""
+  from launch import train
+  counters = {"skipped/malformed_json": 2, "skipped/invalid_utf8": 1, "truncated_documents": 1,
+              "rows": 8, "documents/text": 5}
+  s = {"start_step": 0, "end_step": 2, "steps": 2, "losses": {1: 3.0, 2: 2.5}, "eval": {},
+       "seconds": 10.0, "compile_seconds": 4.0, "tokens_per_step": 256, "interrupted": None,
+       "median_tokens_per_second": 100.0, "mfu": None, "data": counters}
+  text = train.format_summary(s, str(tmp_path))
+  assert ("  data         skipped 3 records (invalid_utf8 1, malformed_json 2), 1 document cut at "
+          "data.max_document_tokens (python -m launch.data_report lists where)") in text
+  assert "MFU" not in text  # CPU: no peak, and no advice to set one
+  assert "data  " not in train.format_summary(dict(s, data={"rows": 8}), str(tmp_path))

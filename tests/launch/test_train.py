@@ -73,7 +73,8 @@ def env(tmp_path_factory):
 
 def args(env, workdir, *overrides):
   return [sys.executable, "-m", "launch.train", f"--config={CONFIG}", f"--workdir={workdir}",
-          f"--config.data.cache_dir={env['data_cache']}", *overrides]
+          f"--config.data.cache_dir={env['data_cache']}",
+          f"--config.train.compilation_cache_dir={env['root'] / 'jax_cache'}", *overrides]
 
 
 def start(env, workdir, *overrides, extra_env=None, driver=None):
@@ -212,6 +213,14 @@ def test_reference_run_logs(reference):
   median = float(np.median([r["tokens_per_second"] for r in recs]))
   assert f"throughput   {median:,.0f} tokens/s" in out
   assert re.search(r"wall time    \d+ s, compilation \d+ s \(\d+%\)", out)
+  # rounded figures, a formatted evaluation line, and every line also in WORKDIR/train.log
+  assert re.search(r"process 0 step 1 loss \d+\.\d{4} step_time", out)
+  assert re.search(r"step 4 held-out loss \d+\.\d{4}, \d+\.\d{4} bits/byte over [\d,]+ tokens", out)
+  with open(os.path.join(reference["workdir"], "train.log")) as f:
+    logged = f.read()
+  summary = out[out.index("done (process 0)"):].splitlines()
+  ours = [l for l in out.splitlines() if " dsv41." in l]
+  assert len(ours) > 8 and all(l in logged for l in ours + summary), logged[-3000:]
   assert ckpt_steps(reference["workdir"]) == [2, 4]
   evals = [r for r in reference["records"] if "eval/loss" in r]
   assert [r["step"] for r in evals] == [STEPS]
@@ -253,13 +262,17 @@ def test_bitwise_resume_after_sigkill_and_sigterm(env, reference):
   # 3. Resume to the end.
   out3 = train(env, workdir, *MESH_A, *ckpt)
   assert f"resumed from step {term_step}" in out3
-  # 4. A finished run started again: nothing to train, the last logged loss (not nan).
+  # 4. A finished run started again: nothing to train, the last logged loss (not nan), and
+  #    nothing written (no empty TensorBoard file, no train.log line).
+  files = files_digest(workdir)
   out4 = train(env, workdir, *MESH_A, *ckpt)
+  assert files_digest(workdir) == files
   last = step_losses(metrics(workdir))[STEPS]
   assert f"last logged loss {last:.4f} at step {STEPS}" in out4, out4[-3000:]
   assert "nothing to train" in out4 and "loss nan" not in out4
+  assert "MFU" not in out3  # no peak is known for a CPU: no MFU, and no advice to set one
   records = [r for r in metrics(workdir) if "loss" in r]
-  assert {r["step"] for r in records} == set(range(1, STEPS + 1))
+  assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # each once
   ref = reference["losses"]
   for r in records:  # exact float equality: same bits (json keeps every float32 digit)
     assert r["loss"] == ref[r["step"]], (r["step"], r["loss"], ref[r["step"]])
@@ -299,7 +312,6 @@ def test_damaged_newest_checkpoint_and_other_mesh(env, reference):
   workdir = str(env["root"] / "other_mesh")
   shutil.copytree(reference["workdir"], workdir)
   corrupt(os.path.join(workdir, "checkpoints", "4"))
-  n_before = len(metrics(workdir))
   out = train(env, workdir, *MESH_B, "--profile_steps=3:3")
   traces = [n for _, _, names in os.walk(os.path.join(workdir, "profile")) for n in names]
   assert any(n.endswith(".xplane.pb") for n in traces), traces
@@ -310,7 +322,16 @@ def test_damaged_newest_checkpoint_and_other_mesh(env, reference):
   assert "resumed from step 2" in out
   assert os.path.isdir(os.path.join(workdir, "checkpoints", "damaged-4"))
   assert ckpt_steps(workdir) == [2, 4]
-  new = step_losses(metrics(workdir)[n_before:])
+  # Recovery is one warning line at the terminal; the detail (the traceback) is in train.log.
+  head = out[:out.index("resumed from step 2")]
+  assert len(head.splitlines()) < 20 and "Traceback" not in out, head
+  assert len([l for l in out.splitlines() if "cannot be restored" in l]) == 1, head
+  with open(os.path.join(workdir, "train.log")) as f:
+    assert "Traceback" in f.read()
+  # The lost run's steps 3 and 4 left metrics.jsonl: each step is logged once, the redo's.
+  recs = metrics(workdir)
+  assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3, 4]
+  new = {s: l for s, l in step_losses(recs).items() if s > 2}
   assert sorted(new) == [3, 4]
   ref = reference["losses"]
   print("mesh change relative loss differences:",
@@ -323,6 +344,29 @@ def test_damaged_newest_checkpoint_and_other_mesh(env, reference):
     moved = float(np.abs(want[k].astype(np.float64) - base[k]).max())
     diff = float(np.abs(got[k].astype(np.float64) - want[k]).max())
     assert diff <= 5e-4 * moved, (k, diff, moved)
+
+
+def test_another_schedule_compiles_nothing_and_the_resume_names_it(env, reference):
+  """The finished 4-step run resumed for 6 steps under a fractional schedule (its decay moves
+  from steps 2-4 to 3-6): the train step comes from the compilation cache, which gains no train
+  program (the schedule is an input of the step, not part of it; issue 33: every new train.steps
+  recompiled), and a warning gives step 5's rate under both schedules, from the formula."""
+  workdir = str(env["root"] / "longer")
+  shutil.copytree(reference["workdir"], workdir)
+  cache = env["root"] / "jax_cache"
+  programs = lambda: sorted(n for n in os.listdir(cache) if n.startswith("jit_train_step"))
+  before = programs()
+  assert before
+  out = train(env, workdir, *MESH_A, "--config.train.steps=6",
+              "--config.optim.schedule_unit=fraction", "--config.optim.decay_start=0.5",
+              "--config.optim.decay_end=1.0")
+  assert programs() == before
+  assert "resumed from step 4" in out and f"done (process 0): steps 4→6 of 6" in out
+  old, new = 3e-3 * 0.1, 3e-3 * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * (4 - 3) / 3)))
+  warned = [l for l in out.splitlines() if "under another schedule" in l]
+  assert len(warned) == 1 and "train.steps 4 → 6" in warned[0], out[-3000:]
+  assert f"step 5 runs at lr {new:.3g}, where the run's schedule gives {old:.3g}" in warned[0]
+  assert [r["step"] for r in metrics(workdir) if "loss" in r] == list(range(1, 7))
 
 
 SPY = textwrap.dedent("""
@@ -351,9 +395,9 @@ SPY = textwrap.dedent("""
                  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
     def observed(compiled):
-      def call(state, batch):
+      def call(state, batch, *schedule):
         before = jax.device_get(tuple(state))
-        out = compiled(state, batch)
+        out = compiled(state, batch, *schedule)
         after = jax.device_get(tuple(out[0]))
         nan_params = sum(int(np.isnan(x).sum()) for x in jax.tree.leaves(after[0]))
         records.append(dict(finite=bool(out[1]["finite"]), params=same(before[0], after[0]),
@@ -420,7 +464,8 @@ def test_nonfinite_steps_are_not_applied(env, reference):
 
 
 def test_bad_input_stops_before_any_step(env, reference):
-  """Each mistake stops before the first step (no metrics written) with one `error:` line naming
+  """Each mistake stops before the first step, the work directory as it was (a new one not
+  created, an existing one file for file), with one `error:` line naming
   the fix, exit 2: an unknown config key, data.batch_size=0 (named as such, not as the
   optimizer's tokens per step), a missing data path, a missing tokenizer file, a work directory
   that cannot be written, a mesh that does not match the 8 devices, a batch that does not split
@@ -450,7 +495,8 @@ def test_bad_input_stops_before_any_step(env, reference):
   shutil.copytree(reference["workdir"], all_damaged)
   for step in (2, 4):
     corrupt(os.path.join(all_damaged, "checkpoints", str(step)))
-  procs = {}
+  procs, digests = {}, {reference["workdir"]: files_digest(reference["workdir"]),
+                         all_damaged: files_digest(all_damaged)}
   for name, (overrides, _) in cases.items():
     workdir = {"model": reference["workdir"], "all_damaged": all_damaged,
                "workdir": f"{blocker}/run"}.get(name, str(env["root"] / f"bad_{name}"))
@@ -465,8 +511,10 @@ def test_bad_input_stops_before_any_step(env, reference):
     assert len([l for l in out.splitlines() if l.startswith("error: ")]) == 1, out[-3000:]
     assert "tokens_per_step" not in out
     assert "compiling the train step" not in out
-    if name not in ("model", "all_damaged"):
-      assert not os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+    if name in ("model", "all_damaged"):  # the work directory is as it was, file for file
+      assert files_digest(workdir) == digests[workdir], name
+    else:  # nothing was created: no config.json, no empty directory
+      assert not os.path.exists(workdir), (name, os.listdir(workdir))
   assert ckpt_steps(all_damaged) == [2, 4]
   assert len(metrics(all_damaged)) == len(reference["records"])
   assert len(metrics(reference["workdir"])) == len(reference["records"])
@@ -490,9 +538,7 @@ def test_signal_during_compilation_stops_at_once(env, tmp_path):
   assert waited < 20, waited
   assert "SIGTERM: stopped during start-up; nothing was trained or saved" in out
   assert "Traceback" not in out and "train step compiled in" not in out
-  assert not os.path.exists(os.path.join(workdir, "metrics.jsonl"))
-  assert not os.path.isdir(os.path.join(workdir, "checkpoints")) or not os.listdir(
-      os.path.join(workdir, "checkpoints"))
+  assert not os.path.exists(workdir)  # as it was: no config.json, no empty checkpoints/
 
 
 def test_second_ctrl_c_exits_at_once(monkeypatch):
@@ -552,7 +598,7 @@ def test_two_processes_train_one_model(env):
                     r"(\w+)", out)
       assert m, out[-3000:]
       digests.append(m.group(1))
-      losses.append({int(s): float(v) for s, v in
+      losses.append({int(s): v for s, v in  # the log rounds to 4 decimals
                      re.findall(rf"process {i} step (\d+) loss (\S+) ", out)})
     return digests, losses
 
@@ -564,7 +610,7 @@ def test_two_processes_train_one_model(env):
   assert digests[0] != digests[1]
   assert sorted(losses[0]) == [1, 2]
   assert losses[0] == losses[1]
-  assert step_losses(metrics(workdir)) == losses[0]
+  assert {s: f"{v:.4f}" for s, v in step_losses(metrics(workdir)).items()} == losses[0]
   assert ckpt_steps(workdir) == [2]
   # Both resume from the checkpoint they saved together, each with its own data position.
   outs = both(3)

@@ -121,3 +121,18 @@ def test_a_run_too_short_for_the_warmup_scales_it():
   np.testing.assert_allclose(lrs, [_ref(s, 3e-3, 12, 12, 20, 0.1) for s in range(21)], rtol=1e-6)
   cfg.train.steps = 300
   assert schedule.notes(optim_config(cfg.optim), 300) == []
+
+
+def test_a_resume_under_another_schedule_is_named_with_both_rates():
+  """A 50-step fractional run resumed with train.steps = 60: the decay moves from 30-50 to 36-60
+  and step 51 runs at the new schedule's rate, several times the old one's final rate; the note
+  gives both, from the formula. The same schedule gives no note."""
+  kw = dict(lr=1.0, warmup_steps=5, decay_start=0.6, decay_end=1.0, schedule_unit="fraction",
+            final_lr_fraction=0.1)
+  old, new = OptimConfig(total_steps=50, **kw), OptimConfig(total_steps=60, **kw)
+  note = schedule.changed(old, new, 50)
+  want_new, want_old = _ref(50, 1.0, 5, 36, 60, 0.1), _ref(50, 1.0, 5, 30, 50, 0.1)
+  assert "train.steps 50 → 60" in note and "decay over steps 30-50 → 36-60" in note
+  assert f"step 51 runs at lr {want_new:.3g}, where the run's schedule gives {want_old:.3g}" in note
+  assert f"(×{want_new / want_old:.2f})" in note and "warm-up" not in note
+  assert schedule.changed(old, OptimConfig(total_steps=50, **kw), 50) is None
