@@ -170,7 +170,7 @@ def import_checkpoint(cfg: ml_collections.ConfigDict, checkpoint: str, workdir: 
     tokenizer = os.path.join(os.path.abspath(checkpoint), "tokenizer.json")
     if not out["data"].get("tokenizer_path") and os.path.exists(tokenizer):
       out["data"]["tokenizer_path"] = tokenizer   # generate/score read the release's tokenizer
-    ckpt_lib.check_or_write_config(tmp, out, True)
+    ckpt_lib.write_config(tmp, out)
     summary = {"source": os.path.abspath(checkpoint), "step": 0, "tensors": len(tensors),
                "dropped": len(dropped), "dropped_prefixes": sorted(
                    {n.split(".")[0] for n in dropped}), "fresh": vision,

@@ -67,7 +67,7 @@ def random_workdir(path, cfg, seed=0, step=3):
   bias = rng.normal(size=(mcfg.num_hidden_layers, 2, mcfg.n_routed_experts)).astype(np.float32)
   os.makedirs(path)
   convert.save_weights(path, step, params, bias)
-  ckpt_lib.check_or_write_config(path, cfg.to_dict(), True)
+  ckpt_lib.write_config(path, cfg.to_dict())
   return params, bias
 
 
