@@ -14,9 +14,10 @@ every shard's header against its file size. It then streams shard by shard into 
 arrays of the scanned-run layout and saves them as step 0 of `DIR/checkpoints` with the MoE biases;
 `DIR/imported.json` marks that step as imported, so `launch.train` starts from it with a fresh
 optimizer state (and says so) and `launch.generate` / `launch.score` read it. A ViT in the config
-is initialised fresh: the release's vision tower is not imported. Export restores a few
-parameters at a time (`--memory_gb`), quantizes with the project's own rules and writes the shards
-it planned from the shapes. Either direction writes into a temporary sibling of the destination and
+is initialised fresh: the release's vision tower is not imported. Export reads one released tensor's
+slice at a time from the checkpoint (TensorStore, `LeafReader`), quantizes it with the project's
+own rules and writes it into the shards it planned from the shapes, so host memory holds one
+tensor, not a parameter stack. Either direction writes into a temporary sibling of the destination and
 renames it at the end: a failure leaves nothing behind, and an existing destination is replaced
 only with `--overwrite`. Bad input stops with one line `error: ...`, exit status 2.
 """
@@ -30,7 +31,6 @@ import os
 import shutil
 import sys
 import time
-import warnings
 from typing import Any, Iterator
 
 import jax
@@ -185,12 +185,19 @@ def import_checkpoint(cfg: ml_collections.ConfigDict, checkpoint: str, workdir: 
 
 def save_weights(workdir: str, step: int, params, moe_bias) -> None:
   """Step `step` of `workdir/checkpoints` holding only parameters (the model's pure state, leaves
-  of host or device arrays) and MoE biases: what `launch.generate.load_model` and
-  `Checkpointer.restore_imported` read."""
-  manager = ckpt_lib.ocp.CheckpointManager(
-      os.path.join(workdir, "checkpoints"),
-      options=ckpt_lib.ocp.CheckpointManagerOptions(create=True), item_names=("state",))
-  manager.save(step, args=ckpt_lib.ocp.args.Composite(state=ckpt_lib.ocp.args.StandardSave(
+  of numpy arrays or memory maps) and MoE biases: what `launch.generate.load_model` and
+  `Checkpointer.restore_imported` read. The arrays are written in place (orbax's default handler
+  deep-copies host arrays first, which would hold the whole model in memory), so memory maps are
+  paged through, not loaded."""
+  ocp = ckpt_lib.ocp
+  registry = ocp.type_handlers.create_type_handler_registry(
+      (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
+      (jax.Array, ocp.type_handlers.ArrayHandler()))
+  manager = ocp.CheckpointManager(
+      os.path.join(workdir, "checkpoints"), options=ocp.CheckpointManagerOptions(create=True),
+      item_names=("state",),
+      item_handlers={"state": ocp.PyTreeCheckpointHandler(type_handler_registry=registry)})
+  manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(
       {"params": params, "moe_bias": moe_bias})))
   manager.wait_until_finished()
   manager.close()
@@ -243,58 +250,48 @@ def encode(tensor: rl.Tensor, x: np.ndarray) -> list[np.ndarray]:
   return list(wf.encode_fp8(x, wf.ROW_BLOCK if tensor.storage == "fp8_rows" else wf.FP8_TILE))
 
 
-def _groups(tensors: list[rl.Tensor], leaves: dict[str, tuple], dtypes: dict[str, np.dtype],
-            budget: float) -> Iterator[tuple[list[str], list[rl.Tensor]]]:
-  """(leaf paths restored together within `budget` bytes, the tensors they fill), in order."""
-  by_leaf = collections.OrderedDict()
-  for tensor in tensors:
-    by_leaf.setdefault(tensor.placement.path, []).append(tensor)
-  paths, group, used = [], [], 0
-  for path, ts in by_leaf.items():
-    size = int(np.prod(leaves[path])) * dtypes[path].itemsize
-    if paths and used + size > budget:
-      yield paths, group
-      paths, group, used = [], [], 0
-    paths.append(path)
-    group += ts
-    used += size
-  if paths:
-    yield paths, group
+class LeafReader:
+  """Slices of a checkpoint's parameters read through TensorStore, one released tensor at a time
+  (never a whole stack): the array specs come from orbax (`ocp.type_handlers.get_json_tspec_read`)
+  and the names from the checkpoint's `_METADATA`."""
 
+  def __init__(self, state_dir: str):
+    import ast
+    import orbax.checkpoint as ocp
+    from etils import epath
+    path = os.path.join(state_dir, "_METADATA")
+    try:
+      with open(path) as f:
+        meta = json.load(f)
+    except (OSError, ValueError) as e:
+      raise ConvertError(f"cannot read {path} ({e}); not an orbax checkpoint") from None
+    self.ocp, self.dir, self.meta = ocp, epath.Path(state_dir), meta
+    self.context = ocp.type_handlers.get_ts_context()
+    self.names = {}
+    for key in meta.get("tree_metadata", {}):
+      keys = ast.literal_eval(key)
+      if keys[0] == "params":
+        self.names["/".join(str(k) for k in keys[1:])] = ".".join(str(k) for k in keys)
+      elif keys == (rl.MOE_BIAS,):
+        self.names[rl.MOE_BIAS] = rl.MOE_BIAS
+    self.open: dict[str, Any] = {}
 
-def _restore(state_dir: str, pure, leaves: dict[str, tuple], paths: list[str]
-             ) -> dict[str, np.ndarray]:
-  """The named leaves of a checkpoint's state (params by path, and MOE_BIAS) as host arrays."""
-  import orbax.checkpoint as ocp
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  want = set(paths)
-  target: dict = {}
-  for p, x in jax.tree_util.tree_flatten_with_path(pure)[0]:
-    if path_str(p) in want:
-      node = target.setdefault("params", {})
-      keys = [getattr(k, "key", getattr(k, "idx", None)) for k in p]
-      for k in keys[:-1]:
-        node = node.setdefault(k, {})
-      node[keys[-1]] = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device)
-  if rl.MOE_BIAS in want:
-    target[rl.MOE_BIAS] = jax.ShapeDtypeStruct(leaves[rl.MOE_BIAS], np.float32, sharding=device)
-  try:
-    with warnings.catch_warnings():
-      warnings.simplefilter("ignore", UserWarning)
-      restored = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
-          item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-          partial_restore=True))
-  except Exception as e:  # noqa: BLE001 -- a damaged or foreign checkpoint, reported in one line
-    first = (str(e).splitlines() or [""])[0][:200]
-    raise ConvertError(f"cannot restore {paths[0]} from {state_dir} ({type(e).__name__}: "
-                       f"{first})") from None
-  return {path_str(p).removeprefix("params/"): np.asarray(x)
-          for p, x in jax.tree_util.tree_flatten_with_path(restored)[0]}
+  def read(self, path: str, index: tuple[int, ...]) -> np.ndarray:
+    import tensorstore as ts
+    if path not in self.open:
+      if path not in self.names:
+        raise ConvertError(f"the checkpoint in {self.dir} has no parameter {path}")
+      info = self.ocp.type_handlers.ParamInfo(name=self.names[path], parent_dir=self.dir,
+                                              use_zarr3=self.meta.get("use_zarr3", False),
+                                              ts_context=self.context)
+      spec = self.ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=self.meta.get(
+          "use_ocdbt", True))
+      self.open[path] = ts.open(spec, context=self.context).result()
+    return np.asarray(self.open[path][index].read().result())
 
 
 def export_checkpoint(workdir: str, checkpoint: str, step: int | None = None,
-                      overwrite: bool = False, shard_bytes: float = 5e9,
-                      memory_bytes: float = 8e9) -> dict[str, Any]:
+                      overwrite: bool = False, shard_bytes: float = 5e9) -> dict[str, Any]:
   """Work directory (step `step`, default the newest) → released checkpoint; returns a summary."""
   from launch.generate import checkpoint_steps
   path = os.path.join(workdir, "config.json")
@@ -317,50 +314,38 @@ def export_checkpoint(workdir: str, checkpoint: str, step: int | None = None,
     raise ConvertError(f"{narrow.name} {list(narrow.shape)}: the released FP4 experts need input "
                        f"widths (hidden_size, moe_intermediate_size) that are multiples of "
                        f"{wf.FP4_BLOCK}")
-  pure, leaves = _abstract_leaves(mcfg)
-  dtypes = {path_str(p): np.dtype(x.dtype) for p, x in jax.tree_util.tree_flatten_with_path(pure)[0]}
-  dtypes[rl.MOE_BIAS] = np.dtype(np.float32)
-  groups = list(_groups(tensors, leaves, dtypes, memory_bytes))
-  entries = [e for _, ts in groups for t in ts for e in _stored(t)]
-  files: list[list] = [[]]
+  _, leaves = _abstract_leaves(mcfg)
+  reader = LeafReader(os.path.join(os.path.abspath(workdir), "checkpoints", str(step), "state"))
+  files: list[list] = [[]]      # the shards planned from the shapes; a weight and its scale together
   used = 0
-  for _, ts in groups:       # a weight and its scale share a file
-    for t in ts:
-      size = sum(int(np.prod(s)) * st.DTYPES[d].itemsize for _, d, s in _stored(t))
-      if files[-1] and used + size > shard_bytes:
-        files.append([])
-        used = 0
-      files[-1] += _stored(t)
-      used += size
+  for t in tensors:
+    size = sum(int(np.prod(s)) * st.DTYPES[d].itemsize for _, d, s in _stored(t))
+    if files[-1] and used + size > shard_bytes:
+      files.append([])
+      used = 0
+    files[-1] += _stored(t)
+    used += size
   names = [f"model-{k:05d}-of-{len(files):05d}.safetensors" for k in range(1, len(files) + 1)]
-  state_dir = os.path.join(os.path.abspath(workdir), "checkpoints", str(step), "state")
   dest = Destination(checkpoint, overwrite)
   t0 = time.time()
   with dest as tmp:
-    writers = iter([(n, plan) for n, plan in zip(names, files)])
-    writer, remaining = None, 0
+    entries = iter(_stored(t) for t in tensors)
     with _progress(len(tensors), "export") as bar:
-      for paths, ts in groups:
-        values = _restore(state_dir, pure, leaves, paths)
-        for t in ts:
+      position = 0
+      for shard, plan in zip(names, files):
+        writer = st.ShardWriter(os.path.join(tmp, shard), plan, {"format": "pt"})
+        while writer.next < len(plan):
+          t = tensors[position]
           pl = t.placement
-          x = rl.to_released(values[pl.path][pl.index], pl.transform, t.shape)
-          for (name, _, _), array in zip(_stored(t), encode(t, x)):
-            if remaining == 0:
-              if writer is not None:
-                writer.close()
-              shard, plan = next(writers)
-              writer = st.ShardWriter(os.path.join(tmp, shard), plan, {"format": "pt"})
-              remaining = len(plan)
-              log.info("writing %s (%d tensors)", shard, len(plan))
+          x = rl.to_released(reader.read(pl.path, pl.index), pl.transform, t.shape)
+          for (name, _, _), array in zip(next(entries), encode(t, x)):
             writer.write(name, array)
-            remaining -= 1
+          position += 1
           bar.update(1)
-        del values
-    writer.close()
+        writer.close()
+        log.info("shard %s written (%d tensors)", shard, len(plan))
     weight_map = {name: names[k] for k, plan in enumerate(files) for name, _, _ in plan}
-    total = sum(int(np.prod(s)) * st.DTYPES[d].itemsize for d, s in
-                ((d, s) for _, d, s in entries))
+    total = sum(int(np.prod(s)) * st.DTYPES[d].itemsize for plan in files for _, d, s in plan)
     with open(os.path.join(tmp, INDEX), "w") as f:
       json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -391,8 +376,6 @@ def define_flags():
   flags.DEFINE_integer("step", None, "export: the checkpoint step (default: the newest).")
   flags.DEFINE_bool("overwrite", False, "Replace an existing destination.")
   flags.DEFINE_float("shard_gb", 5.0, "export: bytes per safetensors shard, in GB.")
-  flags.DEFINE_float("memory_gb", 8.0, "export: parameters restored at a time, in GB (a larger "
-                     "parameter is restored alone).")
 
 
 def main(argv):
@@ -410,8 +393,7 @@ def main(argv):
     if argv[1] == "import":
       summary = import_checkpoint(f.config, f.checkpoint, f.workdir, f.overwrite)
     else:
-      summary = export_checkpoint(f.workdir, f.checkpoint, f.step, f.overwrite,
-                                  f.shard_gb * 1e9, f.memory_gb * 1e9)
+      summary = export_checkpoint(f.workdir, f.checkpoint, f.step, f.overwrite, f.shard_gb * 1e9)
   except (ConvertError, st.FormatError, wf.FormatError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

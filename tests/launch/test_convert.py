@@ -75,10 +75,10 @@ def weights(workdir, cfg):
   """{leaf path: array} of a work directory's newest checkpoint (params and MOE_BIAS)."""
   mcfg, _, pure = abstract(cfg)
   leaves = dict(iter_params(pure))
-  leaves[rl.MOE_BIAS] = (mcfg.num_hidden_layers, 2, mcfg.n_routed_experts)
+  leaves[rl.MOE_BIAS] = ()
   steps = sorted(int(n) for n in os.listdir(os.path.join(workdir, "checkpoints")) if n.isdigit())
-  return convert._restore(os.path.join(workdir, "checkpoints", str(steps[-1]), "state"), pure,
-                          leaves, list(leaves))
+  reader = convert.LeafReader(os.path.join(workdir, "checkpoints", str(steps[-1]), "state"))
+  return {path: reader.read(path, ()) for path in leaves}
 
 
 def flat(params, bias):
