@@ -14,12 +14,13 @@ every shard's header against its file size. It then streams shard by shard into 
 arrays of the scanned-run layout and saves them as step 0 of `DIR/checkpoints` with the MoE biases;
 `DIR/imported.json` marks that step as imported, so `launch.train` starts from it with a fresh
 optimizer state (and says so) and `launch.generate` / `launch.score` read it. A ViT in the config
-is initialised fresh: the release's vision tower is not imported. Export reads one released tensor's
-slice at a time from the checkpoint (TensorStore, `LeafReader`), quantizes it with the project's
-own rules and writes it into the shards it planned from the shapes, so host memory holds one
-tensor, not a parameter stack. Either direction writes into a temporary sibling of the destination and
-renames it at the end: a failure leaves nothing behind, and an existing destination is replaced
-only with `--overwrite`. Bad input stops with one line `error: ...`, exit status 2.
+is initialised fresh: the release's vision tower is not imported. Export reads the checkpoint one
+stored chunk at a time (TensorStore, `LeafReader`; an import stores ~64 MB chunks split along the
+layer and expert axes), quantizes with the project's own rules and writes the shards it planned
+from the shapes. Engram tables go by blocks of `ROW_BLOCK` rows both ways. Either direction writes
+into a temporary sibling of the destination and renames it at the end: a failure leaves nothing
+behind, and an existing destination is replaced only with `--overwrite`. Bad input stops with one
+line `error: ...`, exit status 2.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ from launch.released_files import (INDEX, ConvertError, check_checkpoint, decode
 log = logging.getLogger("dsv41.convert")
 
 STORED = {"bf16": "BF16", "f32": "F32"}
+ROW_BLOCK = 2**18               # Engram table rows converted at a time (256 MB at D_e = 256)
+SAVE_CHUNK_BYTES = 64 * 2**20   # stored chunks of an import: what an export later reads at a time
 
 
 # --- the destination ------------------------------------------------------------------------------
@@ -157,8 +160,13 @@ def import_checkpoint(cfg: ml_collections.ConfigDict, checkpoint: str, workdir: 
         for tensor in by_shard[os.path.join(checkpoint, shard)]:
           pl = tensor.placement
           target = arrays[pl.path]
-          target[pl.index] = rl.from_released(decode(tensor, infos, block), pl.transform,
-                                              target[pl.index].shape)
+          if pl.transform == "rows":   # an Engram table, in blocks of rows (docs/checkpoints.md)
+            for r0 in range(0, tensor.shape[0], ROW_BLOCK):   # padding rows stay zero
+              r1 = min(r0 + ROW_BLOCK, tensor.shape[0])
+              target[r0:r1] = decode(tensor, infos, block, (r0, r1))
+          else:
+            target[pl.index] = rl.from_released(decode(tensor, infos, block), pl.transform,
+                                                target[pl.index].shape)
           bar.update(1)
         log.info("shard %d/%d read: %s", n, len(shards), shard)
     vision = _fresh_vision(mcfg, int(cfg.train.seed), arrays)
@@ -188,7 +196,7 @@ def save_weights(workdir: str, step: int, params, moe_bias) -> None:
   of numpy arrays or memory maps) and MoE biases: what `launch.generate.load_model` and
   `Checkpointer.restore_imported` read. The arrays are written in place (orbax's default handler
   deep-copies host arrays first, which would hold the whole model in memory), so memory maps are
-  paged through, not loaded."""
+  paged through, not loaded; stored in chunks of about `SAVE_CHUNK_BYTES`."""
   ocp = ckpt_lib.ocp
   registry = ocp.type_handlers.create_type_handler_registry(
       (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
@@ -197,8 +205,11 @@ def save_weights(workdir: str, step: int, params, moe_bias) -> None:
       os.path.join(workdir, "checkpoints"), options=ocp.CheckpointManagerOptions(create=True),
       item_names=("state",),
       item_handlers={"state": ocp.PyTreeCheckpointHandler(type_handler_registry=registry)})
-  manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(
-      {"params": params, "moe_bias": moe_bias})))
+  tree = {"params": params, "moe_bias": moe_bias}
+  chunks = jax.tree.map(lambda x: ocp.SaveArgs(  # split the stacked axes first: layers, experts
+      chunk_byte_size=SAVE_CHUNK_BYTES, shard_axes=tuple(range(max(np.ndim(x) - 2, 1)))
+      if np.ndim(x) else ()), tree)
+  manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(tree, save_args=chunks)))
   manager.wait_until_finished()
   manager.close()
 
@@ -251,9 +262,11 @@ def encode(tensor: rl.Tensor, x: np.ndarray) -> list[np.ndarray]:
 
 
 class LeafReader:
-  """Slices of a checkpoint's parameters read through TensorStore, one released tensor at a time
-  (never a whole stack): the array specs come from orbax (`ocp.type_handlers.get_json_tspec_read`)
-  and the names from the checkpoint's `_METADATA`."""
+  """A checkpoint's parameters read through TensorStore (array specs from orbax,
+  `ocp.type_handlers.get_json_tspec_read`, names from the checkpoint's `_METADATA`), one slab at a
+  time: the rows of a parameter's leading axes that one stored chunk spans, with all of its other
+  axes. A chunk is decoded whole, so a slab is the smallest read; `export_checkpoint` visits each
+  once and keeps only the current one."""
 
   def __init__(self, state_dir: str):
     import ast
@@ -274,11 +287,12 @@ class LeafReader:
         self.names["/".join(str(k) for k in keys[1:])] = ".".join(str(k) for k in keys)
       elif keys == (rl.MOE_BIAS,):
         self.names[rl.MOE_BIAS] = rl.MOE_BIAS
-    self.open: dict[str, Any] = {}
+    self.arrays: dict[str, Any] = {}
+    self.slab: tuple = (None, None, None)   # (path, slab key, array)
 
-  def read(self, path: str, index: tuple[int, ...]) -> np.ndarray:
+  def array(self, path: str):
     import tensorstore as ts
-    if path not in self.open:
+    if path not in self.arrays:
       if path not in self.names:
         raise ConvertError(f"the checkpoint in {self.dir} has no parameter {path}")
       info = self.ocp.type_handlers.ParamInfo(name=self.names[path], parent_dir=self.dir,
@@ -286,8 +300,28 @@ class LeafReader:
                                               ts_context=self.context)
       spec = self.ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=self.meta.get(
           "use_ocdbt", True))
-      self.open[path] = ts.open(spec, context=self.context).result()
-    return np.asarray(self.open[path][index].read().result())
+      self.arrays[path] = ts.open(spec, context=self.context).result()
+    return self.arrays[path]
+
+  def slab_key(self, path: str, index: tuple[int, ...]) -> tuple[int, ...]:
+    chunk = self.array(path).chunk_layout.read_chunk.shape
+    return tuple(i // c for i, c in zip(index, chunk))
+
+  def rows(self, path: str, start: int, stop: int) -> np.ndarray:
+    """Rows start:stop of a parameter (an Engram table, read in blocks)."""
+    return np.asarray(self.array(path)[start:stop].read().result())
+
+  def read(self, path: str, index: tuple[int, ...]) -> np.ndarray:
+    """The slice `index` (leading indices) of parameter `path`, from its slab."""
+    key = self.slab_key(path, index)
+    if self.slab[:2] != (path, key):
+      arr = self.array(path)
+      chunk = arr.chunk_layout.read_chunk.shape
+      rows = tuple(slice(k * c, (k + 1) * c) for k, c in zip(key, chunk))
+      self.slab = (None, None, None)            # free the previous slab before reading
+      self.slab = (path, key, np.asarray(arr[rows].read().result()))
+    chunk = self.array(path).chunk_layout.read_chunk.shape
+    return self.slab[2][tuple(i - k * c for i, k, c in zip(index, key, chunk))]
 
 
 def export_checkpoint(workdir: str, checkpoint: str, step: int | None = None,
@@ -316,6 +350,11 @@ def export_checkpoint(workdir: str, checkpoint: str, step: int | None = None,
                        f"{wf.FP4_BLOCK}")
   _, leaves = _abstract_leaves(mcfg)
   reader = LeafReader(os.path.join(os.path.abspath(workdir), "checkpoints", str(step), "state"))
+  by_leaf: dict[str, list[rl.Tensor]] = {}
+  for t in tensors:
+    by_leaf.setdefault(t.placement.path, []).append(t)
+  tensors = [t for path, ts_ in by_leaf.items() for t in sorted(
+      ts_, key=lambda t: reader.slab_key(path, t.placement.index))]   # each slab read once
   files: list[list] = [[]]      # the shards planned from the shapes; a weight and its scale together
   used = 0
   for t in tensors:
@@ -334,12 +373,19 @@ def export_checkpoint(workdir: str, checkpoint: str, step: int | None = None,
       position = 0
       for shard, plan in zip(names, files):
         writer = st.ShardWriter(os.path.join(tmp, shard), plan, {"format": "pt"})
-        while writer.next < len(plan):
+        while not writer.complete():
           t = tensors[position]
           pl = t.placement
-          x = rl.to_released(reader.read(pl.path, pl.index), pl.transform, t.shape)
-          for (name, _, _), array in zip(next(entries), encode(t, x)):
-            writer.write(name, array)
+          stored = next(entries)
+          if pl.transform == "rows":   # an Engram table, in blocks of rows
+            for r0 in range(0, t.shape[0], ROW_BLOCK):
+              x = reader.rows(pl.path, r0, min(r0 + ROW_BLOCK, t.shape[0]))
+              for (name, _, _), array in zip(stored, encode(t, x)):
+                writer.write_rows(name, r0, array)
+          else:
+            x = rl.to_released(reader.read(pl.path, pl.index), pl.transform, t.shape)
+            for (name, _, _), array in zip(stored, encode(t, x)):
+              writer.write(name, array)
           position += 1
           bar.update(1)
         writer.close()

@@ -102,14 +102,19 @@ def check_checkpoint(tensors: list[rl.Tensor], infos: dict[str, st.TensorInfo],
   return extra
 
 
-def decode(tensor: rl.Tensor, infos: dict[str, st.TensorInfo], block) -> np.ndarray:
-  """The released tensor's values in float32."""
+def decode(tensor: rl.Tensor, infos: dict[str, st.TensorInfo], block,
+           rows: tuple[int, int] | None = None) -> np.ndarray:
+  """The released tensor's values in float32 (only rows start:stop of them, with `rows`; an
+  FP8 row-block tensor's scales are per row, so any rows decode alone)."""
   info = infos[tensor.name]
-  values = st.read_tensor(info)
+  pick = (lambda a: a) if rows is None else (lambda a: a[rows[0]:rows[1]])
+  values = pick(st.read_tensor(info))
   if info.dtype in FLOAT_DTYPES and tensor.scale_name not in infos:
     return np.asarray(values, np.float32)
   scale = st.read_tensor(infos[tensor.scale_name])
   if info.dtype in ("I8", "U8"):
     return wf.decode_fp4(values, scale, tensor.name)
-  return wf.decode_fp8(values, scale, tensor.name,
+  if rows is not None and tensor.storage != "fp8_rows":
+    raise ValueError(f"{tensor.name}: only per-row scales decode by rows")
+  return wf.decode_fp8(values, pick(scale), tensor.name,
                        wf.ROW_BLOCK if tensor.storage == "fp8_rows" else block)

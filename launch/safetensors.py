@@ -128,28 +128,55 @@ def header_bytes(tensors: Iterable[tuple[str, str, tuple[int, ...]]],
 
 
 class ShardWriter:
-  """Writes one file whose tensors (names, dtypes, shapes) are known in advance, one tensor at a
-  time in that order; `close` checks that every planned tensor came."""
+  """Writes one file whose tensors (names, dtypes, shapes) are known in advance: whole tensors in
+  that order (`write`), or a tensor by blocks of rows in any order (`write_rows`); `close` checks
+  that every planned byte came."""
 
   def __init__(self, path: str, plan: list[tuple[str, str, tuple[int, ...]]],
                metadata: dict[str, str] | None = None):
-    self.path, self.plan, self.next = path, plan, 0
+    self.path, self.plan = path, plan
     self.file = open(path, "wb")
-    self.file.write(header_bytes(plan, metadata))
+    head = header_bytes(plan, metadata)
+    self.file.write(head)
+    self.offsets, offset = {}, len(head)
+    for name, dtype, shape in plan:
+      self.offsets[name] = (offset, DTYPES[dtype], tuple(shape))
+      offset += int(np.prod(shape)) * DTYPES[dtype].itemsize
+    self.written = dict.fromkeys(self.offsets, 0)
+    self.next = 0   # the next planned tensor `write` expects
+
+  def complete(self) -> bool:
+    return all(self.written[n] == int(np.prod(s)) * d.itemsize
+               for n, (_, d, s) in self.offsets.items())
 
   def write(self, name: str, array: np.ndarray) -> None:
     want, dtype, shape = self.plan[self.next]
     if (name, NAMES.get(array.dtype), tuple(array.shape)) != (want, dtype, tuple(shape)):
       raise ValueError(f"{self.path}: tensor {self.next} is planned as {want} {dtype} "
                        f"{list(shape)}, got {name} {NAMES.get(array.dtype)} {list(array.shape)}")
+    self.write_rows(name, 0, array)
+
+  def write_rows(self, name: str, start: int, array: np.ndarray) -> None:
+    """Rows start:start + len(array) of a planned tensor."""
+    offset, dtype, shape = self.offsets[name]
+    if array.dtype != dtype or tuple(array.shape[1:]) != shape[1:] or start + len(array) > shape[0]:
+      raise ValueError(f"{self.path}: rows {start}:{start + len(array)} {array.dtype} "
+                       f"{list(array.shape)} do not fit {name} {dtype} {list(shape)}")
+    row = int(np.prod(shape[1:])) * dtype.itemsize
+    self.file.seek(offset + start * row)
     self.file.write(np.ascontiguousarray(array).tobytes())  # little-endian host (checked above)
-    self.next += 1
+    self.written[name] += array.nbytes
+    if start + len(array) == shape[0] and self.next < len(self.plan) and (
+        self.plan[self.next][0] == name):
+      self.next += 1
 
   def close(self) -> None:
     self.file.close()
-    if self.next != len(self.plan):
-      raise ValueError(f"{self.path}: {len(self.plan) - self.next} planned tensors were not "
-                       f"written (next: {self.plan[self.next][0]})")
+    missing = [n for n, (_, d, s) in self.offsets.items()
+               if self.written[n] != int(np.prod(s)) * d.itemsize]
+    if missing:
+      raise ValueError(f"{self.path}: {len(missing)} planned tensors were not written completely "
+                       f"(first: {missing[0]})")
 
 
 def write_file(path: str, tensors: dict[str, np.ndarray],

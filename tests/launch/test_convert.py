@@ -139,7 +139,8 @@ def bits(a):
 
 
 @pytest.mark.parametrize("make_cfg", [tiny_cfg, s1_like_cfg], ids=["tiny", "s1_like"])
-def test_export_import_is_the_identity_on_grid(tmp_path, make_cfg):
+def test_export_import_is_the_identity_on_grid(tmp_path, make_cfg, monkeypatch):
+  monkeypatch.setattr(convert, "ROW_BLOCK", 1000)   # Engram tables in several blocks of rows
   cfg = make_cfg()
   params, bias = random_workdir(tmp_path / "run", cfg)
   first = convert.export_checkpoint(str(tmp_path / "run"), str(tmp_path / "rel1"))
