@@ -64,7 +64,9 @@ COMPONENTS: tuple[tuple[str, str, str | None], ...] = (
 COMPONENT_ORDER = ("optimizer", "attention", "indexer", "mHC", "MoE", "Engram", "dense", "norms",
                    "loss", "other")
 
-_META = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\S+\s+([\w\-]+)\(.*?metadata=\{([^}]*)\}")
+# `name = shape op(...)`, the shape a tuple `(f32[..]{..}, s8[..]{0})` for cuBLAS GEMMs and sorts.
+_META = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(?:\([^=]*?\)|\S+)\s+([\w\-]+)\("
+                   r".*?metadata=\{([^}]*)\}")
 _TABLE_ROW = re.compile(r"^(\d+) (.*)$")
 
 
