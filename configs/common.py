@@ -65,6 +65,11 @@ class TrainConfig:
   """The `train` section: loop length, logging, evaluation and checkpoint cadence."""
 
   steps: int = 1000
+  # Micro-batches per optimizer step (MaxText's gradient_accumulation_steps): the global batch
+  # (data.batch_size rows, what the pipeline yields and the optimizer sees) is split into this
+  # many micro-batches, run one after another in the step with their gradients summed, so the
+  # activations are one micro-batch's (launch.step.make_train_step).
+  grad_accum_steps: int = 1
   seed: int = 0
   log_every: int = 10
   eval_every: int = 200          # 0 = no held-out evaluation
@@ -85,7 +90,8 @@ class TrainConfig:
 
   def __post_init__(self):
     errors = []
-    for name in ("steps", "log_every", "checkpoint_every", "keep_checkpoints", "max_bad_steps"):
+    for name in ("steps", "grad_accum_steps", "log_every", "checkpoint_every", "keep_checkpoints",
+                 "max_bad_steps"):
       if getattr(self, name) < 1:
         errors.append(f"{name}={getattr(self, name)} must be >= 1")
     for name in ("eval_every", "eval_batches", "seed"):

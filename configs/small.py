@@ -26,7 +26,13 @@ logits of one 8192-token loss chunk 6.0), 89.2 GiB in all. Launch (one host, eve
   python -m launch.train --config=configs/small.py:s1 --workdir=/tmp/dsv41_s1
   python -m launch.train --config=configs/small.py:s2 --workdir=DIR \
       --config.mesh.data=2 --config.mesh.expert=4 --config.data.batch_size=32
-  python -m launch.aot --config=configs/small.py:s3 --mesh=data:2,expert:4 --batch=16   # memory
+  python -m launch.aot --config=configs/small.py:s3 --mesh=data:2,expert:4   # memory
+
+`accum` is `train.grad_accum_steps`, chosen so that the configured batch fits one H200 (micro-batches
+of 16K-32K tokens; `launch.aot --analytic` plans it): s3's 64 × 2048 rows run as 8 micro-batches
+of 8 rows, m3's 32 × 4096 as 8 of 4 (the 4 × 4096 plan above, plus the gradient accumulator). With n GPUs
+in the batch axes divide it by n (`--config.train.grad_accum_steps=1` on 8). s4 needs several GPUs whatever
+the micro-batch: its parameters, gradients and optimizer state alone are ~100 GiB.
 
 The learning-rate schedule: warm-up `warmup_steps`, hold, cosine decay over the last 30 % of the
 run. The decay window is a fraction of `train.steps` (at a fixed batch, the same as of the tokens),
@@ -42,29 +48,29 @@ from configs import common
 SIZES: dict[str, dict] = {
     "s1": dict(d=512, layers=12, heads=8, head_dim=128, experts=16, k=2, inter=256, vocab=16384,
                engram_rows=50_000, engram_heads=4, engram_dim=64, index_heads=8, index_dim=64,
-               topk=128, seq=1024, batch=32, lr=2e-3, steps=20_000,
+               topk=128, seq=1024, batch=32, accum=1, lr=2e-3, steps=20_000,
                vit=dict(num_layers=4, hidden_size=256, num_heads=4, intermediate_size=1024,
                         projector_hidden=1024)),
     "s2": dict(d=768, layers=16, heads=12, head_dim=128, experts=32, k=4, inter=384, vocab=32768,
                engram_rows=100_000, engram_heads=4, engram_dim=96, index_heads=8, index_dim=64,
-               topk=256, seq=2048, batch=32, lr=1.5e-3, steps=30_000,
+               topk=256, seq=2048, batch=32, accum=2, lr=1.5e-3, steps=30_000,
                vit=dict(num_layers=6, hidden_size=384, num_heads=6, intermediate_size=1536,
                         projector_hidden=1536)),
     "s3": dict(d=1024, layers=20, heads=16, head_dim=128, experts=48, k=4, inter=512, vocab=32768,
                engram_rows=150_000, engram_heads=8, engram_dim=64, index_heads=16, index_dim=128,
-               topk=256, seq=2048, batch=64, lr=1e-3, steps=40_000,
+               topk=256, seq=2048, batch=64, accum=8, lr=1e-3, steps=40_000,
                vit=dict(num_layers=8, hidden_size=512, num_heads=8, intermediate_size=2048,
                         projector_hidden=2048)),
     "s4": dict(d=1536, layers=24, heads=16, head_dim=192, experts=64, k=6, inter=768, vocab=65536,
                engram_rows=200_000, engram_heads=8, engram_dim=128, index_heads=16, index_dim=128,
-               topk=512, seq=4096, batch=64, lr=8e-4, steps=50_000,
+               topk=512, seq=4096, batch=64, accum=8, lr=8e-4, steps=50_000,
                vit=dict(num_layers=12, hidden_size=768, num_heads=12, intermediate_size=3072,
                         projector_hidden=3072)),
     # 3B-class for one H200 (issue 28): MaxText ds4mini's width and expert scale (d 1536, 64
     # experts of 768, top-6) on the V4.1 plan at 12 layers, so the two are comparable.
     "m3": dict(d=1536, layers=12, heads=16, head_dim=128, experts=64, k=6, inter=768, vocab=65536,
                engram_rows=200_000, engram_heads=8, engram_dim=128, index_heads=16, index_dim=128,
-               topk=512, seq=4096, batch=32, lr=8e-4, steps=50_000,
+               topk=512, seq=4096, batch=32, accum=8, lr=8e-4, steps=50_000,
                vit=dict(num_layers=12, hidden_size=768, num_heads=12, intermediate_size=3072,
                         projector_hidden=3072)),
 }
@@ -134,6 +140,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   cfg = common.base_config(model=model_fields(size))
   cfg.data.seq_len = s["seq"]
   cfg.data.batch_size = s["batch"]
+  cfg.train.grad_accum_steps = s["accum"]
   cfg.train.steps = s["steps"]
   cfg.train.eval_every = 1000
   cfg.train.checkpoint_every = 1000

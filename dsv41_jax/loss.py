@@ -13,6 +13,13 @@ in chunks of tokens (`ModelConfig.lm_loss_chunk`), so the float32 [B, T, V] logi
 for the whole batch: each chunk's logits are made, reduced and dropped, and made again in the
 backward pass (a hand-written VJP), where their cotangent is rounded to the compute dtype before
 the two products (bf16 tensor-core GEMMs on a GPU, not float32 ones).
+
+Micro-batches (gradient accumulation, docs/design.md §T2). Every term is a mean over its own
+units: the LM loss over loss tokens, each layer's balance loss over documents, each layer's
+indexer loss over the real tokens that see a compressed entry. `batch_counts` counts those units
+(and the units of the logged means) from the batch alone, so before a step each micro-batch's
+share of the whole batch is known; `objective(..., share=...)` weights each term by it, and the
+weighted objectives (and their gradients) of the micro-batches sum to the whole batch's.
 """
 
 from __future__ import annotations
@@ -23,6 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.layer_plan import build_layer_plan
+from dsv41_jax.layers.compressor import entry_metadata
+from dsv41_jax.layers.types import CompressedKV, entry_visible
 
 
 def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array, mask_BxT: jax.Array
@@ -105,18 +115,61 @@ def head_cross_entropy(h_BxTxD: jax.Array, head_DxV: jax.Array, targets_BxT: jax
 
 
 def objective(cfg: ModelConfig, logits_BxTxV: jax.Array, aux: dict[str, jax.Array],
-              batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+              batch: dict[str, jax.Array], share: dict[str, jax.Array] | None = None
+              ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The training loss and its parts from the model's logits (or, for a model called with
   `return_hidden=True`, from `(hidden_BxTxD, head_DxV)`: `head_cross_entropy` in chunks of
-  `cfg.lm_loss_chunk` tokens)."""
+  `cfg.lm_loss_chunk` tokens). With `share` (this micro-batch's fraction of the whole batch's
+  loss tokens, documents and per-layer indexer tokens: `batch_counts` ratios, module docstring)
+  every part is this micro-batch's contribution to the whole batch's mean."""
   if isinstance(logits_BxTxV, tuple):
     h, head = logits_BxTxV
     lm, n_tokens = head_cross_entropy(h, head, batch["targets"], batch["loss_mask"],
                                       cfg.lm_loss_chunk)
   else:
     lm, n_tokens = cross_entropy(logits_BxTxV, batch["targets"], batch["loss_mask"])
-  balance = aux["balance_loss"].sum()                      # one α-weighted term per MoE layer
-  indexer = aux["indexer_loss"].sum()
+  balance_L, indexer_L = aux["balance_loss"], aux["indexer_loss"]
+  if share is not None:
+    lm = lm * share["lm"]
+    balance_L = balance_L * share["balance"]
+    indexer_L = indexer_L * share["indexer"]
+  balance = balance_L.sum()                                # one α-weighted term per MoE layer
+  indexer = indexer_L.sum()
   total = lm + cfg.balance_loss_weight * balance + cfg.indexer_loss_weight * indexer
   return total, {"lm_loss": lm, "balance_loss": balance, "indexer_loss": indexer,
                  "loss_tokens": n_tokens}
+
+
+def batch_counts(cfg: ModelConfig, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """The units each mean of the objective and of the model's aux runs over, counted in `batch`
+  (float32; no parameters needed):
+
+    lm           loss tokens (`loss_mask`)
+    balance      documents: runs of one non-zero segment id in a row (§8.4, as
+                 `layers.moe.document_index` numbers them)
+    indexer [L]  real tokens with at least one visible compressed entry at the layer's ratio, for
+                 layers that own an indexer (its top-k then selects one, §5.5); 0 elsewhere
+    moe          non-padding tokens (dispatched pairs / K: `dropped_fraction`)
+    engram       real text tokens (the Engram gate mean)
+    engram_rows  packed rows holding a real text token (the mean of `engram_rows_touched`)
+  """
+  seg = batch["segment_ids"].astype(jnp.int32)
+  real = seg > 0
+  text = real & ~batch.get("image_mask", jnp.zeros(seg.shape, bool)).astype(bool)
+  starts = jnp.concatenate([jnp.ones_like(real[:, :1]), seg[:, 1:] != seg[:, :-1]], axis=1)
+  f32 = lambda x: jnp.sum(x).astype(jnp.float32)
+  by_ratio: dict[int, jax.Array] = {}
+  indexer = []
+  for spec in build_layer_plan(cfg):
+    if not (spec.reads_global_kv and spec.owns_indexer):
+      indexer.append(jnp.zeros((), jnp.float32))
+      continue
+    m = spec.compress_ratio
+    if m not in by_ratio:
+      entry_seg, entry_last, _ = entry_metadata(batch["positions"], seg, m)
+      kv = CompressedKV(None, None, entry_seg, entry_last, None)
+      by_ratio[m] = f32(jnp.any(entry_visible(kv, seg), axis=-1) & real)
+    indexer.append(by_ratio[m])
+  return {"lm": f32(batch["loss_mask"]), "balance": f32(starts & real),
+          "indexer": jnp.stack(indexer), "moe": f32(real), "engram": f32(text),
+          "engram_rows": f32(jnp.any(text, axis=-1))}

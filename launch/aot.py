@@ -117,7 +117,8 @@ def lower_args(cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, global_b
         run.optim, tokens_per_step=global_batch * run.data.seq_len))
     ts = setup.abstract_state(run, mesh, rules)
     batch = abstract_batch(cfg, run.model, global_batch, sharding.batch_sharding(mesh, 1, rules))
-    step = make_train_step(run.model, ts.graphdef, ts.tx, run.optim.moe_bias_gamma)
+    step = make_train_step(run.model, ts.graphdef, ts.tx, run.optim.moe_bias_gamma,
+                           run.train.grad_accum_steps)
   return Lowered(step, (ts.state, batch), (ts.shardings, ts.replicated), mesh, rules,
                  ts.graphdef, run.model)
 
@@ -209,7 +210,10 @@ def format_plan(name: str, plan: dict[str, Any], compiled: dict[str, Any] | None
   lines.append("  per device (analytic):")
   lines.append(f"    parameters     {_gib(plan['param_bytes'])}   by group: " + ", ".join(
       f"{g} {_gib(v).strip()}" for g, v in sorted(plan["param_bytes_by_group"].items())))
-  lines.append(f"    gradients      {_gib(plan['grad_bytes'])}")
+  k = plan.get("grad_accum_steps", 1)
+  lines.append(f"    gradients      {_gib(plan['grad_bytes'])}" + (
+      f"   (accumulator + one micro-batch's; {k} micro-batches of "
+      f"{plan['rows_per_device'] // k} row(s) per device)" if k > 1 else ""))
   lines.append(f"    optimizer      {_gib(plan['opt_bytes'])}   (1 buffer muon/sinkhorn, 2 adamw)")
   act = plan["activation_bytes"]
   lines.append(f"    activations    {_gib(act['total'])}   estimate: carries "
@@ -249,7 +253,7 @@ def plan(cfg: ml_collections.ConfigDict, mesh_text: str, *, batch: int | None = 
   axes, ways = batch_ways(sizes, rules)
   gb, note = global_batch_for(batch, cfg.data.batch_size, ways)
   a_plan = analytic_plan(mcfg, sizes, gb, cfg.data.seq_len, rules,
-                         cfg.optim.get("chain", "muon"))
+                         cfg.optim.get("chain", "muon"), cfg.train.get("grad_accum_steps", 1))
   a_plan["batch_note"] = note
   compiled = None
   reason = ""

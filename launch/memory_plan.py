@@ -5,12 +5,15 @@ and sets it beside XLA's memory analysis of the compiled step.
 From shapes and shardings alone, per device,
   parameters   Σ_leaves Π_d ⌈n_d / ways_d⌉ · itemsize(param_dtype), ways_d = product of the mesh
                axes that dimension d is split over,
-  gradients    the same (gradients take their parameters' dtype and sharding),
+  gradients    the same (gradients take their parameters' dtype and sharding); twice that with
+               gradient accumulation (`train.grad_accum_steps` = k > 1: the accumulator and one
+               micro-batch's gradients),
   optimizer    Σ_leaves buffers(group) · the same, buffers = 1 for muon / sinkhorn, 2 for adamw,
                and 2 for every group under `optim.chain = "adamw"` (`optim.table.state_buffers`;
                groups from `optim.table.label_params`),
   activations  an estimate (`activation_bytes`), whose formula is in that function's docstring.
-The batch is split over the mesh axes of the logical axis "batch"; b = global batch / those ways.
+The batch is split over the mesh axes of the logical axis "batch"; b = global batch / those ways,
+and the activations are those of one micro-batch, b / k rows.
 
 Mesh and rules come as text (`parse_mesh`, `parse_rules`: the `--mesh` and `--rules` of
 `launch.aot`); `parse_rules` overrides entries of `sharding.RULES`. A table that leaves a
@@ -247,19 +250,24 @@ def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int])
 
 
 def analytic_plan(cfg: ModelConfig, sizes: Mapping[str, int], global_batch: int, seq_len: int,
-                  rules=None, chain: str = "muon") -> dict[str, Any]:
+                  rules=None, chain: str = "muon", grad_accum_steps: int = 1) -> dict[str, Any]:
   """Per-device bytes of parameters, gradients, optimizer state and activations (see module doc)."""
+  k = grad_accum_steps
   rules = dict(sharding.active_rules() if rules is None else rules)
   rows = param_shards(cfg, sizes, rules)
   item = jnp.dtype(cfg.param_dtype).itemsize
   params = sum(r[3] for r in rows) * item
   opt = sum(table_lib.state_buffers(r[4], chain) * r[3] for r in rows) * item
   axes, ways = batch_ways(sizes, rules)
-  if global_batch % ways:
-    raise PlanError(f"global batch {global_batch} does not split over the {ways} batch shards "
-                    f"{axes}")
+  if k < 1:
+    raise PlanError(f"train.grad_accum_steps={k} must be >= 1")
+  if global_batch % (k * ways):
+    raise PlanError(f"global batch {global_batch} does not split into train.grad_accum_steps "
+                    f"({k}) micro-batches over the {ways} batch shards {axes}; make it a multiple "
+                    f"of {k * ways}")
   b = global_batch // ways
-  act = activation_bytes(cfg, b, seq_len, sizes)
+  act = activation_bytes(cfg, b // k, seq_len, sizes)
+  grads = params * (2 if k > 1 else 1)
   by_group: dict[str, float] = {}
   for r in rows:
     by_group[r[4]] = by_group.get(r[4], 0.0) + r[3] * item
@@ -267,10 +275,11 @@ def analytic_plan(cfg: ModelConfig, sizes: Mapping[str, int], global_batch: int,
       "mesh": dict(sizes), "global_batch": global_batch, "rows_per_device": b,
       "seq_len": seq_len, "batch_axes": axes,
       "total_params": sum(math.prod(r[1]) for r in rows),
-      "param_bytes": float(params), "grad_bytes": float(params), "opt_bytes": float(opt),
+      "grad_accum_steps": k,
+      "param_bytes": float(params), "grad_bytes": float(grads), "opt_bytes": float(opt),
       "param_bytes_by_group": by_group,
       "activation_bytes": act,
-      "total_bytes": float(2 * params + opt + act["total"]),
+      "total_bytes": float(params + grads + opt + act["total"]),
       "axes_use": axis_use(rows, sizes),
       "rules": rules_used(rules, sizes),
   }

@@ -104,15 +104,20 @@ def build_mesh(mesh_cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
 
 
 def global_batch(run: RunConfig, mesh, process_count: int | None = None) -> int:
-  """Rows per step over all processes; they must split evenly over the batch's mesh axes."""
+  """Rows per step over all processes; they must split into `train.grad_accum_steps` micro-batches
+  that each split evenly over the batch's mesh axes."""
   processes = jax.process_count() if process_count is None else process_count
   rows = run.data.batch_size * processes
   axes, ways = sharding.batch_axes(mesh), sharding.batch_ways(mesh)
-  if rows % ways:
+  k = run.train.grad_accum_steps
+  if rows % (k * ways):
+    fits = [d for d in range(1, rows + 1) if rows % (d * ways) == 0]
+    unit = k * ways // math.gcd(k * ways, processes)
     raise SetupError(
         f"config.data.batch_size ({run.data.batch_size}) × processes ({processes}) = {rows} rows "
-        f"do not split over the mesh's batch axes {axes} ({ways} ways); make data.batch_size a "
-        f"multiple of {ways // math.gcd(ways, processes)}")
+        f"do not split into train.grad_accum_steps ({k}) micro-batches over the mesh's batch axes "
+        f"{axes} ({ways} ways): make data.batch_size a multiple of {unit}"
+        + (f", or grad_accum_steps one of {fits}" if fits else ""))
   return rows
 
 
@@ -290,7 +295,8 @@ def train_step_jit(run: RunConfig, ts: TrainSetup) -> Callable:
   metrics)`: state donated, outputs on the state's shardings, `train_vit` static, so each ViT
   phase is its own program; the learning-rate schedule is an input (`schedule_input`), so one
   program serves every `train.steps` and `optim.lr`."""
-  return jax.jit(make_train_step(run.model, ts.graphdef, ts.tx, run.optim.moe_bias_gamma),
+  return jax.jit(make_train_step(run.model, ts.graphdef, ts.tx, run.optim.moe_bias_gamma,
+                                 run.train.grad_accum_steps),
                  donate_argnums=(0,), static_argnums=(2,),
                  out_shardings=(ts.shardings, ts.replicated))
 

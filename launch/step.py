@@ -22,7 +22,7 @@ from flax import nnx
 
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layers.engram import Engram
-from dsv41_jax.loss import cross_entropy, objective
+from dsv41_jax.loss import batch_counts, cross_entropy, objective
 from dsv41_jax.param_paths import path_str
 from optim.moe_bias import update_moe_bias
 
@@ -49,25 +49,66 @@ def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
   return {k: batch[k] for k in MODEL_KEYS if k in batch}
 
 
+def micro_batches(batch: dict[str, Any], k: int) -> dict[str, Any]:
+  """Every leaf [B, ...] as [k, B/k, ...]: micro-batch m holds rows m, m + k, m + 2k, … so that,
+  with the rows split over devices in contiguous blocks, each micro-batch splits over the same
+  devices (B a multiple of k × the batch's device ways, `launch.setup.global_batch`)."""
+  return jax.tree.map(lambda x: jnp.moveaxis(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 1, 0),
+                      batch)
+
+
+# The model's per-layer means (aux) and the `batch_counts` unit each one averages over.
+_AUX_MEANS = {"dropped_fraction": "moe", "engram_gate_N": "engram",
+              "engram_rows_touched": "engram_rows"}
+
+
 def make_train_step(cfg: ModelConfig, graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                    bias_gamma: float) -> Callable:
+                    bias_gamma: float, grad_accum_steps: int = 1) -> Callable:
+  """The train step; with `grad_accum_steps` = k > 1 the batch is k micro-batches (`micro_batches`)
+  whose gradients, losses and aux are summed in a `lax.scan`, each weighted by its share of the
+  whole batch's units (`dsv41_jax.loss.batch_counts`), before one optimizer update: the same
+  update, MoE bias step and metrics as one step over the whole batch, with one micro-batch's
+  activations live at a time."""
   # With `lm_loss_chunk` the model hands the head's input and weight to the loss, which never
   # makes the whole batch's float32 logits (`loss.head_cross_entropy`).
   head = dict(return_hidden=True) if cfg.lm_loss_chunk else {}
 
-  def loss_fn(params, moe_bias, batch, train_vit):
+  def loss_fn(params, moe_bias, batch, train_vit, share=None):
     out, aux = nnx.merge(graphdef, params)(model_inputs(batch), moe_bias, train_vit=train_vit,
                                            **head)
-    total, parts = objective(cfg, out, aux, batch)
+    total, parts = objective(cfg, out, aux, batch, share)
     return total, (parts, aux)
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def accumulated(params, moe_bias, batch, train_vit):
+    """(loss, parts, aux, grads) of the whole batch, summed over its micro-batches."""
+    micro = micro_batches(batch, grad_accum_steps)
+    counts = jax.lax.map(lambda mb: batch_counts(cfg, mb), micro)           # leaves [k, ...]
+    shares = jax.tree.map(lambda c: c / jnp.maximum(c.sum(0), 1.0), counts)
+
+    def one(mb, share):
+      (loss, (parts, aux)), grads = grad_fn(params, moe_bias, mb, train_vit, share)
+      aux = dict(load_2xE=aux["load_2xE"], **{n: aux[n] * share[u] for n, u in _AUX_MEANS.items()})
+      return loss, parts, aux, grads
+
+    def body(acc, xs):
+      return jax.tree.map(jnp.add, acc, one(*xs)), None
+
+    first = jax.tree.map(lambda x: x[0], (micro, shares))
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(one, *first))
+    acc, _ = jax.lax.scan(body, zeros, (micro, shares))
+    return acc
 
   def train_step(state: TrainState, batch, train_vit: bool = True, schedule=None):
     """`train_vit` (static) is False while the ViT is frozen: no gradient is computed for it.
     `schedule` (an `optim.schedule.Schedule`, an input of the program) sets the learning rate;
     None uses the optimizer config's schedule as constants."""
     params, opt_state, moe_bias = state
-    (loss, (parts, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        params, moe_bias, batch, train_vit)
+    if grad_accum_steps == 1:
+      (loss, (parts, aux)), grads = grad_fn(params, moe_bias, batch, train_vit)
+    else:
+      loss, parts, aux, grads = accumulated(params, moe_bias, batch, train_vit)
     grad_norm = optax.tree.norm(grads)
     updates, new_opt_state = tx.update(grads, opt_state, params,
                                        **({} if schedule is None else {"schedule": schedule}))

@@ -93,3 +93,35 @@ def test_head_cross_entropy_in_chunks_equals_float64_logits():
   # the bf16 rounding of d_h itself
   assert np.abs(np.asarray(dh, np.float64) - want_dhb).max() <= 2 * 2.0 ** -8 * scale_h
   assert np.abs(np.asarray(dw, np.float64) - want_dwb).max() <= 2.0 ** -8 * scale_w
+
+
+def test_batch_counts_against_a_loop():
+  """`batch_counts` (the units of every mean, for micro-batch shares) against plain loops over a
+  packed batch with padding, several documents per row and image placeholders."""
+  from dsv41_jax import testing
+  from dsv41_jax.layer_plan import build_layer_plan
+  from dsv41_jax.loss import batch_counts
+  cfg = testing.tiny_config()
+  batch = testing.packed_batch(cfg, 5, batch_size=3, max_docs=4, image_spans=[1, 0, 2],
+                               pad_from=[None, 11, 25])
+  got = jax.tree.map(np.asarray, batch_counts(cfg, {k: jnp.asarray(v) for k, v in batch.items()
+                                                    if k != "engram_ids"}))
+  seg, image = batch["segment_ids"], batch["image_mask"]
+  n_rows, n_t = seg.shape
+  docs = sum(1 for b in range(n_rows) for t in range(n_t)
+             if seg[b, t] and (t == 0 or seg[b, t] != seg[b, t - 1]))
+
+  def sees_an_entry(b, t, m):   # a complete group of m tokens, all in t's document, ending by t
+    return any(all(seg[b, g * m + i] == seg[b, t] for i in range(m)) for g in range((t + 1) // m))
+
+  want_idx = []
+  for spec in build_layer_plan(cfg):
+    m = spec.compress_ratio
+    want_idx.append(0 if not (spec.reads_global_kv and spec.owns_indexer) else sum(
+        1 for b in range(n_rows) for t in range(n_t) if seg[b, t] and sees_an_entry(b, t, m)))
+  text = (seg > 0) & ~image
+  assert got["lm"] == batch["loss_mask"].sum() and got["balance"] == docs
+  np.testing.assert_array_equal(got["indexer"], want_idx)
+  assert sorted(set(want_idx)) != [0] and len(set(want_idx) - {0}) == 2   # ratios 2 and 1 differ
+  assert got["moe"] == (seg > 0).sum() and got["engram"] == text.sum()
+  assert got["engram_rows"] == text.any(1).sum()

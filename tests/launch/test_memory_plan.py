@@ -99,3 +99,19 @@ def test_optimizer_bytes_equal_the_built_optimizer_state(chain_name):
   sizes = memory_plan.resolve_mesh({"data": 1}, 1)
   plan = memory_plan.analytic_plan(mcfg, sizes, 1, cfg.data.seq_len, chain=chain_name)
   assert plan["opt_bytes"] == got
+
+
+def test_grad_accumulation_plans_one_micro_batch_and_an_accumulator():
+  """k micro-batches: the activations of b / k rows, gradients twice (accumulator + one
+  micro-batch's), everything else unchanged; a batch that does not split is a PlanError."""
+  mcfg = model_config(micro_config.get_config())
+  sizes = memory_plan.resolve_mesh({"data": 2}, 2)
+  one = memory_plan.analytic_plan(mcfg, sizes, 8, 32)
+  four = memory_plan.analytic_plan(mcfg, sizes, 8, 32, grad_accum_steps=4)
+  assert four["activation_bytes"] == memory_plan.activation_bytes(mcfg, 1, 32, sizes)
+  assert four["grad_bytes"] == 2 * one["grad_bytes"] and four["opt_bytes"] == one["opt_bytes"]
+  assert four["total_bytes"] == (four["param_bytes"] + four["grad_bytes"] + four["opt_bytes"]
+                                 + four["activation_bytes"]["total"])
+  with pytest.raises(memory_plan.PlanError, match=r"global batch 8 .*\(8\) micro-batches.*"
+                                                   r"multiple of 16"):
+    memory_plan.analytic_plan(mcfg, sizes, 8, 32, grad_accum_steps=8)

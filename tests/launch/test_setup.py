@@ -24,6 +24,7 @@ def _cfg(**overrides):
     ("data.batch_size", 0, "config.data.batch_size=0 must be >= 1"),
     ("data.max_record_bytes", -1, "config.data.max_record_bytes=-1"),
     ("train.steps", 0, "config.train.steps=0 must be >= 1"),
+    ("train.grad_accum_steps", 0, "config.train.grad_accum_steps=0 must be >= 1"),
     ("train.eval_every", -5, "config.train.eval_every=-5"),
     ("mesh.expert", 0, "config.mesh.expert=0"),
     ("optim.lr", -1.0, "config.optim: lr must be positive"),
@@ -129,3 +130,18 @@ def test_summary_counts_skipped_records_and_cut_documents(tmp_path):
           "data.max_document_tokens (python -m launch.data_report lists where)") in text
   assert "MFU" not in text  # CPU: no peak, and no advice to set one
   assert "data  " not in train.format_summary(dict(s, data={"rows": 8}), str(tmp_path))
+
+
+def test_micro_batches_must_split_the_batch_and_the_mesh():
+  """8 rows on 4 devices: 2 micro-batches of 4 rows split; 4 micro-batches of 2 rows do not, and
+  the one-line error names both numbers and what would divide."""
+  ok = setup.run_config(_cfg(**{"mesh.data": 4, "train.grad_accum_steps": 2}), process_count=1)
+  mesh = setup.build_mesh(ok.mesh, jax.devices()[:4])
+  assert setup.global_batch(ok, mesh, process_count=1) == 8
+  bad = setup.run_config(_cfg(**{"mesh.data": 4, "train.grad_accum_steps": 4}), process_count=1)
+  with pytest.raises(setup.SetupError) as e:
+    setup.global_batch(bad, mesh, process_count=1)
+  msg = str(e.value)
+  assert "\n" not in msg
+  assert "= 8 rows" in msg and "train.grad_accum_steps (4)" in msg and "(4 ways)" in msg
+  assert "multiple of 16" in msg and "grad_accum_steps one of [1, 2]" in msg

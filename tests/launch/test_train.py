@@ -284,6 +284,35 @@ def test_bitwise_resume_after_sigkill_and_sigterm(env, reference):
   assert not bad, bad[:5]
 
 
+@pytest.mark.slow  # three more launcher runs of their own program (~2-4 min on the loaded box)
+def test_bitwise_resume_with_gradient_accumulation(env):
+  """With `train.grad_accum_steps=2` (16 rows as two micro-batches of 8 over data 4 × expert 2):
+  SIGKILL after checkpoint 1, resume to the end; every logged loss and the final state equal the
+  uninterrupted accumulated run's bit for bit."""
+  accum = (*MESH_A, "--config.train.grad_accum_steps=2", "--config.data.batch_size=16",
+           "--config.train.checkpoint_every=1")
+  ref_dir, workdir = str(env["root"] / "accum_ref"), str(env["root"] / "accum_chain")
+  train(env, ref_dir, *accum)
+  p = start(env, workdir, *accum)
+  wait_for(lambda: os.path.isdir(os.path.join(workdir, "checkpoints", "1")), p, "checkpoint 1")
+  p.send_signal(signal.SIGKILL)
+  rc, out1 = finish(p)
+  assert rc == -signal.SIGKILL, out1[-3000:]
+  killed_at = ckpt_steps(workdir)[-1]
+  assert killed_at < STEPS
+  out2 = train(env, workdir, *accum)
+  assert f"resumed from step {killed_at}" in out2
+  ref = step_losses(metrics(ref_dir))
+  records = [r for r in metrics(workdir) if "loss" in r]
+  assert {r["step"] for r in records} == set(range(1, STEPS + 1))
+  for r in records:
+    assert r["loss"] == ref[r["step"]], (r["step"], r["loss"], ref[r["step"]])
+  got, want = flat(load_state(workdir, STEPS)), flat(load_state(ref_dir, STEPS))
+  assert got.keys() == want.keys()
+  bad = [k for k in want if not np.array_equal(got[k], want[k])]
+  assert not bad, bad[:5]
+
+
 def corrupt(step_dir):
   rng = np.random.default_rng(0)
   for dirpath, _, names in os.walk(os.path.join(step_dir, "state")):
