@@ -3,6 +3,7 @@ step goes (model forward+backward, optimizer, host batch preparation).
 
   PYTHONUNBUFFERED=1 python benchmarks/gpu_step.py --sizes s1 s3 --seq 4096 --batch 8 4
   python benchmarks/gpu_step.py --sizes s1 s1/noremat --batch 8   # remat on vs off
+  python benchmarks/gpu_step.py --sizes s3 s3 --batch 4 --grad_accum 1 8 --sinkhorn --muon_precision
 
 Per size: the model and optimizer state are created with their shardings (`launch.setup.init_state`,
 timed to ready), the jitted donated train step (`launch.setup.train_step_jit`) is lowered and
@@ -15,6 +16,14 @@ compiles two more programs from the same pieces: the model's forward+backward al
 (hashing, device transfer; in training the hashing runs in the data pipeline, per piece).
 MFU = tokens/s × `dsv41_jax.flops.train_flops_per_token` / 989 TFLOP/s (H200 dense bf16,
 `launch.metrics`). Peak memory is the device allocator's peak.
+
+`--grad_accum K` (one per size, like `--batch`): `--batch` rows are one micro-batch and the step
+covers K of them (`train.grad_accum_steps`, a global batch of batch × K rows); the optimizer's
+share of such a step is the split's optimizer time (the same program at every K: a run of the same
+size without accumulation measures it) over the step time. `--sinkhorn` times the Sinkhorn
+direction of every Engram table alone (`optim.sinkhorn.sinkhorn_direction` on its gradient, with
+its sub-table layout); `--muon_precision` prints `benchmarks/muon_precision.real_gradient_rows` of
+the split's real gradients (both need the split).
 Prints one line per size as it goes and a markdown table at the end; `--json PATH` saves them.
 """
 
@@ -37,13 +46,16 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks import muon_precision  # noqa: E402
 from benchmarks.common import header, md_header, median_seconds  # noqa: E402
 from configs import small  # noqa: E402
 from configs.common import MeshConfig  # noqa: E402
 from dsv41_jax import flops, model as model_lib  # noqa: E402
 from dsv41_jax.loss import objective  # noqa: E402
 from launch import metrics as metrics_lib, setup  # noqa: E402
-from launch.step import model_inputs  # noqa: E402
+from launch.step import engram_sub_tables, model_inputs  # noqa: E402
+from optim import table as table_lib  # noqa: E402
+from optim.sinkhorn import sinkhorn_direction  # noqa: E402
 
 
 def packed_rows(mcfg, B: int, T: int, seed: int) -> dict[str, np.ndarray]:
@@ -64,14 +76,16 @@ def packed_rows(mcfg, B: int, T: int, seed: int) -> dict[str, np.ndarray]:
               positions=pos, image_mask=np.zeros((B, T), bool))
 
 
-def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str | None = None
-          ) -> dict:
-  """`spec` is a size of configs/small.py, optionally "/noremat" (no layer rematerialisation)."""
+def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str | None = None,
+          accum: int = 1, sinkhorn: bool = False, precision: bool = False) -> dict:
+  """`spec` is a size of configs/small.py, optionally "/noremat" (no layer rematerialisation);
+  `B` rows per micro-batch, `accum` micro-batches per step."""
   size, _, variant = spec.partition("/")
   cfg = small.get_config(size)
   if variant == "noremat":
     cfg.model.remat = False
-  cfg.data.seq_len, cfg.data.batch_size = T, B
+  cfg.data.seq_len, cfg.data.batch_size = T, B * accum
+  cfg.train.grad_accum_steps = accum
   cfg.model.seq_len = T
   cfg.model.vision = None  # text rows: the ViT is frozen for most of a run (a separate program)
   cfg.optim.frozen, cfg.optim.unfreeze_at = (), "never"
@@ -79,8 +93,9 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str |
   mcfg = run.model
   dev = jax.devices()[0]
   mesh = setup.build_mesh(MeshConfig(data=1), [dev])
-  out: dict = dict(size=spec, batch=B, seq=T, device=dev.device_kind, jax=jax.__version__,
-                   dispatch=mcfg.moe_dispatch, remat=mcfg.remat, dtype=mcfg.dtype)
+  out: dict = dict(size=spec, batch=B * accum, accum=accum, seq=T, device=dev.device_kind,
+                   jax=jax.__version__, dispatch=mcfg.moe_dispatch, remat=mcfg.remat,
+                   dtype=mcfg.dtype)
 
   t0 = time.perf_counter()
   train_state = setup.init_state(run, mesh)
@@ -94,7 +109,7 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str |
   adapter = setup.BatchAdapter(mcfg, run.data, mesh,
                                np.arange(mcfg.vocab_size) % mcfg.engram_compressed_vocab_size)
   t0 = time.perf_counter()
-  batch = adapter(packed_rows(mcfg, B, T, 0))
+  batch = adapter(packed_rows(mcfg, B * accum, T, 0))
   jax.block_until_ready(batch)
   out["host_prepare_s"] = time.perf_counter() - t0
 
@@ -125,7 +140,7 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str |
         state, m = compiled(state, batch)
         float(m["loss"])
   out["losses"] = losses
-  out["tokens_per_s"] = B * T / out["step_s"]
+  out["tokens_per_s"] = B * accum * T / out["step_s"]
   out["flops_per_token"] = flops.train_flops_per_token(mcfg.replace(seq_len=T))
   peak = metrics_lib.peak_flops_per_device(dev.device_kind, 0.0) or 989e12
   out["mfu"] = out["tokens_per_s"] * out["flops_per_token"] / peak
@@ -135,7 +150,7 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str |
         f"{out['tokens_per_s']:,.0f} tok/s, MFU {out['mfu']:.1%}, peak {out['peak_gib']:.1f} GiB, "
         f"losses {losses[0]:.3f} → {losses[-1]:.3f}", flush=True)
 
-  if split:
+  if split and accum == 1:
     params, opt_state, bias = state  # the step donated the initial arrays
 
     def loss_fn(p, batch):
@@ -159,7 +174,26 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str |
     print(f"[{spec}] split: forward+backward {out['fwd_bwd_s'] * 1e3:.1f} ms, optimizer "
           f"{out['optimizer_s'] * 1e3:.1f} ms, host batch preparation {out['host_s'] * 1e3:.1f} ms",
           flush=True)
+    if sinkhorn:
+      out["sinkhorn_s"] = time_engram_sinkhorn(run, nnx.merge(graphdef, params), grads)
+      print(f"[{spec}] Sinkhorn of the Engram tables: {out['sinkhorn_s'] * 1e3:.1f} ms",
+            flush=True)
+    if precision:
+      rows = muon_precision.real_gradient_rows(grads)
+      out["muon_precision"] = rows
+      muon_precision.print_rows(rows)
   return out
+
+
+def time_engram_sinkhorn(run, model, grads) -> float:
+  """Median seconds of the Sinkhorn direction of every Engram table together (their gradients as
+  the momentum-free Nesterov direction, with each table's sub-table layout), one jitted call."""
+  layouts = engram_sub_tables(model)
+  flat = dict(table_lib.flatten_params(grads))
+  o = run.optim
+  fn = jax.jit(lambda gs: [sinkhorn_direction(g, o.sinkhorn_iters, o.sinkhorn_tau, o.sinkhorn_eps,
+                                              o.update_rms, layouts[p]) for p, g in gs.items()])
+  return median_seconds(fn, {p: flat[p] for p in layouts}, reps=5)
 
 
 def main():
@@ -171,23 +205,36 @@ def main():
   ap.add_argument("--no_split", action="store_true")
   ap.add_argument("--json", default=None)
   ap.add_argument("--profile", default=None, help="directory for a profile of two more steps")
+  ap.add_argument("--grad_accum", type=int, nargs="+", default=[1],
+                  help="micro-batches per step, one per size (or one for all)")
+  ap.add_argument("--sinkhorn", action="store_true", help="time the Engram tables' Sinkhorn")
+  ap.add_argument("--muon_precision", action="store_true",
+                  help="Newton-Schulz singular values on the split's real gradients")
   args = ap.parse_args()
-  batches = args.batch if len(args.batch) == len(args.sizes) else args.batch[:1] * len(args.sizes)
+  per_size = lambda v: v if len(v) == len(args.sizes) else v[:1] * len(args.sizes)
   rows = []
-  for size, B in zip(args.sizes, batches):
-    rows.append(bench(size, B, args.seq, args.steps, not args.no_split, args.profile))
+  for size, B, k in zip(args.sizes, per_size(args.batch), per_size(args.grad_accum)):
+    rows.append(bench(size, B, args.seq, args.steps, not args.no_split, args.profile, k,
+                      args.sinkhorn, args.muon_precision))
+    opt = [r["optimizer_s"] for r in rows if r["size"] == size and "optimizer_s" in r]
+    if opt:
+      rows[-1]["optimizer_share"] = opt[0] / rows[-1]["step_s"]
+      print(f"[{size}] optimizer share of the step ({k} micro-batches): "
+            f"{rows[-1]['optimizer_share']:.1%}", flush=True)
     if args.json:
       with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)
   print("\n" + header())
-  print(md_header("size", "params", "batch × seq", "init s", "compile s", "step ms", "tok/s", "MFU",
-                  "peak GiB", "fwd+bwd ms", "optimizer ms", "host ms"))
+  print(md_header("size", "params", "batch × seq", "micro-batches", "init s", "compile s",
+                  "step ms", "tok/s", "MFU", "peak GiB", "fwd+bwd ms", "optimizer ms",
+                  "optimizer share", "host ms"))
   for r in rows:
-    print(f"| {r['size']} | {r['params'] / 1e9:.2f} B | {r['batch']} × {r['seq']} | "
+    print(f"| {r['size']} | {r['params'] / 1e9:.2f} B | {r['batch']} × {r['seq']} | {r['accum']} | "
           f"{r['init_s']:.1f} | {r['compile_s']:.1f} | {r['step_s'] * 1e3:.1f} | "
           f"{r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['peak_gib']:.1f} | "
           f"{r.get('fwd_bwd_s', float('nan')) * 1e3:.1f} | "
-          f"{r.get('optimizer_s', float('nan')) * 1e3:.1f} | {r.get('host_s', float('nan')) * 1e3:.1f} |")
+          f"{r.get('optimizer_s', float('nan')) * 1e3:.1f} | "
+          f"{r.get('optimizer_share', float('nan')):.1%} | {r.get('host_s', float('nan')) * 1e3:.1f} |")
 
 
 if __name__ == "__main__":
