@@ -32,6 +32,13 @@ from dsv41_jax.layers.norm import RMSNorm
 from dsv41_jax.layers.types import CompressedKV
 
 
+def remat_policy(prim, *_, **__) -> bool:
+  """Layer remat (cfg.remat) recomputes a layer's forward in its backward except the outputs of
+  `top_k`: the indexer's selection and candidate pool (a sort of [T, N] scores per indexing layer)
+  and the MoE routing are kept, not recomputed (docs/design.md §5.4)."""
+  return prim.name == "top_k"
+
+
 def _stacked(make, n: int, rngs: nnx.Rngs):
   """`n` modules from `make(rngs)` with their parameters stacked on a leading axis."""
 
@@ -150,7 +157,7 @@ class Transformer(nnx.Module):
       return layer_forward(cfg, run.kinds, core, ps, carry, ctx, bias_l, k, engram_at(e))
 
     if cfg.remat:
-      body = jax.checkpoint(body, prevent_cse=False)
+      body = jax.checkpoint(body, prevent_cse=False, policy=remat_policy)
     if cfg.scan_layers and n > 1:
       # Each kind's weights gathered into one row per layer (rows of other kinds are never read;
       # the gather's transpose sums each layer's gradient back into its kind's stack).
@@ -171,7 +178,7 @@ class Transformer(nnx.Module):
                                bias_l, engram=engram_at(e))
 
         if cfg.remat:
-          one = jax.checkpoint(one, prevent_cse=False)
+          one = jax.checkpoint(one, prevent_cse=False, policy=remat_policy)
         pub_p = None if pub_states[k] is None else jax.tree.map(lambda a: a[slot], pub_states[k])
         state, a = one(state, jax.tree.map(lambda a: a[i], core_state), pub_p, bias[i])
         auxes.append(a)

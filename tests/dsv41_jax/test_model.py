@@ -200,3 +200,32 @@ def test_chunked_head_loss_equals_the_logits_loss(cfg, split_model):
   (a, pa), (b, pb) = both(state)
   np.testing.assert_allclose(float(b), float(a), rtol=1e-6)
   assert float(pa["loss_tokens"]) == float(pb["loss_tokens"]) > 0
+
+
+def _top_k_shapes(jaxpr, found):
+  """Operand shapes of the `top_k` equations in a jaxpr and every jaxpr nested in it."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "top_k":
+      found.append(tuple(eqn.invars[0].aval.shape))
+    for v in eqn.params.values():
+      for sub in (v if isinstance(v, (list, tuple)) else (v,)):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          _top_k_shapes(sub.jaxpr, found)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          _top_k_shapes(sub, found)
+  return sorted(found)
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_remat_keeps_the_selection(cfg, scan):
+  """Under layer remat the backward recomputes each layer's forward but not its top-k (the
+  indexer's selection and pool, the MoE routing; `M.remat_policy`): the gradient's program holds
+  the forward's top-k and no more."""
+  c = cfg.replace(remat=True, scan_layers=scan)
+  graphdef, state = nnx.split(M.abstract_model(c))
+  bias = M.zero_moe_bias(c)
+  batch = jax.tree.map(jnp.asarray, testing.packed_batch(c, 0))
+  loss = lambda p: objective(c, *nnx.merge(graphdef, p)(batch, bias), batch)[0]
+  forward = _top_k_shapes(jax.make_jaxpr(loss)(state).jaxpr, [])
+  assert any(s[-1] != c.n_routed_experts for s in forward)       # the indexer's are there
+  assert _top_k_shapes(jax.make_jaxpr(jax.grad(loss))(state).jaxpr, []) == forward
