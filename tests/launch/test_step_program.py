@@ -29,6 +29,8 @@ ALLOWED = {
     ("scatter", "sequence_balance_loss.<locals>.<lambda>"): "per-row expert counts ([B, E])",
     ("scatter", "_capacity_local"): "capacity dispatch into expert buffers (issue 27: dropless)",
     ("scatter", "_sort_pairs"): "dropless dispatch: inverse permutation and group sizes (int32)",
+    ("scatter", "_dropless_local"): "dropless dispatch: the routing weights' gradient back to "
+                                    "their (token, slot) pairs ([N·k])",
     ("scatter", "selected_mask.<locals>.<lambda>"): "masked global attention's entry mask "
                                                     "(issue 26: the sparse kernel)",
     ("scatter", "cross_entropy"): "the target logit's cotangent, one per token",
@@ -53,6 +55,9 @@ ALLOWED = {
     ("f32_dot", "SharedExpert.__call__.<locals>.<lambda>"): "the shared expert sees the float32 "
                                                              "mHC sublayer input (issue 28)",
     ("f32_dot", "batched_ffn"): "capacity MoE experts on float32 buffers (issue 27)",
+    ("f32_dot", "grouped_matmul"): "lowered on the CPU the grouped product is ragged_dot, whose "
+                                   "backward takes the float32 cotangent; the GPU runs the "
+                                   "Mosaic kernel with its own backward (issue 27)",
     ("f32_dot", "_attend_blocks"): "masked global attention (issue 26)",
     ("f32_dot", "Transformer.__call__"): "the head's backward on float32 logit cotangents "
                                          "(issue 28: chunked cross-entropy)",
