@@ -22,7 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks.common import header, median_seconds  # noqa: E402
-from dsv41_jax.layers import sparse_attention as sa  # noqa: E402
+from pallas_kernels.ops import sparse_attention as sa  # noqa: E402
 
 
 def main():

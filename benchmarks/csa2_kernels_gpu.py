@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from benchmarks.common import elapsed, header, time_calls
 from dsv41_jax.layers import indexer as ix
-from dsv41_jax.layers import sparse_attention as sa
+from pallas_kernels.ops import sparse_attention as sa
 from dsv41_jax.layers.types import CompressedKV, entry_visible
 from pallas_kernels import indexer as kx
 from pallas_kernels import csa2_attention as ca

@@ -193,7 +193,8 @@ def moe_cases(tokens, d, f, e, k, reps, budget_s, impl):
   w1, w3 = (jnp.asarray(rng.standard_normal((e, d, f)) / np.sqrt(d), jnp.float32) for _ in "ab")
   w2 = jnp.asarray(rng.standard_normal((e, f, d)) / np.sqrt(f), jnp.float32)
   fl = 3 * 2 * tokens * k * d * f
-  variants = {"dropless (this tree)": (moe_dispatch, dict(mode="dropless", impl=impl))}
+  variants = {"dropless (this tree)": (moe_dispatch, dict(
+      mode="dropless", policy={"ragged_dot": "reference"}.get(impl, impl)))}
   if ARGS.baseline_moe and os.path.exists(ARGS.baseline_moe):
     variants["dropless (baseline)"] = (_load_baseline(ARGS.baseline_moe),
                                        dict(mode="dropless", impl=impl))

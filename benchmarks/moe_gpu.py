@@ -8,7 +8,8 @@ Cases (docs/design.md §T7; configs/small.py:s3), bf16 operands, skewed routings
 - `s3 up` / `s3 down`: 48 experts, 16,384 tokens × top-4 = 65,536 rows (1 % padding rows in no
   group), 1024 -> 512 and 512 -> 1024.
 - `s3 routed experts`: `moe_dispatch.routed_experts` (dropless, three grouped GEMMs + SwiGLU) with
-  impl "auto" (the kernels on a Hopper GPU) vs "ragged_dot" vs capacity (factor 1.25).
+  the op policy "auto" (the kernels on a Hopper GPU) vs "reference" (`ragged_dot`) vs capacity
+  (factor 1.25).
 
 Methods: `mgpu` = `pallas_kernels.grouped_matmul` (forward f32 out, input grad and weight grad bf16
 out; each product's block config picked from a small sweep on §7 in this run, reused for the s3
@@ -40,6 +41,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import elapsed, header, log, md_header, median_seconds  # noqa: E402
 from dsv41_jax.layers import moe_dispatch  # noqa: E402
+from pallas_kernels import dispatch  # noqa: E402
 from pallas_kernels import grouped_matmul as gm  # noqa: E402
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -179,12 +181,14 @@ def routed_experts_case(tokens, d, f, e, k, reps, smoke, results):
   ct = jax.random.normal(keys[4], (1, tokens, d), F32)
   flops = 3 * 2.0 * tokens * k * d * f
   row = dict(case="s3 routed experts", shape=f"{tokens} tokens × top-{k}, d={d}, f={f}, E={e}",
-             useful_gflop_fwd=flops / 1e9, impl_auto=moe_dispatch.resolve_grouped_matmul_impl("auto"))
+             useful_gflop_fwd=flops / 1e9,
+             impl_auto=dispatch.choose("grouped_matmul", "auto", x[0], w1.astype(x.dtype),
+                                       jnp.full((e,), tokens * k // e, jnp.int32))[0])
   results.append(row)
   log(f"routed experts: {row['shape']} (auto -> {row['impl_auto']})")
   outs = {}
-  for label, kw in (("dropless auto", dict(mode="dropless", impl="auto")),
-                    ("dropless ragged_dot", dict(mode="dropless", impl="ragged_dot")),
+  for label, kw in (("dropless auto", dict(mode="dropless", policy="auto")),
+                    ("dropless ragged_dot", dict(mode="dropless", policy="reference")),
                     ("capacity 1.25", dict(mode="capacity", capacity_factor=1.25))):
     fn = lambda x, w1, w3, w2, kw=kw: moe_dispatch.routed_experts(
         x, weights, experts, valid, w1, w3, w2, **kw)[0]

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import ml_collections
 
 from data.config import data_defaults
-from dsv41_jax.config import ModelConfig
+from dsv41_jax.config import ModelConfig, OpPolicies
 from dsv41_jax.vision.config import VisionConfig
 from optim.config import optim_defaults
 
@@ -23,12 +23,14 @@ def base_config(model: dict) -> ml_collections.ConfigDict:
   it also freezes the ViT in the optimizer until the learning-rate decay begins (docs/design.md §T2).
   """
   fields = {f.name: getattr(ModelConfig(), f.name) for f in dataclasses.fields(ModelConfig)}
+  _refuse_legacy(model)
   unknown = set(model) - set(fields)
   if unknown:
     raise KeyError(f"unknown model fields {sorted(unknown)}")
   model = dict(model)
   if model.get("vision") is not None:
     model["vision"] = _vision_fields(model["vision"])
+  model["ops"] = _ops_fields(model.get("ops", {}))
   fields.update(model)
   cfg = ml_collections.ConfigDict()
   cfg.model = ml_collections.ConfigDict(fields)
@@ -145,6 +147,7 @@ def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
   """Build (and validate) the frozen ModelConfig from the config's `model` section."""
   fields = {f.name for f in dataclasses.fields(ModelConfig)}
   values = dict(cfg.model)
+  _refuse_legacy(values)
   unknown = set(values) - fields
   if unknown:
     raise KeyError(f"config.model has unknown keys {sorted(unknown)}")
@@ -153,7 +156,29 @@ def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
       values[k] = tuple(v)
   if values.get("vision") is not None:
     values["vision"] = VisionConfig(**_vision_fields(values["vision"]))
+  if "ops" in values:
+    values["ops"] = OpPolicies.of(_ops_fields(values["ops"]))
   return ModelConfig(**values)
+
+
+def _refuse_legacy(model) -> None:
+  """The model keys that per-op policies replaced (docs/design.md §T5), named with their successor."""
+  if "kernels" in model:
+    raise SectionError(
+        "config.model.kernels is gone: each hot-path op has its own policy, "
+        "config.model.ops.<op> = 'auto' | 'reference' | 'kernel' (ops: "
+        f"{', '.join(f.name for f in dataclasses.fields(OpPolicies))})")
+
+
+def _ops_fields(ops) -> dict:
+  """Every OpPolicies field, defaults overridden by `ops` (a dict or ConfigDict)."""
+  fields = dataclasses.asdict(OpPolicies())
+  given = dict(ops)
+  unknown = set(given) - set(fields)
+  if unknown:
+    raise KeyError(f"config.model.ops has unknown ops {sorted(unknown)}; known: {sorted(fields)}")
+  fields.update(given)
+  return fields
 
 
 def _vision_fields(vision) -> dict:

@@ -127,6 +127,20 @@ def site_output(X_BxTxNxD: jax.Array, post_BxTxN, comb_BxTxNxN, f_out_BxTxD: jax
   return mhc.expand(X_BxTxNxD, post_BxTxN, comb_BxTxNxN, f_out_BxTxD)
 
 
+def next_site(cfg: ModelConfig, site: str, norm: RMSNorm, core: LayerCore, X_BxTxNxD: jax.Array,
+              f_out_BxTxD: jax.Array, post_BxTxN, comb_BxTxNxN, pre_BxTxN):
+  """A sublayer's output written into the streams and the layer's next `site` read from them, as
+  one single-pass site (§3.3; the op `hc_site`): (X', x, pre', post', comb') with
+  X' = expand(X, post, comb, F), x = norm(collapse(X', pre)) in the compute dtype and this site's
+  coefficients on X'. The plain residual: X' = X + F, x = norm(X'), (pre, None, None)."""
+  if cfg.residual == "plain":
+    X = site_output(X_BxTxNxD, None, None, f_out_BxTxD)
+    return X, norm(mhc.collapse(X, pre_BxTxN)).astype(cfg.dtype), pre_BxTxN, None, None
+  X, x, pre, post, comb = getattr(core, site).site(X_BxTxNxD, f_out_BxTxD, post_BxTxN,
+                                                   comb_BxTxNxN, pre_BxTxN, norm.scale[...])
+  return X, x.astype(cfg.dtype), pre, post, comb
+
+
 def _compressed_kv(core: LayerCore, pub: Publisher, src_BxTxD, ctx: Context) -> CompressedKV:
   inv_freq = core.attn.inv_freq
   main_kv, latent, seg, last, pos = pub.compressor(src_BxTxD, ctx.positions_BxT,
@@ -205,11 +219,10 @@ def layer_forward(cfg: ModelConfig, kinds: Sequence[LayerSpec], core: LayerCore,
     elif any(owns):
       idx_loss = jax.lax.switch(kind_index, [kl if o else (lambda: jnp.zeros((), jnp.float32))
                                              for o in owns])
-  X = site_output(X, a_post, a_comb, y)
 
-  # --- MoE site ---
-  f_pre, f_post, f_comb = site_coefficients(cfg, "ffn_hc", core, X, a_pre)
-  x = core.ffn_norm(mhc.collapse(X, a_pre)).astype(cfg.dtype)
+  # --- MoE site: the attention output written, the MoE input read, in one single-pass site ---
+  X, x, f_pre, f_post, f_comb = next_site(cfg, "ffn_hc", core.ffn_norm, core, X, y, a_post,
+                                          a_comb, a_pre)
   y, moe_aux = core.moe(x, segment_ids_BxT=ctx.segment_ids_BxT,
                         image_mask_BxT=ctx.image_mask_BxT, bias_2xE=moe_bias_2xE)
   X = site_output(X, f_post, f_comb, y)

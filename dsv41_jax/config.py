@@ -8,11 +8,55 @@ is derived from it once, in `dsv41_jax.layer_plan`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, Mapping
 
 from dsv41_jax.errors import ConfigError
 from dsv41_jax.layer_plan import build_layer_plan
 from dsv41_jax.vision.config import VisionConfig
+from pallas_kernels import dispatch
+
+Policy = Literal["auto", "reference", "kernel"]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpPolicies:
+  """How each hot-path op of the model runs (docs/design.md §T5; `pallas_kernels.dispatch`).
+
+  "auto": the op's kernel where it is measured faster on this backend and shape (the rules cite
+  benchmarks/RESULTS.md), else its reference, with one log line naming the op and the reason;
+  "reference": the pure-jnp op; "kernel": the kernel, an error where it cannot run. One field per
+  registered model op; a config sets them as `model.ops.<op>`.
+  """
+
+  fake_quant_fp4_main_kv: Policy = dispatch.default_policy("fake_quant_fp4_main_kv")
+  fake_quant_mxfp4: Policy = dispatch.default_policy("fake_quant_mxfp4")
+  fake_quant_fp8_swa: Policy = dispatch.default_policy("fake_quant_fp8_swa")
+  hc_coefficients: Policy = dispatch.default_policy("hc_coefficients")
+  hc_site: Policy = dispatch.default_policy("hc_site")
+  sparse_attention: Policy = dispatch.default_policy("sparse_attention")
+  indexer_topk: Policy = dispatch.default_policy("indexer_topk")
+  grouped_matmul: Policy = dispatch.default_policy("grouped_matmul")
+
+  def __post_init__(self):
+    errors = []
+    for f in dataclasses.fields(self):
+      try:
+        dispatch.check_policy(f.name, getattr(self, f.name))
+      except dispatch.PolicyError as e:
+        errors.append(f"ops.{e}".replace("ops.op ", "ops.", 1))
+    if errors:
+      raise ConfigError("; ".join(errors))
+
+  @classmethod
+  def of(cls, values: "OpPolicies | Mapping[str, str]") -> "OpPolicies":
+    """OpPolicies from itself or a mapping of op -> policy (unknown ops are a ConfigError)."""
+    if isinstance(values, cls):
+      return values
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+      raise ConfigError(f"ops has unknown ops {unknown}; the model's ops are {sorted(known)}")
+    return cls(**dict(values))
 
 
 def _flash_compress_ratios() -> tuple[int, ...]:
@@ -92,10 +136,10 @@ class ModelConfig:
   fp4_main_kv: bool = False
   fp4_indexer: bool = False
   fp8_swa_kv: bool = False
-  # Global-branch attention over the selected entries: "masked" scores all entries and masks to
-  # the top-k (fast up to ~16K tokens on the H200), "gather" gathers the k entries per query,
-  # "pallas" runs the sparse kernel (pallas_kernels/sparse_attention.py; interpreted on CPU).
-  global_attn_impl: Literal["masked", "gather", "pallas"] = "masked"
+  # The XLA form of the global-branch attention over the selected entries (the `sparse_attention`
+  # op's reference): "masked" scores all entries and masks to the top-k (fast up to ~16K tokens on
+  # the H200), "gather" gathers the k entries per query. The kernel is `ops.sparse_attention`.
+  global_attn_impl: Literal["masked", "gather"] = "masked"
   # Queries per chunk in attention and in the indexer (0 = the whole row): bounds the [T, N]
   # score intermediates of long rows (the chunks are recomputed in the backward pass).
   attn_query_chunk: int = 0
@@ -113,8 +157,8 @@ class ModelConfig:
   hc_init_fn_std: float = 1e-3
   hc_init_pre_base: float = 0.0
   hc_init_res_diag: float = 6.0
-  # Kernel switch: "xla" (pure jnp) or "pallas".
-  kernels: Literal["xla", "pallas"] = "xla"
+  # How each hot-path op runs: its reference or its kernel ("auto" | "reference" | "kernel").
+  ops: OpPolicies = dataclasses.field(default_factory=OpPolicies)
   # Compile repeated layer groups once with lax.scan (MODEL issue item 9).
   scan_layers: bool = True
   # Rematerialise each layer in the backward pass.
@@ -128,6 +172,7 @@ class ModelConfig:
     object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
     for name in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids"):
       object.__setattr__(self, name, tuple(int(i) for i in getattr(self, name)))
+    object.__setattr__(self, "ops", OpPolicies.of(self.ops))
     _validate(self)
 
   # --- derived sizes ---
@@ -187,8 +232,11 @@ def _validate(c: ModelConfig) -> None:
        f"index_head_dim ({c.index_head_dim}) must be a multiple of 32 for fp4_indexer")
   need(c.kv_source_input in ("own", "encoder_final"),
        f"kv_source_input must be 'own' or 'encoder_final' (got {c.kv_source_input!r})")
+  need(c.global_attn_impl != "pallas",
+       "global_attn_impl='pallas' is gone: the kernel is the policy ops.sparse_attention='kernel' "
+       "(global_attn_impl picks the XLA form, 'masked' or 'gather')")
   need(c.global_attn_impl in ("masked", "gather", "pallas"),
-       f"global_attn_impl must be 'masked', 'gather' or 'pallas' (got {c.global_attn_impl!r})")
+       f"global_attn_impl must be 'masked' or 'gather' (got {c.global_attn_impl!r})")
   need(c.moe_dispatch in ("dropless", "capacity"),
        f"moe_dispatch must be 'dropless' or 'capacity' (got {c.moe_dispatch!r})")
   need(c.attn_query_chunk >= 0 and c.index_query_chunk >= 0,
@@ -196,7 +244,6 @@ def _validate(c: ModelConfig) -> None:
   need(c.lm_loss_chunk >= 0, f"lm_loss_chunk must be >= 0 (got {c.lm_loss_chunk}; 0 = plain "
        "logits)")
   need(c.moe_capacity_factor > 0, f"moe_capacity_factor must be positive (got {c.moe_capacity_factor})")
-  need(c.kernels in ("xla", "pallas"), f"kernels must be 'xla' or 'pallas' (got {c.kernels!r})")
   need(c.residual in ("mhc", "plain"), f"residual must be 'mhc' or 'plain' (got {c.residual!r})")
   need(c.residual == "mhc" or c.hc_mult == 1,
        f"residual='plain' is one stream: hc_mult must be 1 (got {c.hc_mult})")

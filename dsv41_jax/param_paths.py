@@ -1,40 +1,26 @@
 """Parameter paths: the one name of a parameter, and the layer of the plan it belongs to.
 
 A parameter is named by the '/'-joined keys of its path in the parameter tree
-(`runs/0/core/attn/wq_b`, `engram/…`, `head`); the optimizer table routes by these names, the
-sharding rules report them, and the ledger and the FLOP count attribute parameters to the layers
-of the plan (docs/design.md §2) by them.
+(`runs/0/core/attn/wq_b`, `engram/…`, `head`; `path_str`, the op `pallas_kernels.ops.paths`);
+the optimizer table routes by these names, the sharding rules report them, and the ledger and
+the FLOP count attribute parameters to the layers of the plan (docs/design.md §2) by them.
 """
 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator
 
 import jax
 import numpy as np
 
 from dsv41_jax.layer_plan import build_layer_plan
+from pallas_kernels.ops.paths import path_str
 
 if TYPE_CHECKING:  # annotations only: the config imports the plan, which this module reads
   from dsv41_jax.config import ModelConfig
 
 _LAYER_PATH = re.compile(r"^runs/(\d+)/([^/]+)/(.*)$")
-
-
-def _key_name(key) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
-def path_str(keypath: Sequence[Any]) -> str:
-  """'/'-joined path of a jax key path; a trailing `.value` of an nnx.Variable is dropped."""
-  keys = list(keypath)
-  if keys and isinstance(keys[-1], jax.tree_util.GetAttrKey) and keys[-1].name == "value":
-    keys = keys[:-1]
-  return "/".join(_key_name(k) for k in keys)
 
 
 def iter_params(state) -> Iterator[tuple[str, tuple[int, ...]]]:

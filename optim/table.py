@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dsv41_jax.param_paths import path_str
+from pallas_kernels.ops.paths import path_str
 
 GROUPS: tuple[str, ...] = ("muon", "adamw", "sinkhorn")
 # Optimizer-state buffers each group keeps per parameter element (momentum; Adam's two moments).

@@ -56,7 +56,8 @@ def _band_rows(T, hp, window, bkw):
 def unsupported_reason(q_BxTxHxD, swa_kv_BxTxD, window: int, block_kw: int = 64) -> str | None:
   """Why the kernel cannot take these shapes (None if it can): the forward kernel's reasons, and
   the window band kernel's padded [B, T', H_pad, D] query rows past 32-bit offsets."""
-  if (reason := _sa.unsupported_reason(q_BxTxHxD, swa_kv_BxTxD, window)) is not None:
+  if (reason := _sa.unsupported_reason(q_BxTxHxD, swa_kv_BxTxD, None, None,
+                                       window=window)) is not None:
     return reason
   B, T, H, D = q_BxTxHxD.shape
   hp = _sa._Plan(H, D, 0, window, None, None).hp

@@ -2,8 +2,8 @@
 
 One pass over the data, straight-through gradient. Each program loads `block_rows` blocks (rows of
 16 or 32 values sharing one scale), computes the block amax and scale in registers and writes the
-dequantized values in x's dtype. The math restates `dsv41_jax.quant.{fp4_main_kv, mxfp4, fp8_swa}`
-and the tests hold kernel and reference bit for bit equal.
+dequantized values in x's dtype. The math restates the op `pallas_kernels.ops.quant.{fp4_main_kv,
+mxfp4, fp8_swa}` in a kernel's form and the tests hold kernel and reference bit for bit equal.
 
 Why the element path looks the way it does: a bf16 fake quant moves 4 bytes per element, so at the
 H200's 4.3 TB/s copy rate a kernel has ~35 float32 instructions per element before it stops being
@@ -23,8 +23,9 @@ fiddling) and ran at 23–35 % of the copy rate. Here the per-element work is ~1
 
 No float8/float4 casts in the kernels (a float4 cast fails on Hopper; docs/design.md §T5). Backend:
 Triton via `pl.pallas_call` with explicit `CompilerParams` (power-of-two blocks); `interpret=True`
-runs the same kernels on CPU. Row counts the block cannot tile are padded (logged once). Under
-a mesh the straight-through wrappers run the kernel per batch shard (`sharded.over_batch`).
+runs the same kernels on CPU. Row counts the block cannot tile are padded (logged once). The
+straight-through wrappers are the kernels of the dispatcher's `fake_quant_*` ops, which run them
+per batch shard under a mesh (`pallas_kernels.dispatch`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels import log_once
-from pallas_kernels.sharded import over_batch
+from pallas_kernels.notices import log_once
 
 _F32_SIGN = np.int32(-2 ** 31)
 _F32_EXP = np.int32(0x7F800000)
@@ -195,9 +195,7 @@ def fake_quant_pallas(x: jax.Array, *, fmt: str, block_rows: int = 1024, interpr
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _fake_quant(x, fmt, interpret):
-  # Per batch shard under a mesh (the leading axis): GSPMD does not partition a pallas_call.
-  return over_batch(functools.partial(fake_quant_pallas, fmt=fmt, interpret=interpret),
-                    [True])(x)
+  return fake_quant_pallas(x, fmt=fmt, interpret=interpret)
 
 
 def _fake_quant_fwd(x, fmt, interpret):
@@ -216,8 +214,27 @@ def _resolve(interpret):
   return jax.default_backend() == "cpu" if interpret is None else interpret
 
 
+def _unsupported(fmt: str, x) -> str | None:
+  if x.shape[-1] % BLOCK[fmt]:
+    return f"last axis {x.shape[-1]} is not a multiple of the {fmt} block {BLOCK[fmt]}"
+  return None
+
+
+def unsupported_fp4_main_kv(x) -> str | None:
+  """Why the kernels cannot take x (None if they can); likewise the next two."""
+  return _unsupported("fp4_main_kv", x)
+
+
+def unsupported_mxfp4(x) -> str | None:
+  return _unsupported("mxfp4", x)
+
+
+def unsupported_fp8_swa(x) -> str | None:
+  return _unsupported("fp8_swa", x)
+
+
 def fp4_main_kv_fake_quant(x: jax.Array, *, interpret: bool | None = None) -> jax.Array:
-  """Drop-in for `quant.fake_quant(x, quant.fp4_main_kv)`: fused forward, identity gradient.
+  """Kernel of the op `fake_quant_fp4_main_kv`: fused forward, identity gradient.
 
   `interpret=None` interprets on CPU and compiles (Triton) on GPU; likewise below.
   """
@@ -225,10 +242,10 @@ def fp4_main_kv_fake_quant(x: jax.Array, *, interpret: bool | None = None) -> ja
 
 
 def mxfp4_fake_quant(x: jax.Array, *, interpret: bool | None = None) -> jax.Array:
-  """Drop-in for `quant.fake_quant(x, quant.mxfp4)`."""
+  """Kernel of the op `fake_quant_mxfp4`."""
   return _fake_quant(x, "mxfp4", _resolve(interpret))
 
 
 def fp8_swa_fake_quant(x: jax.Array, *, interpret: bool | None = None) -> jax.Array:
-  """Drop-in for `quant.fake_quant(x, quant.fp8_swa)`."""
+  """Kernel of the op `fake_quant_fp8_swa`."""
   return _fake_quant(x, "fp8_swa", _resolve(interpret))

@@ -1,6 +1,7 @@
 """Grouped GEMM for the routed experts, forward and backward (docs/design.md §8.2; §T5, §T7).
 
-The function (the contract of `dsv41_jax.layers.moe_dispatch.grouped_matmul`): with group g owning
+The kernel of the op `grouped_matmul` (`pallas_kernels.ops.grouped_matmul`; `mosaic_grouped_matmul`
+below): with group g owning
 rows [s_g, s_g + n_g) of x, s_g = Σ_{g'<g} n_g',
 
   y[r]     = x[r] · w[g(r)]          [M, K] × [G, K, N] -> [M, N] float32; rows past Σ n_g are 0
@@ -33,8 +34,8 @@ Kernels:
 Bad input never gives a silently wrong product: group sizes that are negative or sum past M make
 every output NaN (concrete sizes raise a ValueError before that). What the kernels cannot take
 (no Hopper GPU, non-16-bit dtypes, K or N not multiples of the blocks) is named by
-`unsupported_reason`; the model's call site then runs `ragged_dot` and logs it once
-(`pallas_kernels.note_fallback`). The number of groups has no limit: nothing is unrolled per group.
+`unsupported_reason`; under the policy "auto" the dispatcher then runs the op's reference
+(`ragged_dot`) and logs it once. The number of groups has no limit: nothing is unrolled per group.
 
 Measured on the H200 (jax 0.11.2, docs/design.md §T7 shape, skewed routing; benchmarks/RESULTS.md):
 forward 328, input grad 335, weight grad 365 useful TFLOP/s; forward+backward through the custom
@@ -503,3 +504,19 @@ def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, plan: Plan = Plan()):
     if reason is not None:
       raise ValueError(f"grouped_matmul Mosaic GPU kernels: {reason}")
   return _grouped_matmul(plan, x_MxK, w_GxKxN, group_sizes_G.astype(jnp.int32))
+
+
+def _op_plan() -> Plan:
+  """The op's plan: the measured defaults, interpreted on the CPU."""
+  return Plan(interpret=jax.default_backend() == "cpu")
+
+
+def op_unsupported_reason(x_sorted_PxD, w_ExDxF, group_sizes_E) -> str | None:
+  """Why `mosaic_grouped_matmul` cannot take the op's arguments here (None: it can)."""
+  return unsupported_reason(x_sorted_PxD, w_ExDxF.astype(x_sorted_PxD.dtype), _op_plan())
+
+
+def mosaic_grouped_matmul(x_sorted_PxD, w_ExDxF, group_sizes_E):
+  """The op's kernel: `grouped_matmul` with w in x's dtype and the op's plan."""
+  return grouped_matmul(x_sorted_PxD, w_ExDxF.astype(x_sorted_PxD.dtype), group_sizes_E,
+                        _op_plan())

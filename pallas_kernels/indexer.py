@@ -1,7 +1,7 @@
 """CSA2 lightning-indexer scores and top-k without the [T, H_I, N] logits (docs/design.md §5.4, §14).
 
-Restates `dsv41_jax.layers.indexer.score_and_select` without a candidate pool (tests compare the
-two):
+The kernel of the op `indexer_topk` (`indexer_topk` here): restates
+`pallas_kernels.ops.indexer.score_and_select` without a candidate pool (tests compare the two):
 
   I[t, n] = Σ_h w[t, h] · ReLU(q[t, h] · k[n]) · D_I^{-1/2}      visible(t, n), else −∞
   visible = entry_last[n] ≤ t  ∧  entry_segment[n] == segment[t] > 0
@@ -39,8 +39,12 @@ def _triton_params(num_warps: int, num_stages: int):
   return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def unsupported_reason(q_BxTxHxI, index_k_BxNxI) -> str | None:
-  """Why the kernel cannot take these shapes (None if it can)."""
+def unsupported_reason(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry_last_BxN,
+                       segment_ids_BxT, candidate=None, *, make_pool: bool = False,
+                       **_) -> str | None:
+  """Why the kernel cannot take the op's arguments (None if it can)."""
+  if make_pool or candidate is not None:
+    return "the candidate pool (docs/design.md §5.6) has no kernel"
   d = q_BxTxHxI.shape[-1]
   if d < 16 or d & (d - 1):
     return f"index_head_dim {d} is not a power of two ≥ 16 (Triton blocks)"
@@ -196,3 +200,19 @@ def score_and_select(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry
   picked = _row_chunks(lambda q, w, i: scores_at(q, w, index_k_BxNxI, i), T, c,
                        (q_BxTxHxI, w_BxTxH, topk))
   return topk, picked
+
+
+def indexer_topk(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry_last_BxN,
+                 segment_ids_BxT, candidate=None, *, k: int, make_pool: bool = False,
+                 block_size: int = 8, topk_blocks: int = 1, query_chunk: int | None = 512,
+                 **kernel_options):
+  """The op's kernel: `score_and_select` with the op's arguments and results (pool None)."""
+  del block_size, topk_blocks  # the candidate pool's; the kernel has none
+  if (reason := unsupported_reason(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN,
+                                   entry_last_BxN, segment_ids_BxT, candidate,
+                                   make_pool=make_pool)):
+    raise ValueError(f"indexer kernel: {reason}")
+  topk, picked = score_and_select(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN,
+                                  entry_last_BxN, segment_ids_BxT, k=k, query_chunk=query_chunk,
+                                  **kernel_options)
+  return topk, picked, None

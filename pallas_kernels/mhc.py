@@ -12,15 +12,15 @@ Layout of that row (P = R·n with R = next power of two ≥ 2+n; the wrapper pad
 group 0 = pre, group 1 = post, groups 2 … n+1 = comb rows j (comb[j, k] at column (2+j)·n + k),
 further groups are padding. The wrapper splits it into (pre [.., n], post [.., n], comb [.., n, n]).
 
-The math restates `dsv41_jax.layers.mhc.hc_coefficients` (tests compare the two); `_reference`
-below restates it once more in jnp for the backward pass (custom VJP = the reference's VJP).
+The kernel restates the op `pallas_kernels.ops.mhc.hc_coefficients` (tests compare the two); its
+custom VJP is the op's own VJP.
 Backend: Triton via `pl.pallas_call` with explicit `CompilerParams` (power-of-two blocks). The mix
 is an IEEE-float32 `dot` for float32 streams and three bfloat16 tensor-core dots against fn split
 into hi + mid + lo (`split_bf16x3`) for bfloat16 streams; `interpret=True` runs it on CPU.
 Measured on the H200 (benchmarks/RESULTS.md): 2.5–3.1× the XLA reference for bfloat16 streams,
 outputs within 2.6e-4 of XLA's float32 path (the tensor cores' float32 accumulation over n·d
 terms); the IEEE float32 dot is within 1.3e-5 but runs on the FMA path, 8× slower than XLA.
-Under a multi-device mesh `pallas_call` is not partitioned by GSPMD: call it per shard.
+Under a multi-device mesh the dispatcher runs it per batch shard (`pallas_kernels.dispatch`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+
+from pallas_kernels.ops import mhc as ops_mhc
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -174,28 +176,6 @@ def hc_coefficients_pallas(X_BxTxNxD, fn, base, scale, *, iters: int, hc_eps: fl
   return out[..., 0, :], out[..., 1, :], out[..., 2:2 + n, :]
 
 
-def _reference(X_BxTxNxD, fn, base, scale, iters, hc_eps, norm_eps):
-  """§3.2 in jnp (the same function as the kernel), used for the backward pass."""
-  *lead, n, d = X_BxTxNxD.shape
-  x = X_BxTxNxD.reshape(*lead, n * d).astype(jnp.float32)
-  rho = jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + norm_eps)
-  mix = jnp.einsum("...k,mk->...m", x, fn.astype(jnp.float32), precision=_HIGHEST) * rho
-  base = base.astype(jnp.float32)
-  scale = scale.astype(jnp.float32)
-  pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
-  post = 2.0 * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
-  logits = (mix[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*lead, n, n)
-  comb = jax.nn.softmax(logits, axis=-1) + hc_eps
-  comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + hc_eps)
-
-  def alternation(_, comb):
-    comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + hc_eps)
-    return comb / (jnp.sum(comb, axis=-2, keepdims=True) + hc_eps)
-
-  # The same loop form as the model's reference, so the two VJPs are one computation.
-  return pre, post, jax.lax.fori_loop(0, iters - 1, alternation, comb)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _hc(X, fn, base, scale, iters, hc_eps, norm_eps, interpret):
   return hc_coefficients_pallas(X, fn, base, scale, iters=iters, hc_eps=hc_eps,
@@ -210,16 +190,27 @@ def _hc_fwd(X, fn, base, scale, iters, hc_eps, norm_eps, interpret):
 
 def _hc_bwd(iters, hc_eps, norm_eps, interpret, res, g):
   del interpret
-  _, vjp = jax.vjp(lambda *a: _reference(*a, iters, hc_eps, norm_eps), *res)
+  _, vjp = jax.vjp(lambda *a: ops_mhc.hc_coefficients(*a, iters=iters, hc_eps=hc_eps,
+                                                      norm_eps=norm_eps), *res)
   return vjp(g)
 
 
 _hc.defvjp(_hc_fwd, _hc_bwd)
 
 
+def unsupported_reason(X_BxTxNxD, fn, base, scale, **_) -> str | None:
+  """Why the kernel cannot take these shapes (None if it can)."""
+  *_, n, d = X_BxTxNxD.shape
+  if fn.shape != ((2 + n) * n, n * d):
+    return f"fn has shape {fn.shape}, expected {((2 + n) * n, n * d)}"
+  if (n * d) & -(n * d) < 16:
+    return f"n·d = {n * d} has no power-of-two chunk ≥ 16 (Triton blocks)"
+  return None
+
+
 def hc_coefficients(X_BxTxNxD, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: float,
                     interpret: bool | None = None):
-  """Drop-in for `dsv41_jax.layers.mhc.hc_coefficients`: fused forward, reference backward.
+  """Kernel of the op `hc_coefficients`: fused forward, the op's backward.
 
   `interpret=None` interprets on CPU and compiles (Triton) on GPU.
   """

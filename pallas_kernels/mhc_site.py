@@ -2,7 +2,8 @@
 
 Under V4.1's single-pass schedule a site collapses with the PREVIOUS site's `pre`, so the expand
 of the previous site, this site's coefficients and its collapse + norm all read the same streams
-and can share one pass. `hc_site` restates `dsv41_jax.layers.mhc.hc_site` (the tests compare them):
+and can share one pass. `hc_site` is the kernel of the op `pallas_kernels.ops.mhc.hc_site` (the
+tests compare them):
 
   X'   = expand(X, post_prev, comb_prev, F)      X' [.., n, d], X's dtype (the new streams)
   x    = rms_norm(collapse(X', pre_prev), w)     x [.., d], X's dtype (the sublayer input)
@@ -23,8 +24,9 @@ Backward (custom VJP; residuals are the inputs only): the coefficient cotangents
 second kernel that recomputes the Sinkhorn iterates in registers (step t's input is rebuilt from
 the softmax for every t, 2·iters−1 steps: O(iters²) tiny n×n work, no stored iterates) and
 returns the cotangent of the logits z; the rest (expand, collapse, norm and the mix x̂·fnᵀ) is
-the VJP of a jnp restatement, which XLA fuses. Under a mesh both kernels run per batch shard
-(`sharded.over_batch`). Token counts the blocks do not tile are padded (logged once).
+the VJP of the op's own pieces (`ops.mhc.expand`, `collapse`, `hc_mix`), which XLA fuses. Under a
+mesh the dispatcher runs forward and backward per batch shard. Token counts the blocks do not
+tile are padded (logged once).
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.mhc import (_HIGHEST, _coefficient_rows, _col_norm, _next_pow2, _row_norm,
                                 _triton_params, param_rows)
-from pallas_kernels import log_once
-from pallas_kernels.sharded import over_batch
+from pallas_kernels.notices import log_once
+from pallas_kernels.ops import mhc as ops_mhc
+from pallas_kernels.ops.norm import rms_norm
 
 # --- forward kernel --------------------------------------------------------------------------
 
@@ -169,9 +172,7 @@ def hc_site_forward(X_BxTxNxD, F_BxTxD, post_BxTxN, comb_BxTxNxN, pre_BxTxN, fn,
                            block_tokens=block_tokens, block_d=bd, interpret=interpret,
                            num_warps=num_warps, num_stages=num_stages)
   params = (*f_parts, scale_row, base_row)
-  Xn, x, co = over_batch(call, [True] * 5 + [False] * (1 + len(params)))(
-      X_BxTxNxD, F_BxTxD, post_BxTxN, comb_BxTxNxN, pre_BxTxN, w_row,
-      *params)
+  Xn, x, co = call(X_BxTxNxD, F_BxTxD, post_BxTxN, comb_BxTxNxN, pre_BxTxN, w_row, *params)
   co = co.reshape(*co.shape[:-1], -1, n)
   return Xn, x, co[..., 0, :], co[..., 1, :], co[..., 2:2 + n, :]
 
@@ -244,23 +245,14 @@ def sinkhorn_gates_vjp(z, g, *, n: int, iters: int, hc_eps: float, block_tokens:
   """dL/dz for (pre, post, comb)(z) of §3.2, z and g packed as [.., pre n | post n | comb n·n]."""
   call = functools.partial(_sinkhorn_bwd_call, n=n, iters=iters, hc_eps=hc_eps,
                            block_tokens=block_tokens, interpret=interpret)
-  return over_batch(call, [True, True])(z.astype(jnp.float32), g.astype(jnp.float32))
+  return call(z.astype(jnp.float32), g.astype(jnp.float32))
 
 
 def _site_math(X, F, post, comb, pre, w, fn, *, norm_eps):
-  """The site without the gates, in jnp: (X', x, x̂'·fnᵀ, Σx̂'²), for the backward's VJP."""
-  *lead, n, d = X.shape
-  mixed = jnp.einsum("...jk,...jd->...kd", comb.astype(jnp.float32), X.astype(jnp.float32),
-                     precision=_HIGHEST)
-  Xn = (post.astype(jnp.float32)[..., None] * F.astype(jnp.float32)[..., None, :]
-        + mixed).astype(X.dtype)
-  y = jnp.einsum("...nd,...n->...d", Xn.astype(jnp.float32), pre.astype(jnp.float32),
-                 precision=_HIGHEST).astype(X.dtype).astype(jnp.float32)
-  x = (y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + norm_eps)
-       * w.astype(jnp.float32)).astype(X.dtype)
-  xh = Xn.reshape(*lead, n * d).astype(jnp.float32)
-  acc = jnp.einsum("...k,mk->...m", xh, fn.astype(jnp.float32), precision=_HIGHEST)
-  return Xn, x, acc, jnp.sum(jnp.square(xh), axis=-1)
+  """The site without the gates, from the op's pieces: (X', x, mix), for the backward's VJP."""
+  Xn = ops_mhc.expand(X, post, comb, F)
+  x = rms_norm(ops_mhc.collapse(Xn, pre), w, norm_eps)
+  return Xn, x, ops_mhc.hc_mix(Xn, fn, norm_eps)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
@@ -279,11 +271,9 @@ def _site_bwd(static, res, g):
   iters, hc_eps, norm_eps, interpret = static
   X, F, post, comb, pre, fn, base, scale, w = res
   gXn, gx, gpre, gpost, gcomb = g
-  n, d = X.shape[-2:]
-  (_, _, acc, ss), vjp = jax.vjp(functools.partial(_site_math, norm_eps=norm_eps),
-                                 X, F, post, comb, pre, w, fn)
-  rho = jax.lax.rsqrt(ss / (n * d) + norm_eps)[..., None]
-  mix = acc * rho
+  n = X.shape[-2]
+  (_, _, mix), vjp = jax.vjp(functools.partial(_site_math, norm_eps=norm_eps),
+                             X, F, post, comb, pre, w, fn)
   s = scale.astype(jnp.float32)
   scale_cols = jnp.concatenate([jnp.full((n,), s[0]), jnp.full((n,), s[1]),
                                 jnp.full((n * n,), s[2])])
@@ -294,9 +284,7 @@ def _site_bwd(static, res, g):
   g_base = jnp.sum(gz, axis=lead_axes)
   gzm = jnp.sum(gz * mix, axis=lead_axes)
   g_scale = jnp.stack([jnp.sum(gzm[:n]), jnp.sum(gzm[n:2 * n]), jnp.sum(gzm[2 * n:])])
-  g_mix = gz * scale_cols
-  g_ss = jnp.sum(g_mix * acc, axis=-1) * (-0.5 / (n * d)) * rho[..., 0] ** 3
-  gX, gF, gpost_p, gcomb_p, gpre_p, gw, gfn = vjp((gXn, gx, g_mix * rho, g_ss))
+  gX, gF, gpost_p, gcomb_p, gpre_p, gw, gfn = vjp((gXn, gx, gz * scale_cols))
   return (gX, gF, gpost_p, gcomb_p, gpre_p, gfn, g_base.astype(base.dtype),
           g_scale.astype(scale.dtype), gw)
 
@@ -304,9 +292,20 @@ def _site_bwd(static, res, g):
 _site.defvjp(_site_fwd, _site_bwd)
 
 
+def unsupported_reason(X_BxTxNxD, F_BxTxD, post_BxTxN, comb_BxTxNxN, pre_BxTxN, fn, base, scale,
+                       norm_weight, **_) -> str | None:
+  """Why the kernel cannot take these shapes (None if it can)."""
+  *_, n, d = X_BxTxNxD.shape
+  if fn.shape != ((2 + n) * n, n * d):
+    return f"fn has shape {fn.shape}, expected {((2 + n) * n, n * d)}"
+  if min(64, d & -d) < 16:
+    return f"hidden size {d} has no power-of-two chunk ≥ 16 for the site kernel"
+  return None
+
+
 def hc_site(X_BxTxNxD, F_BxTxD, post_BxTxN, comb_BxTxNxN, pre_BxTxN, fn, base, scale, norm_weight,
             *, iters: int, hc_eps: float, norm_eps: float, interpret: bool | None = None):
-  """Drop-in for `dsv41_jax.layers.mhc.hc_site`: (X', x, pre, post, comb), differentiable.
+  """Kernel of the op `hc_site`: (X', x, pre, post, comb), differentiable.
 
   `interpret=None` interprets on CPU and compiles (Triton) on GPU.
   """

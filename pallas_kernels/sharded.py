@@ -1,22 +1,24 @@
 """Run a kernel per batch shard under the ambient mesh (docs/design.md §T1, §T5).
 
 GSPMD does not partition a `pallas_call`: under a mesh it would gather its inputs onto every
-device. The kernels here are independent per token, so `over_batch(fn, batched)` runs `fn` inside
+device. The kernels are independent per batch row, so `over_batch(fn, batched)` runs `fn` inside
 `jax.shard_map` with the leading (batch) axis of the `batched` arguments and of every output split
 over the batch mesh axes, and the other arguments (parameters) replicated. Without a mesh in
-context (`jax.set_mesh`) it is `fn` itself. Only forward computations go through it: the kernels'
-custom VJPs call it for their own Pallas pieces, so no parameter gradient is formed per shard.
+context (`jax.set_mesh`) it is `fn` itself. The dispatcher (`pallas_kernels.dispatch`) wraps
+each batched kernel once, custom VJP included: the backward runs per shard too, and shard_map's
+transpose sums the replicated parameters' gradients over the shards.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Sequence
 
 import jax
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import log_once
+from pallas_kernels.notices import log_once
 
 # The mesh axes the model's logical "batch" axis maps to (dsv41_jax.sharding.RULES), restated
 # because pallas_kernels does not import the model.
@@ -31,11 +33,13 @@ def batch_axes(mesh, lead: int) -> tuple[str, ...]:
 
 
 def over_batch(fn: Callable, batched: Sequence[bool]) -> Callable:
-  """`fn(*args)` per batch shard of the ambient mesh (see module doc)."""
-  def wrapped(*args):
+  """`fn(*args, **static)` per batch shard of the ambient mesh (see module doc); `static` are
+  keyword arguments that are not arrays."""
+  @functools.wraps(fn)
+  def wrapped(*args, **static):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
-      return fn(*args)
+      return fn(*args, **static)
     lead = next(a.shape[0] for a, b in zip(args, batched) if b)
     axes = batch_axes(mesh, lead)
     full = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
@@ -44,8 +48,9 @@ def over_batch(fn: Callable, batched: Sequence[bool]) -> Callable:
                f"Pallas kernel {getattr(fn, '__name__', fn)}: batch {lead} is not split over mesh "
                f"axes {full}; splitting over {axes} only (the rest see the whole batch)")
     if not axes:
-      return fn(*args)
+      return fn(*args, **static)
     spec = P(axes)
-    return jax.shard_map(fn, in_specs=tuple(spec if b else P() for b in batched),
+    return jax.shard_map(functools.partial(fn, **static),
+                         in_specs=tuple(spec if b else P() for b in batched),
                          out_specs=spec, check_vma=False)(*args)
   return wrapped

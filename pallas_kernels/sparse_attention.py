@@ -1,6 +1,7 @@
 """Sparse attention over the SWA window ∪ the top-k compressed entries, with sink (docs/design.md §4.3, §14).
 
-Restates `dsv41_jax.layers.sparse_attention.attend` (tests compare the two) as Pallas kernels that
+The kernel of the op `sparse_attention`: restates `pallas_kernels.ops.sparse_attention.attend`
+(tests compare the two) as Pallas kernels that
 never build the [B, T, K, D] gather nor score all N entries. For query t, head h:
 
   keys   = window rows j ∈ [t − W + 1, t] with segment[j] == segment[t] > 0
@@ -25,7 +26,7 @@ Kernels:
             (the same assumption as `attend`'s "gather" form; "masked" counts a repeat once).
 
 Backend: Triton via `pl.pallas_call` with explicit `plt.CompilerParams`; `interpret=True` on CPU.
-Shapes the kernel cannot take (`unsupported_reason`) are left to the caller's XLA path.
+Shapes the kernel cannot take are named by `unsupported_reason` (the dispatcher's rule).
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ def _next_pow2(v: int) -> int:
   return 1 << max(0, (int(v) - 1).bit_length())
 
 
-def unsupported_reason(q_BxTxHxD, swa_kv_BxTxD, window: int) -> str | None:
-  """Why the kernel cannot take these shapes (None if it can)."""
+def unsupported_reason(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, global_kv_BxNxD=None,
+                       topk_BxTxK=None, *, window: int, **_) -> str | None:
+  """Why the kernel cannot take the op's arguments (None if it can)."""
   D = q_BxTxHxD.shape[-1]
   if D < 16 or D & (D - 1):
     return f"head_dim {D} is not a power of two ≥ 16 (Triton blocks)"
@@ -349,18 +351,22 @@ def _attn_bwd(static, res, cts):
 _attn.defvjp(_attn_fwd, _attn_bwd)
 
 
-def sparse_attend(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, *, window: int, scale: float,
-                  global_kv_BxNxD=None, topk_BxTxK=None, interpret: bool | None = None,
+def sparse_attend(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, global_kv_BxNxD=None,
+                  topk_BxTxK=None, *, window: int, scale: float, impl: str | None = None,
+                  query_chunk: int | None = None, interpret: bool | None = None,
                   block_h: int | None = None, block_k: int | None = None,
                   block_k_bwd: int | None = 32, num_warps: int = 4, num_stages: int = 2):
-  """Drop-in for `attend` (same arguments and results, one implementation): (o, global_probs).
+  """The op's kernel (the arguments and results of `attend`): (o, global_probs).
 
+  `impl` and `query_chunk` choose the reference's XLA form and chunking; the kernel has neither
+  intermediate, so it takes them and ignores them.
   `global_probs_BxTxK` carries no gradient (the model stops it; `attend`'s would flow to q and
   the entries). `interpret=None` interprets on CPU and compiles (Triton) on GPU.
   Key chunks: `block_k` rows in the forward (None: 64 for D ≤ 256, else 32), `block_k_bwd` in the
   backward. On the H200 at 1 × 32K, H 16, D 256 (benchmarks/RESULTS.md), 64 gave the faster
   forward (3.9 vs 4.8 ms) and 32 the faster forward + backward (34 vs 55 ms).
   """
+  del impl, query_chunk
   if (global_kv_BxNxD is None) != (topk_BxTxK is None):
     raise ValueError("global_kv_BxNxD and topk_BxTxK must be given together")
   if interpret is None:

@@ -12,14 +12,16 @@ Decode step at position t (`decode_step`), layer by layer, with the layer's weig
                   group; when t completes it, (t+1) mod m = 0, the group is pooled (`compress`),
                   normalised, rotated at g·m and written as entry g = t // m (FP4 + E4M3, and the
                   indexer key MXFP4)
-    Full/Reindex  indexer scores over the entries visible at t, g < ⌊(t+1)/m⌋ (`indexer_scores`,
-                  `entry_visible`), the candidate pool at its source and mask at its consumers
-                  (`candidate_pool`, `candidate_mask`), top-k (`select_topk`); Reuse layers reuse
-                  the latest top-k of their index source
+    Full/Reindex  the indexer's queries (`Indexer.queries`) scored over the entries visible at t,
+                  g < ⌊(t+1)/m⌋, with the candidate pool at its source and mask at its consumers,
+                  and top-k: the op `indexer_topk` (`Indexer.select`), as in training; Reuse
+                  layers reuse the latest top-k of their index source
     attention     one softmax with sink over the layer's own new key, the valid ring slots
-                  (positions t − W + 1 … t − 1) and the selected entries (`attend`, "gather": the
-                  window and the entries are both passed as gathered keys), then the output path
-  MoE site        f_pre, f_post, f_comb = ffn_hc(X); routed (dropless) + shared experts
+                  (positions t − W + 1 … t − 1) and the selected entries (the op
+                  `sparse_attention`, form "gather": the window and the entries are both passed
+                  as gathered keys), then the output path
+  MoE site        X, x, f_pre, f_post, f_comb = the single-pass site (`block.next_site`, the op
+                  `hc_site`); routed (dropless) + shared experts
   head            final_norm(collapse(X, pre_mix)) @ head → logits [B, V]
   (the plain residual, `cfg.residual == "plain"`: no sites, X ← X + F; `block.site_output`)
 
@@ -53,7 +55,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.block import (Context, StreamState, encoder_final_input, layer_forward,
+from dsv41_jax.block import (Context, StreamState, encoder_final_input, layer_forward, next_site,
                              site_coefficients, site_output)
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.inference import cache as cache_lib
@@ -61,11 +63,11 @@ from dsv41_jax.inference.cache import DecodeCache, GlobalCache, SWACache
 from dsv41_jax.layer_plan import LayerSpec
 from dsv41_jax.layers import mhc, moe_dispatch, rope
 from dsv41_jax.layers.compressor import compress
-from dsv41_jax.layers.indexer import (candidate_mask, candidate_pool, empty_candidate,
-                                      indexer_scores, select_topk)
+from dsv41_jax.layers.indexer import empty_candidate
 from dsv41_jax.layers.moe import route
-from dsv41_jax.layers.sparse_attention import attend, default_scale
-from dsv41_jax.layers.types import CompressedKV, entry_visible
+from dsv41_jax.layers.types import CompressedKV
+from pallas_kernels import dispatch
+from pallas_kernels.ops.sparse_attention import default_scale
 
 
 # --- pieces shared by prefill and decode --------------------------------------------------------
@@ -111,7 +113,7 @@ def _moe(cfg: ModelConfig, moe, x_BxTxD: jax.Array, bias_E: jax.Array) -> jax.Ar
   valid = jnp.ones(x.shape[:2], bool)
   y, _ = moe_dispatch.routed_experts(x, weights, experts, valid, moe.experts.w1[...],
                                      moe.experts.w3[...], moe.experts.w2[...], mode="dropless",
-                                     swiglu_limit=moe.limit)
+                                     swiglu_limit=moe.limit, policy=moe.grouped_matmul_policy)
   if moe.shared is not None:
     y = y + moe.shared(x)
   return y.astype(x_BxTxD.dtype)
@@ -158,9 +160,10 @@ def _attention_step(cfg, core, x_Bx1xD, c_q, pos_Bx1, t, ring: SWACache,
     K = sel_BxKxD.shape[1]
     keys = jnp.concatenate([keys, sel_BxKxD.astype(q.dtype)], axis=1)
     idx = jnp.concatenate([idx, jnp.where(sel_valid_BxK, W + jnp.arange(K), -1)], axis=1)
-  o, _ = attend(q, own, jnp.ones((B, 1), jnp.int32), core.attn.attn_sink[...], window=W,
-                scale=default_scale(cfg.head_dim), global_kv_BxNxD=keys,
-                topk_BxTxK=idx[:, None, :].astype(jnp.int32), impl="gather")
+  o, _ = dispatch.call("sparse_attention", q, own, jnp.ones((B, 1), jnp.int32),
+                       core.attn.attn_sink[...], keys, idx[:, None, :].astype(jnp.int32),
+                       policy=cfg.ops.sparse_attention, window=W,
+                       scale=default_scale(cfg.head_dim), impl="gather")
   slot = t % W
   ring = SWACache(jax.lax.dynamic_update_index_in_dim(ring.codes_BxWxD, codes, slot, axis=1),
                   jax.lax.dynamic_update_index_in_dim(ring.scales_BxWxR, scales, slot, axis=1),
@@ -172,24 +175,16 @@ def _index_step(cfg, spec: LayerSpec, pub, x, c_q, pos_Bx1, t, g: GlobalCache, m
                 pool) -> tuple[jax.Array, Any]:
   """(topk [B, K], candidate pool or the one given) of a Full / Reindex layer at position t."""
   idx = pub.indexer
-  inv_freq = jnp.asarray(idx.inv_freq)
-  q = jnp.einsum("btq,qhi->bthi", c_q, idx.wq_b[...].astype(c_q.dtype))
-  q = idx._quant(rope.apply_rope(q, pos_Bx1, inv_freq))
-  w = jnp.einsum("btd,dh->bth", x, idx.weights_proj[...].astype(x.dtype))
-  w = w.astype(jnp.float32) * (idx.n_heads ** -0.5)
+  q, w = idx.queries(x, c_q, pos_Bx1)
   k = cache_lib.read_index(g).astype(q.dtype)
   B, N = k.shape[:2]
   n = jnp.arange(N, dtype=jnp.int32)
-  meta = CompressedKV(None, None, jnp.ones((B, N), jnp.int32),
-                      jnp.broadcast_to((n + 1) * m - 1, (B, N)), jnp.broadcast_to(n * m, (B, N)))
-  vis = entry_visible(meta, jnp.ones((B, 1), jnp.int32), jnp.reshape(t, (1,)))
-  scores = indexer_scores(q, k, w)                                      # [B, 1, N]
-  cmask = None
+  # The query is row 0 of a one-token sequence at position t: entry_last shifted by −t.
+  meta = CompressedKV(None, k, jnp.ones((B, N), jnp.int32),
+                      jnp.broadcast_to((n + 1) * m - 1 - t, (B, N)), jnp.broadcast_to(n * m, (B, N)))
+  topk, _, out = idx.select(q, w, meta, jnp.ones((B, 1), jnp.int32), pool)
   if spec.candidate_role == "source":
-    pool = candidate_pool(scores, vis, cfg.candidate_block_size, cfg.candidate_topk_blocks)
-  elif spec.candidate_role == "consumer":
-    cmask = candidate_mask(pool, N, cfg.candidate_block_size)
-  topk, _ = select_topk(scores, vis, cfg.index_topk, cmask)
+    pool = out
   return topk[:, 0], pool
 
 
@@ -225,9 +220,8 @@ def _layers_step(model, X, pre, cache: DecodeCache, t, engram_ids, moe_bias_Lx2x
       sel_idx = topk[spec.index_source]
       sel, valid = _gather_main(g, sel_idx), sel_idx >= 0
     y, swa[i] = _attention_step(cfg, core, x, c_q, pos, t, swa[i], sel, valid)
-    X = site_output(X, a_post, a_comb, y)
-    f_pre, f_post, f_comb = site_coefficients(cfg, "ffn_hc", core, X, a_pre)
-    x = core.ffn_norm(mhc.collapse(X, a_pre)).astype(dt)
+    X, x, f_pre, f_post, f_comb = next_site(cfg, "ffn_hc", core.ffn_norm, core, X, y, a_post,
+                                            a_comb, a_pre)
     X = site_output(X, f_post, f_comb, _moe(cfg, core.moe, x, moe_bias_Lx2xE[i, 0]))
     pre = f_pre
   return X, pre, DecodeCache(tuple(swa), glob)

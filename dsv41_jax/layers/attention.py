@@ -9,7 +9,7 @@ G o_groups, O o_lora_rank, N compressed entries, K top-k slots):
   q[..., −r:] = RoPE(q[..., −r:], positions)
   kv  = RMSNorm_w(x @ wkv)                      [B,T,d] → [B,T,D]       K = V, one head
   kv[..., −r:] = RoPE(kv[..., −r:], positions);  kv = FakeQuantFP8(kv) if cfg.fp8_swa_kv
-  o   = attend(q, kv, window ∪ top-k entries, sink)      [B,T,H,D]      (sparse_attention.py)
+  o   = attend(q, kv, window ∪ top-k entries, sink)      [B,T,H,D]      (op `sparse_attention`)
   o[..., −r:] = RoPE⁻¹(o[..., −r:], positions)           de-rotate by the query position
   u_g = o.reshape(B,T,G,(H/G)·D)[g] @ wo_a[g]   [B,T,G,(H/G)·D] → [B,T,G,O]
   y   = concat_g(u_g) @ wo_b                    [B,T,G·O] → [B,T,d]
@@ -24,11 +24,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax import quant, sharding
+from dsv41_jax import sharding
 from dsv41_jax.layers.norm import RMSNorm, rms_norm
 from dsv41_jax.layers.rope import apply_rope, layer_inv_freq
-from dsv41_jax.layers.sparse_attention import attend, default_scale
 from dsv41_jax.layers.types import CompressedKV
+from pallas_kernels import dispatch
+from pallas_kernels.ops.sparse_attention import default_scale
 
 
 def visible_topk(topk_BxTxK: jax.Array, kv: CompressedKV, segment_ids_BxT: jax.Array) -> jax.Array:
@@ -94,7 +95,7 @@ class Attention(nnx.Module):
     kv = self.kv_norm(jnp.einsum("btd,dc->btc", x_BxTxD.astype(dt), self.wkv[...].astype(dt)))
     kv = apply_rope(kv, positions_BxT, self.inv_freq)
     if cfg.fp8_swa_kv:
-      kv = quant.fake_quant(kv, quant.fp8_swa)
+      kv = dispatch.call("fake_quant_fp8_swa", kv, policy=cfg.ops.fake_quant_fp8_swa)
     return sharding.constrain(kv, ("batch", "seq", None))
 
   def output(self, o_BxTxHxD: jax.Array, positions_BxT: jax.Array) -> jax.Array:
@@ -132,9 +133,10 @@ class Attention(nnx.Module):
     if kv is not None:
       global_kv = kv.main_kv_BxNxD.astype(q.dtype)
       topk = visible_topk(topk_BxTxK, kv, segment_ids_BxT)
-    o, global_probs = attend(q, swa, segment_ids_BxT, self.attn_sink[...],
-                             window=cfg.sliding_window, scale=default_scale(cfg.head_dim),
-                             global_kv_BxNxD=global_kv, topk_BxTxK=topk, impl=cfg.global_attn_impl,
-                             query_chunk=cfg.attn_query_chunk or None)
+    o, global_probs = dispatch.call(
+        "sparse_attention", q, swa, segment_ids_BxT, self.attn_sink[...], global_kv, topk,
+        policy=cfg.ops.sparse_attention, window=cfg.sliding_window,
+        scale=default_scale(cfg.head_dim), impl=cfg.global_attn_impl,
+        query_chunk=cfg.attn_query_chunk or None)
     o = sharding.constrain(o, ("batch", "seq", "heads", None))
     return self.output(o, positions_BxT), c_q, global_probs

@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax import quant, sharding
+from dsv41_jax import sharding
 from dsv41_jax.layers import norm, rope
+from pallas_kernels import dispatch
 
 
 def _group(a_BxTxC: jax.Array, m: int) -> jax.Array:
@@ -81,7 +82,7 @@ class Compressor(nnx.Module):
     self.m = int(spec.compress_ratio)
     self.rope_dim = cfg.qk_rope_head_dim
     self.fp4 = bool(cfg.fp4_main_kv)
-    self.kernels = cfg.kernels
+    self.policies = cfg.ops
     pdt = jnp.dtype(cfg.param_dtype)
     init = sharding.fan_in_normal((0,))
     self.wkv = sharding.param(rngs, (cfg.hidden_size, cfg.head_dim), ("embed", "kv"), init, pdt)
@@ -101,7 +102,8 @@ class Compressor(nnx.Module):
     entry_segment, entry_last, entry_pos = entry_metadata(positions_BxT, segment_ids_BxT, self.m)
     main_kv_BxNxC = rope.apply_rope(latent_BxNxC, entry_pos, inv_freq)
     if self.fp4:
-      main_kv_BxNxC = quant.fake_quant_main_kv(main_kv_BxNxC, self.kernels)
+      main_kv_BxNxC = dispatch.call("fake_quant_fp4_main_kv", main_kv_BxNxC,
+                                    policy=self.policies.fake_quant_fp4_main_kv)
     dt = x_BxTxD.dtype
     return (main_kv_BxNxC.astype(dt), latent_BxNxC.astype(dt), entry_segment, entry_last,
             entry_pos)

@@ -1,4 +1,4 @@
-"""CSA2 lightning indexer: scores, top-k, candidate pool and its KL loss (docs/design.md §5.3–5.6, §14).
+"""CSA2 lightning indexer: weights, queries, keys and the KL loss (docs/design.md §5.3–5.6, §14).
 
 Shapes (H_I index heads of width D_I, N compressed entries, K = `index_topk`):
 
@@ -6,8 +6,12 @@ Shapes (H_I index heads of width D_I, N compressed entries, K = `index_topk`):
   query:                c_q_BxTxQ ─sg─▶ ·wq_b ─▶ q_BxTxHxI ─▶ RoPE(position) ─▶ [MXFP4]
   weights:              x_BxTxD ─sg─▶ ·weights_proj ─▶ w_BxTxH · H_I^{-1/2}
   scores:               I_BxTxN = Σ_h w · ReLU(q·k) · D_I^{-1/2}, masked by causal + document
-                        visibility (`types.entry_visible`) and, at a candidate consumer, the pool
+                        visibility (`entry_visible`) and, at a candidate consumer, the pool
   top-k:                topk_BxTxK (int32, −1 where fewer entries are visible), I at those slots
+
+Scores, visibility, pool and top-k are the op `pallas_kernels.ops.indexer` (the dispatcher's
+`indexer_topk`, reference or kernel under `cfg.ops.indexer_topk`); its functions are imported
+here under their names. MXFP4 (§9.2) goes through the op `fake_quant_mxfp4`.
 
 `sg` is stop_gradient: the LM loss never trains the indexer (top-k has no gradient) and the
 indexer KL loss (§5.5) never trains the backbone; it reaches only wq_b, weights_proj, wk, k_norm.
@@ -25,78 +29,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import pallas_kernels
-from dsv41_jax import quant, sharding
+from dsv41_jax import sharding
 from dsv41_jax.layers import norm, rope
-from dsv41_jax.layers.types import CompressedKV, entry_visible
-
-
-# --- pure math -----------------------------------------------------------------------------------
-
-def indexer_scores(q_BxTxHxI: jax.Array, k_BxNxI: jax.Array, w_BxTxH: jax.Array) -> jax.Array:
-  """I_BxTxN = Σ_h w_{t,h} · ReLU(q_{t,h} · k_n) · D_I^{-1/2}, in float32 (docs/design.md §5.4)."""
-  d_i = q_BxTxHxI.shape[-1]
-  logits_BxTxHxN = jnp.einsum("bthi,bni->bthn", q_BxTxHxI, k_BxNxI,
-                              preferred_element_type=jnp.float32)
-  return jnp.einsum("bthn,bth->btn", jax.nn.relu(logits_BxTxHxN),
-                    w_BxTxH.astype(jnp.float32)) * (d_i ** -0.5)
-
-
-def select_topk(scores_BxTxN: jax.Array, visible_BxTxN: jax.Array, k: int,
-                candidate_mask_BxTxN: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-  """(topk_BxTxK int32, scores_at_topk_BxTxK float32) over the visible (and candidate) entries.
-
-  K = min(k, N). Slots past the number of selectable entries hold index −1 and score 0. The
-  indices carry no gradient; `scores_at_topk` is differentiable in `scores_BxTxN`.
-  """
-  mask = visible_BxTxN if candidate_mask_BxTxN is None else visible_BxTxN & candidate_mask_BxTxN
-  n = scores_BxTxN.shape[-1]
-  k_eff = min(k, n)
-  masked = jnp.where(mask, jax.lax.stop_gradient(scores_BxTxN).astype(jnp.float32), -jnp.inf)
-  _, idx = jax.lax.top_k(masked, k_eff)
-  valid = jnp.arange(k_eff) < jnp.sum(mask, axis=-1, dtype=jnp.int32)[..., None]
-  topk = jnp.where(valid, idx, -1).astype(jnp.int32)
-  picked = jnp.take_along_axis(scores_BxTxN.astype(jnp.float32), idx, axis=-1)
-  return topk, jnp.where(valid, picked, 0.0)
-
-
-def candidate_pool(scores_BxTxN: jax.Array, visible_BxTxN: jax.Array, block_size: int,
-                   topk_blocks: int) -> jax.Array:
-  """Selected candidate blocks [B, T, min(topk_blocks, ⌈N/bs⌉)] int32, −1 padded (docs/design.md §5.6).
-
-  Block score = max of the visible scores in each `block_size`-entry block (entries padded to a
-  multiple of the block); the block holding the newest visible entry is pinned to +∞ so it is
-  always in the pool; blocks with no visible entry are never chosen.
-  """
-  b, t, n = scores_BxTxN.shape
-  nb = -(-n // block_size)
-  pad = nb * block_size - n
-  s = jnp.where(visible_BxTxN, jax.lax.stop_gradient(scores_BxTxN).astype(jnp.float32), -jnp.inf)
-  s = jnp.pad(s, [(0, 0), (0, 0), (0, pad)], constant_values=-jnp.inf)
-  vis = jnp.pad(visible_BxTxN, [(0, 0), (0, 0), (0, pad)])
-  block_BxTxNb = jnp.max(s.reshape(b, t, nb, block_size), axis=-1)
-  has_BxTxNb = jnp.any(vis.reshape(b, t, nb, block_size), axis=-1)
-  newest = jnp.max(jnp.where(vis, jnp.arange(nb * block_size), -1), axis=-1) // block_size
-  block_BxTxNb = jnp.where(jnp.arange(nb) == newest[..., None], jnp.inf, block_BxTxNb)
-  kb = min(topk_blocks, nb)
-  _, ids = jax.lax.top_k(block_BxTxNb, kb)
-  valid = jnp.arange(kb) < jnp.sum(has_BxTxNb, axis=-1, dtype=jnp.int32)[..., None]
-  return jnp.where(valid, ids, -1).astype(jnp.int32)
+from dsv41_jax.layers.types import CompressedKV
+from pallas_kernels import dispatch
+from pallas_kernels.ops.indexer import (  # noqa: F401  (the op's math, as the model names it)
+    candidate_mask, candidate_pool, indexer_scores, select_topk)
 
 
 def empty_candidate(cfg, b: int, t: int, n: int) -> jax.Array:
   """A pool that selects nothing, shaped like `candidate_pool`'s output for N = n entries."""
   nb = -(-n // cfg.candidate_block_size)
   return jnp.full((b, t, min(cfg.candidate_topk_blocks, nb)), -1, jnp.int32)
-
-
-def candidate_mask(block_ids_BxTxK: jax.Array, n: int, block_size: int) -> jax.Array:
-  """Expand selected block ids (−1 = none) to the entry mask bool [B, T, n] a consumer applies."""
-  nb = -(-n // block_size)
-  ids = jnp.where(block_ids_BxTxK < 0, nb, block_ids_BxTxK)        # −1 → a spill slot
-  one_row = lambda i: jnp.zeros((nb + 1,), jnp.bool_).at[i].set(True)
-  blocks_BxTxNb = jax.vmap(jax.vmap(one_row))(ids)[..., :nb]
-  return jnp.repeat(blocks_BxTxNb, block_size, axis=-1)[..., :n]
 
 
 def indexer_kl_loss(scores_at_topk_BxTxK: jax.Array, topk_BxTxK: jax.Array,
@@ -127,8 +71,7 @@ class Indexer(nnx.Module):
   checkpointed `lax.map`), so the [chunk, H_I, N] logits, not [T, H_I, N], are live at once. On
   the H200 the chunk size barely changes the time (benchmarks/RESULTS.md, "CSA2 indexer"), so
   the default is small: 512 rows keep the backward's temporaries at ~2 GiB for N = 16K entries.
-  With `cfg.kernels == "pallas"` the scores and top-k run in `pallas_kernels.indexer` (see
-  `score_and_select`).
+  Scores and top-k are the op `indexer_topk` under `cfg.ops.indexer_topk` (`score_and_select`).
   """
 
   def __init__(self, cfg, spec, rngs: nnx.Rngs, *, query_chunk: int = 512):
@@ -143,9 +86,7 @@ class Indexer(nnx.Module):
     self.topk_blocks = cfg.candidate_topk_blocks
     self.fp4 = bool(cfg.fp4_indexer)
     self.query_chunk = int(query_chunk)
-    self.kernels = cfg.kernels
-    if self.kernels == "pallas" and (reason := pallas_kernels.backend_reason()) is not None:
-      raise ValueError(f"kernels='pallas': {reason}")
+    self.policies = cfg.ops
     self.inv_freq = tuple(float(f) for f in rope.layer_inv_freq(cfg, spec))
     pdt = jnp.dtype(cfg.param_dtype)
     init = sharding.fan_in_normal((0,))
@@ -158,8 +99,11 @@ class Indexer(nnx.Module):
                                init, pdt)
       self.k_norm = norm.RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps, rngs, param_dtype=pdt)
 
-  def _quant(self, a):
-    return quant.fake_quant(a, quant.mxfp4) if self.fp4 else a
+  def quantize(self, a: jax.Array) -> jax.Array:
+    """MXFP4 fake quantization of q or k when `cfg.fp4_indexer` (the op `fake_quant_mxfp4`)."""
+    if not self.fp4:
+      return a
+    return dispatch.call("fake_quant_mxfp4", a, policy=self.policies.fake_quant_mxfp4)
 
   def keys(self, latent_BxNxC: jax.Array, entry_pos_BxN: jax.Array,
            inv_freq=None) -> jax.Array:
@@ -171,7 +115,7 @@ class Indexer(nnx.Module):
     latent = jax.lax.stop_gradient(latent_BxNxC)
     k = jnp.einsum("bnc,ci->bni", latent, self.wk[...].astype(latent.dtype))
     k = rope.apply_rope(self.k_norm(k), entry_pos_BxN, np.asarray(inv_freq))
-    return self._quant(k).astype(latent.dtype)
+    return self.quantize(k).astype(latent.dtype)
 
   def __call__(self, x_BxTxD: jax.Array, c_q_BxTxQ: jax.Array, *, positions: jax.Array,
                segment_ids: jax.Array, kv: CompressedKV, candidate: jax.Array | None = None,
@@ -184,74 +128,37 @@ class Indexer(nnx.Module):
     if self.candidate_role == "consumer" and candidate is None:
       raise ValueError("a candidate consumer needs the source layer's candidate pool "
                        "(docs/design.md §5.6)")
+    q, w = self.queries(x_BxTxD, c_q_BxTxQ, positions, inv_freq)
+    return self.select(q, w, kv, segment_ids, candidate, query_chunk=self.query_chunk)
+
+  def queries(self, x_BxTxD: jax.Array, c_q_BxTxQ: jax.Array, positions: jax.Array,
+              inv_freq=None) -> tuple[jax.Array, jax.Array]:
+    """(q_BxTxHxI, w_BxTxH): RoPE'd (and MXFP4) index queries and float32 head weights."""
     inv_freq = np.asarray(self.inv_freq if inv_freq is None else inv_freq)
     c_q = jax.lax.stop_gradient(c_q_BxTxQ)
     x = jax.lax.stop_gradient(x_BxTxD)
     q = jnp.einsum("btq,qhi->bthi", c_q, self.wq_b[...].astype(c_q.dtype))
-    q = self._quant(rope.apply_rope(q, positions, inv_freq))
+    q = self.quantize(rope.apply_rope(q, positions, inv_freq))
     w = jnp.einsum("btd,dh->bth", x, self.weights_proj[...].astype(x.dtype))
-    w = w.astype(jnp.float32) * (self.n_heads ** -0.5)
+    return q, w.astype(jnp.float32) * (self.n_heads ** -0.5)
+
+  def select(self, q_BxTxHxI, w_BxTxH, kv: CompressedKV, segment_ids, candidate=None, *,
+             query_chunk: int | None = None):
+    """(topk, scores_at_topk, candidate_out) of these queries: the op `indexer_topk`."""
     cand_in = candidate if self.candidate_role == "consumer" else None
-    return score_and_select(q, w, kv, segment_ids, k=self.topk, candidate=cand_in,
+    return score_and_select(q_BxTxHxI, w_BxTxH, kv, segment_ids, k=self.topk, candidate=cand_in,
                             make_pool=self.candidate_role == "source",
                             block_size=self.block_size, topk_blocks=self.topk_blocks,
-                            query_chunk=self.query_chunk, kernels=self.kernels)
+                            query_chunk=query_chunk, policy=self.policies.indexer_topk)
 
 
 def score_and_select(q_BxTxHxI, w_BxTxH, kv: CompressedKV, segment_ids_BxT, *, k: int,
                      candidate=None, make_pool: bool = False, block_size: int = 8,
-                     topk_blocks: int = 1, query_chunk: int | None = None, kernels: str = "xla"):
-  """Scores, visibility, optional pool, top-k for all queries, `query_chunk` rows at a time.
-
-  Returns (topk_BxTxK, scores_at_topk_BxTxK, pool_block_ids or None). Chunking changes memory,
-  never results. kernels="pallas": the scores and top-k come from the kernel
-  (`pallas_kernels.indexer`, never the [rows, H_I, N] logits) and scores_at_topk from the k
-  selected entries; the candidate pool and shapes the kernel cannot take run here, after a
-  one-time log line.
-  """
-  if kernels == "pallas":
-    reason = ("the candidate pool (docs/design.md §5.6) has no kernel"
-              if make_pool or candidate is not None
-              else pallas_kernels.unsupported("indexer_score_and_select", q_BxTxHxI, kv.index_k_BxNxI))
-    if reason is None:
-      topk, picked = pallas_kernels.kernel("indexer_score_and_select")(
-          q_BxTxHxI, w_BxTxH, kv.index_k_BxNxI, kv.entry_segment_BxN, kv.entry_last_BxN,
-          segment_ids_BxT, k=k, query_chunk=query_chunk)
-      return topk, picked, None
-    pallas_kernels.note_fallback("indexer_score_and_select", reason)
-  b, t = segment_ids_BxT.shape
-  n = kv.index_k_BxNxI.shape[1]
-
-  def one(q, w, seg, rows, cand):
-    scores = indexer_scores(q, kv.index_k_BxNxI, w)
-    vis = entry_visible(kv, seg, rows)
-    pool = candidate_pool(scores, vis, block_size, topk_blocks) if make_pool else None
-    cmask = None if cand is None else candidate_mask(cand, n, block_size)
-    topk, picked = select_topk(scores, vis, k, cmask)
-    return topk, picked, pool
-
-  rows = jnp.arange(t, dtype=jnp.int32)
-  c = t if not query_chunk or query_chunk >= t else int(query_chunk)
-  if c == t:
-    return one(q_BxTxHxI, w_BxTxH, segment_ids_BxT, rows, candidate)
-  nc = -(-t // c)
-  pad = nc * c - t
-
-  def chunks(a, fill=0):
-    if a is None:
-      return None
-    a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
-    return jnp.moveaxis(a.reshape(b, nc, c, *a.shape[2:]), 1, 0)
-
-  xs = (chunks(q_BxTxHxI), chunks(w_BxTxH), chunks(segment_ids_BxT),
-        jnp.arange(nc * c, dtype=jnp.int32).reshape(nc, c), chunks(candidate, -1))
-  body = jax.checkpoint(lambda a: one(*a))
-  out = jax.lax.map(body, xs)
-
-  def unchunk(a):
-    if a is None:
-      return None
-    a = jnp.moveaxis(a, 0, 1)
-    return a.reshape(b, nc * c, *a.shape[3:])[:, :t]
-
-  return tuple(unchunk(a) for a in out)
+                     topk_blocks: int = 1, query_chunk: int | None = None,
+                     policy: str = "reference"):
+  """The op `indexer_topk` (`pallas_kernels.ops.indexer.score_and_select`) on a `CompressedKV`,
+  under `policy`: (topk_BxTxK, scores_at_topk_BxTxK, pool block ids or None)."""
+  return dispatch.call("indexer_topk", q_BxTxHxI, w_BxTxH, kv.index_k_BxNxI, kv.entry_segment_BxN,
+                       kv.entry_last_BxN, segment_ids_BxT, candidate, policy=policy, k=k,
+                       make_pool=make_pool, block_size=block_size, topk_blocks=topk_blocks,
+                       query_chunk=query_chunk)

@@ -1,23 +1,11 @@
-"""mHC residual stream: coefficients, Sinkhorn projection, collapse and expand (docs/design.md §3.2–3.4).
+"""mHC sites: parameters, initialisation and the single-pass start (docs/design.md §3.2–3.4).
 
-The hidden state is n = hc_mult residual streams X [B, T, n, d]. Each sublayer site ("attn",
-"ffn") owns `fn` [(2+n)n, n·d], `base` [(2+n)n] and `scale` [3] and turns X into three
-token-dependent coefficient sets, in the exact DeepSeek form (§3.2):
-
-  x̂    = X.reshape(B, T, n·d)                       float32
-  ρ    = rsqrt(mean(x̂², -1) + rms_norm_eps)         unweighted RMS over all n·d channels
-  mix  = (x̂ @ fnᵀ) · ρ                              [B, T, (2+n)n]
-  pre  = sigmoid(mix[:n] · scale[0] + base[:n]) + hc_eps             [B, T, n]
-  post = 2 · sigmoid(mix[n:2n] · scale[1] + base[n:2n])              [B, T, n]
-  comb = sinkhorn_project(mix[2n:].reshape(n, n) · scale[2] + base[2n:].reshape(n, n))
-                                                                     [B, T, n, n], comb[j, k]
-
-The sublayer then reads `collapse(X, pre) = Σ_i pre_i X_i` [B, T, d] and writes
-`expand(X, post, comb, F) = X'` with X'_k = post_k · F + Σ_j comb[j, k] · X_j (combᵀ X).
+The math (coefficients `hc_coefficients`, `sinkhorn_project`, `collapse`, `expand` and the whole
+single-pass site `hc_site`) is the op module `pallas_kernels.ops.mhc`, whose docstring has the
+equations; its names are imported here so the model reads them as `mhc.collapse` etc. Each
+sublayer site ("attn", "ffn") owns `fn` [(2+n)n, n·d], `base` [(2+n)n] and `scale` [3].
 V4.1's single-pass schedule (§3.3) collapses with the previous site's `pre`, starting from
-`initial_pre(n)` = e_0; that wiring lives in the block, not here. `hc_site` composes one
-single-pass site (previous expand, this site's coefficients, collapse + sublayer norm) as one
-function: the fused Pallas kernel `pallas_kernels.mhc_site.hc_site` computes exactly that.
+`initial_pre(n)` = e_0; that wiring lives in the block (`dsv41_jax/block.py`), not here.
 """
 
 from __future__ import annotations
@@ -27,84 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import pallas_kernels
 from dsv41_jax import sharding
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.layers.norm import rms_norm
-
-_HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def sinkhorn_project(logits_NxN: jax.Array, iters: int, eps: float) -> jax.Array:
-  """Near-doubly-stochastic matrix from logits [..., n, n] (DeepSeek's `hc_split_sinkhorn`).
-
-  Row softmax + eps, a column normalisation, then (iters − 1) alternations of row and column
-  normalisation, each dividing by (sum + eps). Float32 in, float32 out.
-  """
-  comb = jax.nn.softmax(logits_NxN, axis=-1) + eps
-  comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
-
-  def alternation(_, comb):
-    comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + eps)
-    return comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
-
-  # A loop, not unrolled: a quarter of the train step's kernels were these alternations.
-  return jax.lax.fori_loop(0, iters - 1, alternation, comb)
-
-
-def hc_coefficients(X_BxTxNxD: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *,
-                    iters: int, hc_eps: float, norm_eps: float
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(pre_BxTxN, post_BxTxN, comb_BxTxNxN) of one mHC site, float32 (§3.2; see module doc)."""
-  *lead, n, d = X_BxTxNxD.shape
-  x = X_BxTxNxD.reshape(*lead, n * d).astype(jnp.float32)
-  rho = jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + norm_eps)
-  mix = jnp.einsum("...k,mk->...m", x, fn.astype(jnp.float32), precision=_HIGHEST) * rho
-  base = base.astype(jnp.float32)
-  scale = scale.astype(jnp.float32)
-  pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
-  post = 2.0 * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
-  logits = (mix[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*lead, n, n)
-  return pre, post, sinkhorn_project(logits, iters, hc_eps)
-
-
-def collapse(X_BxTxNxD: jax.Array, pre_BxTxN: jax.Array) -> jax.Array:
-  """Sublayer input Σ_i pre_i · X_i [B, T, d] (float32 math, X's dtype out); pre may be [n]."""
-  y = jnp.einsum("...nd,...n->...d", X_BxTxNxD.astype(jnp.float32), pre_BxTxN.astype(jnp.float32),
-                 precision=_HIGHEST)
-  return y.astype(X_BxTxNxD.dtype)
-
-
-def expand(X_BxTxNxD: jax.Array, post_BxTxN: jax.Array, comb_BxTxNxN: jax.Array,
-           f_out_BxTxD: jax.Array) -> jax.Array:
-  """New streams X'_k = post_k · F + Σ_j comb[j, k] · X_j (combᵀ X), X's dtype out."""
-  mixed = jnp.einsum("...jk,...jd->...kd", comb_BxTxNxN.astype(jnp.float32),
-                     X_BxTxNxD.astype(jnp.float32), precision=_HIGHEST)
-  out = post_BxTxN.astype(jnp.float32)[..., None] * f_out_BxTxD.astype(jnp.float32)[..., None, :]
-  return (out + mixed).astype(X_BxTxNxD.dtype)
-
-
-def hc_site(X_BxTxNxD: jax.Array, F_BxTxD: jax.Array, post_BxTxN: jax.Array,
-            comb_BxTxNxN: jax.Array, pre_BxTxN: jax.Array, fn: jax.Array, base: jax.Array,
-            scale: jax.Array, norm_weight: jax.Array, *, iters: int, hc_eps: float,
-            norm_eps: float) -> tuple[jax.Array, ...]:
-  """One single-pass site (§3.3) in one function, the math of the fused site kernel.
-
-  X [B,T,n,d] are the streams entering the PREVIOUS site, F [B,T,d] that site's sublayer output
-  and (post, comb, pre) its coefficients; fn/base/scale are THIS site's parameters and
-  norm_weight its sublayer norm (attn_norm / ffn_norm):
-
-    X'   = expand(X, post, comb, F)                          [B,T,n,d], X's dtype
-    x    = rms_norm(collapse(X', pre), norm_weight)          [B,T,d], X's dtype (sublayer input)
-    pre', post', comb' = hc_coefficients(X', fn, base, scale)   this site's coefficients
-
-  Returns (X', x, pre', post', comb'). A model's first site has no previous expand: F = 0,
-  post = 0, comb = I reproduce X exactly, with pre = `initial_pre(n)`.
-  """
-  X_new = expand(X_BxTxNxD, post_BxTxN, comb_BxTxNxN, F_BxTxD)
-  x = rms_norm(collapse(X_new, pre_BxTxN), norm_weight, norm_eps)
-  return (X_new, x, *hc_coefficients(X_new, fn, base, scale, iters=iters, hc_eps=hc_eps,
-                                     norm_eps=norm_eps))
+from pallas_kernels import dispatch
+from pallas_kernels.ops.mhc import (  # noqa: F401  (the op's math, as the model names it)
+    collapse, expand, hc_coefficients, hc_mix, hc_site, sinkhorn_project)
 
 
 def initial_pre(n: int) -> jax.Array:
@@ -123,7 +38,8 @@ class MHCSite(nnx.Module):
 
   fn [(2+n)n, n·d] logical axes ("hc_mix", "embed"), init N(0, hc_init_fn_std²);
   base [(2+n)n] ("hc_mix",), init `init_base`; scale [3] ("hc",), init 1.
-  `__call__(X_BxTxNxD) -> (pre, post, comb)`; `cfg.kernels` picks the XLA or the Pallas path.
+  `__call__(X_BxTxNxD) -> (pre, post, comb)`: the op `hc_coefficients` under `cfg.ops`;
+  `site(X, F, post, comb, pre, norm_weight)`: the whole single-pass site, the op `hc_site`.
   """
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -132,7 +48,7 @@ class MHCSite(nnx.Module):
     self.iters = cfg.hc_sinkhorn_iters
     self.hc_eps = cfg.hc_eps
     self.norm_eps = cfg.rms_norm_eps
-    self.kernels = cfg.kernels
+    self.policies = cfg.ops
     self.fn = sharding.param(rngs, ((2 + n) * n, n * d), ("hc_mix", "embed"),
                              sharding.normal(cfg.hc_init_fn_std))
     self.base = sharding.param(rngs, ((2 + n) * n,), ("hc_mix",), sharding.constant(
@@ -140,6 +56,16 @@ class MHCSite(nnx.Module):
     self.scale = sharding.param(rngs, (3,), ("hc",), sharding.constant(1.0))
 
   def __call__(self, X_BxTxNxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    coefficients = pallas_kernels.select("hc_coefficients", self.kernels, hc_coefficients)
-    return coefficients(X_BxTxNxD, self.fn[...], self.base[...], self.scale[...],
-                        iters=self.iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps)
+    return dispatch.call("hc_coefficients", X_BxTxNxD, self.fn[...], self.base[...],
+                         self.scale[...], policy=self.policies.hc_coefficients, iters=self.iters,
+                         hc_eps=self.hc_eps, norm_eps=self.norm_eps)
+
+  def site(self, X_BxTxNxD: jax.Array, F_BxTxD: jax.Array, post_BxTxN: jax.Array,
+           comb_BxTxNxN: jax.Array, pre_BxTxN: jax.Array, norm_weight: jax.Array
+           ) -> tuple[jax.Array, ...]:
+    """(X', x, pre', post', comb') of the single-pass site (`ops.mhc.hc_site`): the previous
+    site's expand of X with F, this site's coefficients and the collapse + sublayer norm."""
+    return dispatch.call("hc_site", X_BxTxNxD, F_BxTxD, post_BxTxN, comb_BxTxNxN, pre_BxTxN,
+                         self.fn[...], self.base[...], self.scale[...], norm_weight,
+                         policy=self.policies.hc_site, iters=self.iters, hc_eps=self.hc_eps,
+                         norm_eps=self.norm_eps)

@@ -11,10 +11,10 @@ Pairs are ordered slot-major, `p = k·N + n` (every token's first choice before 
 and stably sorted by expert; that order is also the capacity priority.
 
 Modes (`cfg.moe_dispatch`):
-- `dropless`: exact. Sorted pairs go through one grouped GEMM per weight (`grouped_matmul`):
-  `jax.lax.ragged_dot` (the exact reference; the default off the GPU) or, on a Hopper GPU, the
-  Mosaic GPU grouped GEMM with its own backward (`pallas_kernels.grouped_matmul`, docs/design.md §T7);
-  `impl="auto"` picks by backend.
+- `dropless`: exact. Sorted pairs go through one grouped GEMM per weight, the op `grouped_matmul`
+  of the dispatcher under `policy` (`cfg.ops.grouped_matmul`): `jax.lax.ragged_dot` (the op's
+  reference) or the Mosaic GPU grouped GEMM with its own backward (`pallas_kernels.grouped_matmul`,
+  docs/design.md §T7), which "auto" takes on a Hopper GPU.
 - `capacity`: each expert takes at most `C = min(n, ceil(capacity_factor · n·K / E))` pairs of the
   n tokens of one batch shard (one device; the whole batch without a mesh), in the slot-major
   order above; the rest are dropped and contribute nothing for that expert (the other selected
@@ -49,11 +49,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels
 from dsv41_jax import sharding
+from pallas_kernels import dispatch
 
 MODES = ("dropless", "capacity")
-GROUPED_MATMUL_IMPLS = ("auto", "ragged_dot", "mosaic_gpu")
 
 
 def clamped_swiglu(a, u, limit: float):
@@ -77,45 +76,18 @@ def _concrete(x):
     return None
 
 
-def resolve_grouped_matmul_impl(impl: str) -> str:
-  """"auto" -> "mosaic_gpu" on a GPU backend, else "ragged_dot"; other values pass through."""
-  if impl not in GROUPED_MATMUL_IMPLS:
-    raise ValueError(f"grouped_matmul impl {impl!r} is not one of {GROUPED_MATMUL_IMPLS}")
-  if impl == "auto":
-    return "mosaic_gpu" if jax.default_backend() == "gpu" else "ragged_dot"
-  return impl
-
-
-def grouped_matmul(x_sorted_PxD, w_ExDxF, group_sizes_E, impl: str = "auto"):
+def grouped_matmul(x_sorted_PxD, w_ExDxF, group_sizes_E, policy: str = "auto"):
   """Rows [Σ_{e'<e} g_e', Σ_{e'≤e} g_e') of x times w[e]; rows past Σ g are zero. Float32 out.
 
-  The one place the GPU grouped GEMM swaps in (docs/design.md §T7). `ragged_dot` is the exact XLA
-  form (jax's own VJP); `mosaic_gpu` is `pallas_kernels.grouped_matmul` (forward, input and
-  weight gradients as Hopper kernels under a custom VJP; the backward rounds the cotangent to x's
-  dtype before its two products). Where the kernels cannot run (`unsupported_reason`), `ragged_dot`
-  runs and the reason is logged once. Group sizes that are negative or sum past P raise
-  ValueError when concrete and make the product NaN when traced.
+  The op `grouped_matmul` (`pallas_kernels.ops.grouped_matmul`, docs/design.md §T7) under
+  `policy`. Group sizes that are negative or sum past P raise ValueError when concrete and make
+  the product NaN when traced.
   """
-  impl = resolve_grouped_matmul_impl(impl)
-  w = w_ExDxF.astype(x_sorted_PxD.dtype)
-  sizes = group_sizes_E.astype(jnp.int32)
-  n_rows = x_sorted_PxD.shape[0]
-  if impl == "mosaic_gpu":
-    reason = pallas_kernels.unsupported("grouped_matmul", x_sorted_PxD, w)
-    if reason is None:
-      return pallas_kernels.kernel("grouped_matmul")(x_sorted_PxD, w, sizes)
-    pallas_kernels.note_fallback("grouped_matmul", reason)
-  known = _concrete(sizes)
-  if known is not None and ((known < 0).any() or known.astype(np.int64).sum() > n_rows):
-    raise ValueError(f"group sizes must be >= 0 and sum to at most the {n_rows} rows (min "
-                     f"{known.min()}, sum {known.astype(np.int64).sum()})")
-  bad = jnp.any(sizes < 0) | jnp.any(sizes > n_rows) | (jnp.sum(jnp.clip(sizes, 0, n_rows)) > n_rows)
-  y = jax.lax.ragged_dot(x_sorted_PxD, w, sizes, preferred_element_type=jnp.float32)
-  return jnp.where(bad, jnp.nan, y)
+  return dispatch.call("grouped_matmul", x_sorted_PxD, w_ExDxF, group_sizes_E, policy=policy)
 
 
 def grouped_ffn(x_sorted_PxD, weight_P, w1, w3, w2, group_sizes_E, limit: float,
-                impl: str = "auto"):
+                policy: str = "auto"):
   """Clamped SwiGLU experts over expert-sorted rows (grouped GEMMs), each row's activation times
   its routing weight before W2; float32 [P, D].
 
@@ -124,9 +96,9 @@ def grouped_ffn(x_sorted_PxD, weight_P, w1, w3, w2, group_sizes_E, limit: float,
   f = w1.shape[-1]
   dt = x_sorted_PxD.dtype
   w13 = jnp.concatenate([w1.astype(dt), w3.astype(dt)], axis=-1)
-  au = grouped_matmul(x_sorted_PxD, w13, group_sizes_E, impl)
+  au = grouped_matmul(x_sorted_PxD, w13, group_sizes_E, policy)
   h = (clamped_swiglu(au[:, :f], au[:, f:], limit) * weight_P[:, None]).astype(dt)
-  return grouped_matmul(h, w2, group_sizes_E, impl)
+  return grouped_matmul(h, w2, group_sizes_E, policy)
 
 
 def batched_ffn(x_ExCxD, weight_ExC, w1, w3, w2, limit: float):
@@ -251,7 +223,7 @@ def _capacity_local(x_NxD, weights_NxK, experts_NxK, valid_N, n_experts: int, ca
 
 # --- expert-parallel exchanges (run inside shard_map) -------------------------------------------
 
-def _ep_sorted_ffn(w1, w3, w2, *, n_experts: int, n_tokens: int, k: int, limit: float, impl: str,
+def _ep_sorted_ffn(w1, w3, w2, *, n_experts: int, n_tokens: int, k: int, limit: float, policy: str,
                    expert_axis, n_shards: int, tensor_axis):
   """`sorted_ffn` that ships sorted rows to the experts' owners and back (dropless, exact)."""
   e_loc = n_experts // n_shards
@@ -275,7 +247,7 @@ def _ep_sorted_ffn(w1, w3, w2, *, n_experts: int, n_tokens: int, k: int, limit: 
     order = jnp.argsort(recv_e, stable=True)
     inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     sizes = jnp.zeros((e_loc + 1,), jnp.int32).at[recv_e].add(1)[:e_loc]
-    y = grouped_ffn(recv_x[order], recv_w[order], w1, w3, w2, sizes, limit, impl)
+    y = grouped_ffn(recv_x[order], recv_w[order], w1, w3, w2, sizes, limit, policy)
     if tensor_axis is not None:
       y = jax.lax.psum(y, tensor_axis)
     y = y[inv].astype(x_sorted_PxD.dtype).reshape(n_shards, s, d)
@@ -313,7 +285,7 @@ def _ep_buffer_ffn(w1, w3, w2, *, n_experts: int, limit: float, expert_axis, n_s
 # --- entry point --------------------------------------------------------------------------------
 
 def _dispatch_shard(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1, w3, w2, *, mode: str,
-                    capacity_factor: float, limit: float, impl: str, expert_axis,
+                    capacity_factor: float, limit: float, policy: str, expert_axis,
                     n_shards: int, tensor_axis):
   b, t, d = x_BxTxD.shape
   k = experts_BxTxK.shape[-1]
@@ -331,11 +303,11 @@ def _dispatch_shard(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1, w3, w2
   if mode == "dropless":
     if exchange:
       ffn = _ep_sorted_ffn(w1, w3, w2, n_experts=n_experts, n_tokens=n, k=k, limit=limit,
-                           impl=impl, expert_axis=expert_axis, n_shards=n_shards,
+                           policy=policy, expert_axis=expert_axis, n_shards=n_shards,
                            tensor_axis=tensor_axis)
     else:
       def ffn(xs, ws, es, gs):
-        y = grouped_ffn(xs, ws, w1, w3, w2, gs, limit, impl)
+        y = grouped_ffn(xs, ws, w1, w3, w2, gs, limit, policy)
         return jax.lax.psum(y, tensor_axis) if tensor_axis is not None else y
     y, dropped = _dropless_local(x, g, e, valid, n_experts, ffn)
   else:
@@ -360,7 +332,7 @@ def _mesh_axes(mesh, logical: str) -> tuple[str, ...] | None:
 
 def routed_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1_ExDxF, w3_ExDxF,
                    w2_ExFxD, *, mode: str = "dropless", capacity_factor: float = 1.25,
-                   swiglu_limit: float = 10.0, impl: str = "auto", mesh=None):
+                   swiglu_limit: float = 10.0, policy: str = "auto", mesh=None):
   """Σ_{k} g_{t,k} · E_{e_{t,k}}(x_t) over the routed pairs of the valid tokens.
 
   Args:
@@ -369,7 +341,7 @@ def routed_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1_ExDxF, w
     valid_BxT: False for padding tokens, which are not dispatched (their routed output is 0).
     w1_ExDxF, w3_ExDxF, w2_ExFxD: routed expert weights (cast to x's dtype).
     mode: "dropless" or "capacity" (module docstring).
-    impl: the grouped GEMM of `dropless` (`grouped_matmul`); "auto" picks by backend.
+    policy: the op `grouped_matmul`'s policy for `dropless` ("auto" | "reference" | "kernel").
     mesh: a Mesh / AbstractMesh; None takes the context mesh (`jax.set_mesh`), none = local.
   Returns:
     (y_BxTxD float32, dropped_BxTxK bool): dropped marks valid pairs that capacity removed.
@@ -382,8 +354,8 @@ def routed_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1_ExDxF, w
     if ((ids < 0) | (ids >= w1_ExDxF.shape[0])).any():
       raise ValueError(f"expert ids of valid tokens must lie in [0, {w1_ExDxF.shape[0]}); got "
                        f"min {ids.min()}, max {ids.max()}")
-  impl = resolve_grouped_matmul_impl(impl)
-  kw = dict(mode=mode, capacity_factor=capacity_factor, limit=swiglu_limit, impl=impl)
+  dispatch.check_policy("grouped_matmul", policy)
+  kw = dict(mode=mode, capacity_factor=capacity_factor, limit=swiglu_limit, policy=policy)
   args = (x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1_ExDxF, w3_ExDxF, w2_ExFxD)
   if mesh is None:
     mesh = jax.sharding.get_abstract_mesh()

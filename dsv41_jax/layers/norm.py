@@ -1,7 +1,7 @@
-"""RMSNorm (docs/design.md §3.2 collapse -> `attn_norm` / `ffn_norm`, the q/kv/compressor/indexer norms).
+"""RMSNorm weights (docs/design.md §3.2 collapse -> `attn_norm` / `ffn_norm`, the q/kv/compressor/indexer norms).
 
-y = x · rsqrt(mean(x², -1) + eps) · weight, computed in float32 and cast back to x's dtype.
-V4.1 uses eps = rms_norm_eps = 1e-20 (docs/design.md §1). `weight=None` gives the unweighted form.
+The math is the op `pallas_kernels.ops.norm.rms_norm` (float32, x's dtype out); the module holds
+the weight.
 """
 
 from __future__ import annotations
@@ -11,15 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax import sharding
-
-
-def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
-  """RMS-normalise the last axis of `x` (float32 math), times `weight` if given; x's dtype out."""
-  x32 = x.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-  if weight is not None:
-    y = y * weight.astype(jnp.float32)
-  return y.astype(x.dtype)
+from pallas_kernels.ops.norm import rms_norm
 
 
 class RMSNorm(nnx.Module):

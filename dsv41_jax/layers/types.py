@@ -6,6 +6,8 @@ from typing import NamedTuple
 
 import jax
 
+from pallas_kernels.ops import indexer as ops_indexer
+
 
 class CompressedKV(NamedTuple):
   """What a CSA2 Full layer publishes for the layers that share it (docs/design.md §5.2–5.3, §14).
@@ -23,15 +25,7 @@ class CompressedKV(NamedTuple):
 
 def entry_visible(kv: CompressedKV, segment_ids_BxT: jax.Array,
                   query_rows_T: jax.Array | None = None) -> jax.Array:
-  """Bool [B, T, N]: compressed entry g is visible to query t (docs/design.md §5.2 causality + §14).
-
-  Visible iff the group is complete by t, (g+1)·m − 1 ≤ t, and all of its tokens lie in t's
-  document (padding, segment 0, sees nothing). `query_rows_T` gives the row index of each query
-  when the queries are a chunk of the row (default: rows 0 … T−1).
-  """
-  import jax.numpy as jnp
-  t = (jnp.arange(segment_ids_BxT.shape[1], dtype=jnp.int32) if query_rows_T is None
-       else query_rows_T.astype(jnp.int32))
-  complete = kv.entry_last_BxN[:, None, :] <= t[None, :, None]
-  same_doc = kv.entry_segment_BxN[:, None, :] == segment_ids_BxT[:, :, None]
-  return complete & same_doc & (segment_ids_BxT[:, :, None] > 0)
+  """Bool [B, T, N]: entry visible to query (the op `pallas_kernels.ops.indexer.entry_visible`
+  on the entries' metadata; docs/design.md §5.2 causality + §14)."""
+  return ops_indexer.entry_visible(kv.entry_segment_BxN, kv.entry_last_BxN, segment_ids_BxT,
+                                   query_rows_T)

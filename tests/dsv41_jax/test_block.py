@@ -42,7 +42,7 @@ from optim.table import flatten_params, path_str
 from tests.dsv41_jax.layers.test_attention import np_rms, np_rope
 from tests.dsv41_jax.layers.test_mhc import ref_hc
 from tests.dsv41_jax.layers.test_moe import np_moe, np_route
-from tests.dsv41_jax.layers.test_sparse_attention import np_attend
+from tests.pallas_kernels.ops.test_sparse_attention import np_attend
 
 N_LAYERS, B, T = 4, 2, 12
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax import quant
+from pallas_kernels import dispatch
 
 F4 = ml_dtypes.float4_e2m1fn
 F8 = ml_dtypes.float8_e4m3fn
@@ -177,12 +178,12 @@ def test_fake_quant_bfloat16_forward_exact():
   _assert_bitwise(y.astype(jnp.float32), ref_fp4_main_kv(np.asarray(x, np.float32)))
 
 
-def test_fake_quant_main_kv_switch_xla_is_reference():
+def test_fake_quant_main_kv_op_reference_policy():
   x = jnp.asarray(_kv_like(np.random.default_rng(5), (4, 32), 16))
-  _assert_bitwise(jax.jit(quant.fake_quant_main_kv, static_argnums=1)(x, "xla"),
-                  ref_fp4_main_kv(np.asarray(x)))
-  with pytest.raises(ValueError, match="kernels must be"):
-    quant.fake_quant_main_kv(x, "cuda")
+  op = lambda v, policy: dispatch.call("fake_quant_fp4_main_kv", v, policy=policy)  # noqa: E731
+  _assert_bitwise(jax.jit(op, static_argnums=1)(x, "reference"), ref_fp4_main_kv(np.asarray(x)))
+  with pytest.raises(ValueError, match="op fake_quant_fp4_main_kv: policy 'cuda' is not one of"):
+    op(x, "cuda")
 
 
 # --- stored sizes (docs/design.md §10) ------------------------------------------------------------

@@ -1,11 +1,11 @@
-"""pallas_kernels/csa2_attention.py (interpret mode) against dsv41_jax.layers.sparse_attention.attend_reference."""
+"""pallas_kernels/csa2_attention.py (interpret mode) against pallas_kernels.ops.sparse_attention.attend_reference."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax.layers import sparse_attention as sa
+from pallas_kernels.ops import sparse_attention as sa
 from pallas_kernels import csa2_attention as ca
 from tests.pallas_kernels.test_sparse_attention import W, _inputs
 

@@ -1,4 +1,4 @@
-"""pallas_kernels/fake_quant.py (interpret mode) against dsv41_jax.quant and the ml_dtypes casts."""
+"""pallas_kernels/fake_quant.py (interpret mode) against the op pallas_kernels.ops.quant and the ml_dtypes casts."""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +6,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import pallas_kernels
 from dsv41_jax import quant
+from pallas_kernels import dispatch
 from pallas_kernels import fake_quant as fq
 
 REFERENCE = {"fp4_main_kv": quant.fp4_main_kv, "mxfp4": quant.mxfp4, "fp8_swa": quant.fp8_swa}
@@ -88,8 +88,8 @@ def test_switch_forward_and_straight_through_gradient(name, fmt):
   rng = np.random.default_rng(4)
   x = jnp.asarray(_inputs(fmt, 5, 6).reshape(3, -1))
   w = jnp.asarray(rng.standard_normal(x.shape).astype(np.float32))
-  kern = pallas_kernels.select(name, "pallas", None)
-  assert kern is getattr(fq, name)
+  impl, kern = dispatch.choose(f"fake_quant_{fmt}", "kernel", x)
+  assert impl == f"pallas_kernels.fake_quant:{name}" and kern.__wrapped__ is getattr(fq, name)
   ref = lambda v: quant.fake_quant(v, REFERENCE[fmt])  # noqa: E731
   _bits_equal(kern(x), ref(x))
   g_kernel = jax.jit(jax.grad(lambda v: jnp.sum(w * kern(v))))(x)
@@ -97,12 +97,12 @@ def test_switch_forward_and_straight_through_gradient(name, fmt):
   _bits_equal(jax.grad(lambda v: jnp.sum(w * ref(v)))(x), w)
 
 
-def test_quant_call_sites_switch():
+def test_quant_ops_switch():
   x = jnp.asarray(_inputs("mxfp4", 6, 8).reshape(2, -1))
-  for site, fmt in [(quant.fake_quant_main_kv, "fp4_main_kv"), (quant.fake_quant_mxfp4, "mxfp4"),
-                    (quant.fake_quant_fp8_swa, "fp8_swa")]:
-    _bits_equal(site(x, "pallas"), site(x, "xla"))
-    _bits_equal(site(x, "xla"), REFERENCE[fmt](x))
+  for fmt in ("fp4_main_kv", "mxfp4", "fp8_swa"):
+    site = lambda v, policy: dispatch.call(f"fake_quant_{fmt}", v, policy=policy)  # noqa: E731
+    _bits_equal(site(x, "kernel"), site(x, "reference"))
+    _bits_equal(site(x, "reference"), REFERENCE[fmt](x))
 
 
 def test_e2m1_and_e4m3_helpers_match_casts():

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax.layers import moe_dispatch
+from pallas_kernels import dispatch
 from pallas_kernels import grouped_matmul as gm
 
 
@@ -159,10 +160,10 @@ def test_bad_group_sizes_raise_or_poison():
     with pytest.raises(ValueError, match="group sizes"):
       gm.grouped_matmul(x, w, jnp.asarray(sizes, jnp.int32), gm.Plan(backend="xla"))
     with pytest.raises(ValueError, match="group sizes"):
-      moe_dispatch.grouped_matmul(x, w, jnp.asarray(sizes, jnp.int32), impl="ragged_dot")
+      moe_dispatch.grouped_matmul(x, w, jnp.asarray(sizes, jnp.int32), policy="reference")
     traced = jnp.asarray(sizes, jnp.int32)
     for f in (lambda s: gm.grouped_matmul(x, w, s, gm.Plan(backend="xla")),
-              lambda s: moe_dispatch.grouped_matmul(x, w, s, impl="ragged_dot")):
+              lambda s: moe_dispatch.grouped_matmul(x, w, s, policy="reference")):
       assert np.all(np.isnan(jax.jit(f)(traced)))
     grads = jax.jit(jax.grad(lambda x, w, s: jnp.sum(gm.grouped_matmul(x, w, s, gm.Plan("xla"))),
                              argnums=(0, 1)))(x, w, traced)
@@ -184,14 +185,18 @@ def test_swap_point_picks_by_backend_and_logs_fallback(caplog):
   x = jnp.asarray(rng.standard_normal((30, 16)), jnp.float32)
   w = jnp.asarray(rng.standard_normal((4, 16, 8)), jnp.float32)
   sizes = jnp.asarray([5, 0, 20, 3], jnp.int32)
-  assert moe_dispatch.resolve_grouped_matmul_impl("auto") == "ragged_dot"  # tests run on CPU
   want = jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
-  with caplog.at_level(logging.WARNING):
-    got = moe_dispatch.grouped_matmul(x, w, sizes, impl="mosaic_gpu")
-  assert "grouped_matmul" in caplog.text and "Hopper" in caplog.text
+  # float32 operands: the wgmma kernels cannot take them; "auto" says so once and runs ragged_dot
+  with caplog.at_level(logging.INFO):
+    got = moe_dispatch.grouped_matmul(x, w, sizes, policy="auto")
+  assert "grouped_matmul" in caplog.text and "bf16 or f16" in caplog.text
+  assert dispatch.choose("grouped_matmul", "auto", x, w, sizes)[0] == (
+      "pallas_kernels.ops.grouped_matmul:grouped_matmul")
   np.testing.assert_array_equal(got, want)
-  with pytest.raises(ValueError, match="impl"):
-    moe_dispatch.grouped_matmul(x, w, sizes, impl="cutlass")
+  with pytest.raises(dispatch.PolicyError, match="op grouped_matmul: policy 'kernel'.*bf16 or f16"):
+    moe_dispatch.grouped_matmul(x, w, sizes, policy="kernel")
+  with pytest.raises(ValueError, match="policy 'cutlass'"):
+    moe_dispatch.grouped_matmul(x, w, sizes, policy="cutlass")
 
 
 def test_out_of_range_expert_ids_raise_or_poison_their_tokens():

@@ -1,4 +1,5 @@
-"""pallas_kernels/indexer.py (interpret mode) against dsv41_jax.layers.indexer."""
+"""pallas_kernels/indexer.py (interpret mode) against the op pallas_kernels.ops.indexer (through the model's
+`score_and_select`)."""
 
 import logging
 
@@ -9,6 +10,7 @@ import pytest
 
 from dsv41_jax.layers import indexer as ix
 from dsv41_jax.layers.types import CompressedKV, entry_visible
+from pallas_kernels import dispatch
 from pallas_kernels import indexer as kx
 
 B, T, H, I, K = 2, 45, 3, 32, 8   # T = 45: no block divides it; K = 8 > entries visible early on
@@ -86,16 +88,21 @@ def test_selection_and_gradient_match_reference(m, row_bytes):
 
 def test_model_switch_and_fallback(caplog):
   q, w, kv, seg = _inputs(20, 2)
-  got = ix.score_and_select(q, w, kv, seg, k=K, kernels="pallas")
+  got = ix.score_and_select(q, w, kv, seg, k=K, policy="kernel")
   want = ix.score_and_select(q, w, kv, seg, k=K)
   assert got[2] is None
   np.testing.assert_array_equal(np.sort(np.asarray(got[0]), -1), np.sort(np.asarray(want[0]), -1))
-  # The candidate pool has no kernel: the XLA path runs (equal results) and logs once.
-  with caplog.at_level(logging.WARNING):
+  # The candidate pool has no kernel: "auto" runs the reference (equal results) and logs once;
+  # "kernel" is an error naming the reason.
+  with caplog.at_level(logging.INFO):
     for _ in range(2):
       pooled = ix.score_and_select(q, w, kv, seg, k=K, make_pool=True, block_size=4,
-                                   topk_blocks=2, kernels="pallas")
-  assert sum("falls back to XLA" in r.message for r in caplog.records) == 1
+                                   topk_blocks=2, policy="auto")
+  assert sum("runs the reference" in r.message and "candidate pool" in r.message
+             for r in caplog.records) == 1
+  with pytest.raises(dispatch.PolicyError, match="op indexer_topk: policy 'kernel'.*candidate pool"):
+    ix.score_and_select(q, w, kv, seg, k=K, make_pool=True, block_size=4, topk_blocks=2,
+                        policy="kernel")
   ref = ix.score_and_select(q, w, kv, seg, k=K, make_pool=True, block_size=4, topk_blocks=2)
   for a, b in zip(pooled, ref):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -1,4 +1,4 @@
-"""pallas_kernels/mhc.py (interpret mode) against dsv41_jax.layers.mhc.hc_coefficients."""
+"""pallas_kernels/mhc.py (interpret mode) against the op pallas_kernels.ops.mhc.hc_coefficients."""
 
 import jax
 import jax.numpy as jnp
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import pallas_kernels
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layers import mhc
+from pallas_kernels import dispatch
 from pallas_kernels import mhc as mhc_kernel
 
 N, D = 4, 64
@@ -54,8 +54,10 @@ def test_switch_and_gradients_follow_reference():
   # The backward is the reference VJP whatever the iteration count: 3 rounds keep compiles short.
   kw = dict(iters=3, hc_eps=1e-6, norm_eps=1e-20)
   X, fn, base, scale = _inputs(2, lead=(1, 8))
-  assert pallas_kernels.select("hc_coefficients", "xla", mhc.hc_coefficients) is mhc.hc_coefficients
-  kern = pallas_kernels.select("hc_coefficients", "pallas", mhc.hc_coefficients)
+  assert dispatch.choose("hc_coefficients", "reference", X, fn, base, scale, **kw)[1] is (
+      mhc.hc_coefficients)
+  kern = dispatch.choose("hc_coefficients", "kernel", X, fn, base, scale, **kw)[1]
+  assert kern.__wrapped__ is mhc_kernel.hc_coefficients
   w = [jnp.asarray(np.random.default_rng(i).standard_normal(o.shape), jnp.float32)
        for i, o in enumerate(mhc.hc_coefficients(X, fn, base, scale, **kw))]
 
@@ -71,6 +73,6 @@ def test_switch_and_gradients_follow_reference():
 def test_site_with_pallas_kernels_matches_xla():
   cfg = ModelConfig(hidden_size=D, hc_mult=N, hc_init_fn_std=0.05)
   site_x = mhc.MHCSite(cfg, nnx.Rngs(0))
-  site_p = mhc.MHCSite(cfg.replace(kernels="pallas"), nnx.Rngs(0))
+  site_p = mhc.MHCSite(cfg.replace(ops={"hc_coefficients": "kernel"}), nnx.Rngs(0))
   X = _inputs(3, lead=(2, 4))[0]
   _close(nnx.jit(lambda s, x: s(x))(site_p, X), nnx.jit(lambda s, x: s(x))(site_x, X))

@@ -1,4 +1,4 @@
-"""pallas_kernels/mhc_site.py (interpret mode) against dsv41_jax.layers.mhc.hc_site."""
+"""pallas_kernels/mhc_site.py (interpret mode) against the op pallas_kernels.ops.mhc.hc_site."""
 
 import jax
 import jax.numpy as jnp
@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import pallas_kernels
 from dsv41_jax import sharding
 from dsv41_jax.layers import mhc
-from pallas_kernels import mhc_site
+from pallas_kernels import dispatch, mhc_site
 
 KW = dict(iters=20, hc_eps=1e-6, norm_eps=1e-20)
 
@@ -105,9 +104,9 @@ def _grads(site, args, kw):
 def test_gradients_match_reference():
   kw = dict(iters=3, hc_eps=1e-6, norm_eps=1e-20)  # the backward is the same code for any iters
   args = _inputs(7, lead=(1, 8))
-  kern = pallas_kernels.select("hc_site", "pallas", mhc.hc_site)
-  assert kern is mhc_site.hc_site
-  assert pallas_kernels.select("hc_site", "xla", mhc.hc_site) is mhc.hc_site
+  kern = dispatch.choose("hc_site", "kernel", *args, **kw)[1]
+  assert kern.__wrapped__ is mhc_site.hc_site
+  assert dispatch.choose("hc_site", "reference", *args, **kw)[1] is mhc.hc_site
   names = ["X", "F", "post", "comb", "pre", "fn", "base", "scale", "norm_weight"]
   for name, gk, gr in zip(names, _grads(kern, args, kw), _grads(mhc.hc_site, args, kw)):
     assert gk.shape == gr.shape, name
@@ -118,21 +117,22 @@ def test_gradients_match_reference():
 
 
 def test_runs_per_batch_shard_on_a_mesh():
-  # 8 CPU devices, batch split over data × fsdp: the sharded kernel equals the unsharded one,
-  # forward and gradients, and the fake quant runs per shard too.
+  # 8 CPU devices, batch split over data × fsdp: the op's kernel (run per shard by the dispatcher)
+  # equals the unsharded kernel, forward and gradients, and the fake quant runs per shard too.
   mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
   kw = dict(iters=3, hc_eps=1e-6, norm_eps=1e-20)
+  site = lambda *a, **k: dispatch.call("hc_site", *a, policy="kernel", **k)  # noqa: E731
   args = _inputs(9, lead=(8, 2))
   want_fwd = mhc_site.hc_site(*args, **kw)
   want_grad = _grads(mhc_site.hc_site, args, kw)
   batch = NamedSharding(mesh, P(("data", "fsdp")))
   with jax.set_mesh(mesh):
     sharded = [jax.device_put(a, batch) if i < 5 else a for i, a in enumerate(args)]
-    got_fwd = jax.jit(lambda *a: mhc_site.hc_site(*a, **kw))(*sharded)
-    got_grad = _grads(mhc_site.hc_site, sharded, kw)
+    got_fwd = jax.jit(lambda *a: site(*a, **kw))(*sharded)
+    got_grad = _grads(site, sharded, kw)
     x = jax.device_put(args[0].reshape(8, -1), batch)
-    q = jax.jit(pallas_kernels.kernel("fp8_swa_fake_quant"))(x)
-    assert "shard_map" in str(jax.make_jaxpr(lambda *a: mhc_site.hc_site(*a, **kw))(*sharded))
+    q = jax.jit(lambda v: dispatch.call("fake_quant_fp8_swa", v, policy="kernel"))(x)
+    assert "shard_map" in str(jax.make_jaxpr(lambda *a: site(*a, **kw))(*sharded))
   for g, w in zip(got_fwd, want_fwd):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-7)
   for g, w in zip(got_grad, want_grad):

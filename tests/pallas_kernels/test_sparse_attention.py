@@ -1,4 +1,4 @@
-"""pallas_kernels/sparse_attention.py (interpret mode) against dsv41_jax.layers.sparse_attention."""
+"""pallas_kernels/sparse_attention.py (interpret mode) against the op pallas_kernels.ops.sparse_attention."""
 
 import logging
 
@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax.layers import sparse_attention as sa
 from dsv41_jax.layers.indexer import select_topk
 from dsv41_jax.layers.types import CompressedKV, entry_visible
+from pallas_kernels import dispatch
 from pallas_kernels import sparse_attention as ks
+from pallas_kernels.ops import sparse_attention as sa
 
 B, T, H, W, K = 2, 37, 3, 8, 8   # T = 37: no block divides it; K = 8 > entries visible early on
 
@@ -92,9 +93,17 @@ def test_bfloat16_and_window_only():
   assert none is None and rel(ow, rw) < 1e-2
 
 
+def _op(policy, x, D=32):
+  return dispatch.call("sparse_attention", x["q"], x["kv"], x["seg"], x["sink"], x["g"], x["topk"],
+                       policy=policy, window=W, scale=D ** -0.5)
+
+
 def test_model_switch_and_fallback(caplog):
   x = _inputs(4, 2)
-  o, p = _run(sa.attend, x, impl="pallas")
+  assert dispatch.choose("sparse_attention", "kernel", x["q"], x["kv"], x["seg"], x["sink"],
+                         x["g"], x["topk"], window=W, scale=0.125)[0] == (
+      "pallas_kernels.sparse_attention:sparse_attend")
+  o, p = _op("kernel", x)
   ro, rp = _run(sa.attend_reference, x)
   np.testing.assert_allclose(np.asarray(o), np.asarray(ro), rtol=1e-5, atol=1e-5)
   # head_dim 24 is no power of two: the XLA "masked" form runs, and says so once.
@@ -102,12 +111,15 @@ def test_model_switch_and_fallback(caplog):
   y = dict(x, q=jnp.asarray(rng.standard_normal((B, T, H, 24)), jnp.float32),
            kv=jnp.asarray(rng.standard_normal((B, T, 24)), jnp.float32),
            g=jnp.asarray(rng.standard_normal(x["g"].shape[:2] + (24,)), jnp.float32))
-  assert ks.unsupported_reason(y["q"], y["kv"], W) is not None
-  with caplog.at_level(logging.WARNING):
+  assert ks.unsupported_reason(y["q"], y["kv"], y["seg"], y["sink"], window=W) is not None
+  with caplog.at_level(logging.INFO):
     for _ in range(2):
-      o, _ = _run(sa.attend, y, D=24, impl="pallas")
-  assert sum("falls back to XLA" in r.message for r in caplog.records) == 1
+      o, _ = _op("auto", y, D=24)
+  assert sum("runs the reference" in r.message and "head_dim 24" in r.message
+             for r in caplog.records) == 1
   np.testing.assert_array_equal(np.asarray(o), np.asarray(_run(sa.attend, y, D=24)[0]))
+  with pytest.raises(dispatch.PolicyError, match="op sparse_attention: policy 'kernel'.*head_dim 24"):
+    _op("kernel", y, D=24)
 
 
 def test_lowers_for_cuda():

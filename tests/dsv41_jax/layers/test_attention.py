@@ -12,7 +12,7 @@ from dsv41_jax.config import ModelConfig
 from dsv41_jax.layer_plan import build_layer_plan
 from dsv41_jax.layers.attention import Attention
 from dsv41_jax.layers.types import CompressedKV
-from tests.dsv41_jax.layers.test_sparse_attention import np_attend, packed_segments, random_topk
+from tests.pallas_kernels.ops.test_sparse_attention import np_attend, packed_segments, random_topk
 
 
 # --- independent float64 references ------------------------------------------------------------

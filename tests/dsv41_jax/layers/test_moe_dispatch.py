@@ -220,7 +220,7 @@ def test_dropless_equals_ragged_dot_under_skewed_routing(dtype):
 
   def fast(x, g, w1, w3, w2):
     y, _ = moe_dispatch.routed_experts(x[None], g[None], experts[None], valid[None], w1, w3, w2,
-                                       mode="dropless", swiglu_limit=LIMIT, impl="ragged_dot")
+                                       mode="dropless", swiglu_limit=LIMIT, policy="reference")
     return y[0]
 
   def slow(x, g, w1, w3, w2):

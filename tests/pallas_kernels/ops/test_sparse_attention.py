@@ -1,4 +1,4 @@
-"""dsv41_jax/layers/sparse_attention.py (docs/design.md §4.3): the window ∪ top-k attention with a
+"""pallas_kernels/ops/sparse_attention.py (docs/design.md §4.3): the window ∪ top-k attention with a
 sink, its block-local and dense forms and their gradients, against a float64 loop."""
 
 from functools import partial
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax.layers import sparse_attention as sa
+from pallas_kernels.ops import sparse_attention as sa
 
 
 # --- independent float64 reference -------------------------------------------------------------

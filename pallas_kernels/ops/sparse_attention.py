@@ -1,4 +1,4 @@
-"""One softmax over the sliding window and the selected compressed entries, with a sink (docs/design.md §4.3, §14).
+"""Op: one softmax over the sliding window and the selected compressed entries, with a sink (docs/design.md §4.3, §14).
 
 For query t and head h the key set is the union of
   * the window: row positions j with t − W + 1 ≤ j ≤ t (W keys including t itself) in t's document
@@ -15,10 +15,10 @@ the selected set (fast at moderate T), "gather" gathers the k selected entries p
 ([B, T, K, D]; memory-bound, but linear in N). Both require the valid slots of a row of `topk` to be
 distinct (as `lax.top_k` produces them): "masked" counts a repeated entry once, "gather" twice.
 Either form holds a [B, T, H, N] or [B, T, K, D] intermediate; `query_chunk` bounds that at long T by
-scanning over chunks of query rows (rematerialised in the backward pass). A third form, "pallas",
-is the kernel `pallas_kernels.sparse_attention.sparse_attend`: one online softmax per query over the
-window and the selected entries read by index, neither intermediate in memory (it counts a repeated
-slot twice, like "gather"); shapes it cannot take run "masked" after a one-time log line.
+scanning over chunks of query rows (rematerialised in the backward pass). `attend` is the reference
+of the dispatcher's op `sparse_attention`; its kernel `pallas_kernels.sparse_attention.sparse_attend`
+runs one online softmax per query over the window and the selected entries read by index, neither
+intermediate in memory (it counts a repeated slot twice, like "gather").
 
 `attend_reference` is the same function written densely over all T + N keys, for tests.
 """
@@ -30,8 +30,6 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-
-import pallas_kernels
 
 _F32 = jnp.float32
 # Score of a masked key. Finite (exp(−1e30 − M) is exactly 0 for any finite M ≥ sink), so no −inf
@@ -69,8 +67,8 @@ def _blocks(x, S: int, P: int):
 
 
 def attend(q_BxTxHxD: jax.Array, swa_kv_BxTxD: jax.Array, segment_ids_BxT: jax.Array,
-           sink_H: jax.Array, *, window: int, scale: float,
-           global_kv_BxNxD: jax.Array | None = None, topk_BxTxK: jax.Array | None = None,
+           sink_H: jax.Array, global_kv_BxNxD: jax.Array | None = None,
+           topk_BxTxK: jax.Array | None = None, *, window: int, scale: float,
            impl: str = "masked", query_chunk: int | None = None
            ) -> tuple[jax.Array, jax.Array | None]:
   """Sparse attention with sink; returns (o_BxTxHxD in q's dtype, global_probs_BxTxK or None).
@@ -84,23 +82,12 @@ def attend(q_BxTxHxD: jax.Array, swa_kv_BxTxD: jax.Array, segment_ids_BxT: jax.A
   largest intermediate is [B, chunk, H, N] ("masked") or [B, chunk, K, D] ("gather") instead of
   the whole row. None = one chunk. The result does not depend on it.
 
-  impl="pallas" runs the kernel (`query_chunk` unused: it holds no [.., N] or [.., K, D]
-  intermediate); its global_probs carries no gradient (the model detaches it anyway).
+  `impl` is the XLA form ("masked" or "gather", module doc).
   """
-  if impl not in ("masked", "gather", "pallas"):
-    raise ValueError(f"impl must be 'masked', 'gather' or 'pallas' (got {impl!r})")
+  if impl not in ("masked", "gather"):
+    raise ValueError(f"impl must be 'masked' or 'gather' (got {impl!r})")
   if (global_kv_BxNxD is None) != (topk_BxTxK is None):
     raise ValueError("global_kv_BxNxD and topk_BxTxK must be given together")
-  if impl == "pallas":
-    if (reason := pallas_kernels.backend_reason()) is not None:
-      raise ValueError(f"global_attn_impl='pallas': {reason}")
-    reason = pallas_kernels.unsupported("sparse_attend", q_BxTxHxD, swa_kv_BxTxD, window)
-    if reason is None:
-      return pallas_kernels.kernel("sparse_attend")(
-          q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, window=window, scale=scale,
-          global_kv_BxNxD=global_kv_BxNxD, topk_BxTxK=topk_BxTxK)
-    pallas_kernels.note_fallback("sparse_attend", reason)
-    impl = "masked"
   B, T, H, D = q_BxTxHxD.shape
   S = min(window, T)
   nb = -(-T // S)

@@ -1,0 +1,272 @@
+"""The one dispatcher: every hot-path op with its reference, its kernels and the policy that picks (docs/design.md §T5).
+
+An op is a pure function of arrays in `pallas_kernels.ops` (its *reference*, the definition). A
+*kernel* computes the same function faster on some backend and shapes. Each op is registered once
+below, in `OPS`, with
+
+  reference    "module:function" of the op (imported on first use, like every entry here);
+  kernels      its kernels, tried in order, each with
+                 fn           "module:function", the op's signature (arrays positional, static
+                              arguments keyword-only);
+                 unsupported  (args, kwargs) -> why the kernel cannot run here (backend, shape,
+                              dtype), or None;
+                 faster       (args, kwargs) -> why "auto" does not take it although it could run
+                              (it is not measured faster on this backend and shape), or None; the
+                              rules cite benchmarks/RESULTS.md;
+                 batched      one bool per positional argument: split over the mesh's batch axes,
+                              or None when the kernel is not run per batch shard;
+  owner        "model" (policy in `ModelConfig.ops`) or "optim" (`OptimConfig`; the optimizer
+               registers its rows when imported, `register`).
+
+`call(name, *arrays, policy=..., **static)` runs the op under a policy:
+
+  "reference"  the reference.
+  "kernel"     the first kernel that can run; `PolicyError` naming the op, the policy and every
+               kernel's reason when none can (wrong backend, unsupported shape).
+  "auto"       the first kernel that can run and is measured faster here, else the reference; one
+               log line per op and decision names the op and the reason. It never fails for
+               lack of a kernel.
+
+A batched kernel runs per batch shard under the ambient mesh (`sharded.over_batch`), here and
+nowhere else: GSPMD does not partition a `pallas_call`. The reference runs as XLA code under GSPMD.
+
+Adding a kernel: write it in one file of `pallas_kernels/` with the op's signature (its custom
+VJP's backward may call the op's reference from `pallas_kernels.ops`), and add one `Kernel(...)`
+to the op's row. A new op also needs a policy field in `ModelConfig.ops` (`OpPolicies`) or in
+`OptimConfig`, whose tests check that the fields and the rows agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import sharded
+from pallas_kernels.notices import log_once
+
+POLICIES = ("auto", "reference", "kernel")
+
+
+class PolicyError(ValueError):
+  """An unknown policy, or "kernel" where no kernel of the op can run; names op, policy, reason."""
+
+
+Rule = Callable[[tuple, Mapping[str, Any]], "str | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """One kernel of an op (module doc)."""
+
+  fn: str
+  unsupported: Rule
+  faster: Rule
+  batched: tuple[bool, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+  """One registry row (module doc)."""
+
+  reference: str
+  kernels: tuple[Kernel, ...]
+  owner: str = "model"
+  default: str = "auto"
+
+
+def _resolve(path: str) -> Callable:
+  module, _, attr = path.partition(":")
+  return getattr(importlib.import_module(module), attr)
+
+
+# --- rules shared by the rows ------------------------------------------------------------------
+
+def _triton(args, kwargs) -> str | None:
+  """The Triton kernels run on a GPU, or interpreted on the CPU."""
+  backend = jax.default_backend()
+  if backend in ("gpu", "cpu"):
+    return None
+  return f"a Triton kernel (GPU; interpreted on CPU) cannot run on {backend!r}"
+
+
+def _module_reason(path: str) -> Rule:
+  """The Triton backend rule, then the kernel module's `unsupported_reason(*args, **kwargs)`."""
+  def rule(args, kwargs):
+    return _triton(args, kwargs) or _resolve(path)(*args, **kwargs)
+  return rule
+
+
+def _gpu_only(measured: str) -> Rule:
+  """Faster on the GPU (where `measured` says so); interpreted kernels elsewhere are slow."""
+  def rule(args, kwargs):
+    if jax.default_backend() == "gpu":
+      return None
+    return f"measured faster on the GPU only ({measured}); {jax.default_backend()} runs the reference"
+  return rule
+
+
+def _never(why: str) -> Rule:
+  def rule(args, kwargs):
+    return why
+  return rule
+
+
+def _hc_coefficients_faster(args, kwargs) -> str | None:
+  if jax.default_backend() != "gpu":
+    return f"measured faster on the GPU only; {jax.default_backend()} runs the reference"
+  if args[0].dtype != jnp.bfloat16:
+    return (f"{args[0].dtype} streams: the kernel's IEEE float32 dot is 8x slower than XLA "
+            "(RESULTS.md, fused mHC); it is faster for bfloat16 streams only (2.5-3.1x forward)")
+  return None
+
+
+# Sparse attention forward+backward, kernel over the best XLA form on the H200 (RESULTS.md, "CSA2
+# Pallas kernels vs XLA"): 0.47x at 4K tokens (slower; in the s3 step at 4 x 4096 it cost ~200 ms
+# more, issue 26), 1.46x at 16K, 2.9x at 32K.
+SPARSE_ATTENTION_MIN_TOKENS = 16384
+
+
+def _sparse_attention_faster(args, kwargs) -> str | None:
+  if jax.default_backend() != "gpu":
+    return f"measured faster on the GPU only; {jax.default_backend()} runs the reference"
+  t = args[0].shape[1]
+  if t < SPARSE_ATTENTION_MIN_TOKENS:
+    return (f"{t} tokens per row: forward+backward measured slower than XLA below "
+            f"{SPARSE_ATTENTION_MIN_TOKENS} (0.47x at 4K; RESULTS.md)")
+  return None
+
+
+def _mosaic_gpu(args, kwargs) -> str | None:
+  """The Mosaic GPU kernels need a Hopper GPU (interpreted on the CPU): the module's own rule."""
+  return _resolve("pallas_kernels.grouped_matmul:op_unsupported_reason")(*args)
+
+
+# --- the registry ------------------------------------------------------------------------------
+
+_FQ = "measured 1.6-1.9x XLA on the H200, RESULTS.md 'Pallas kernels vs XLA'"
+
+OPS: dict[str, Op] = {
+    "fake_quant_fp4_main_kv": Op(
+        "pallas_kernels.ops.quant:fake_quant_fp4_main_kv",
+        (Kernel("pallas_kernels.fake_quant:fp4_main_kv_fake_quant",
+                _module_reason("pallas_kernels.fake_quant:unsupported_fp4_main_kv"),
+                _gpu_only(_FQ), batched=(True,)),)),
+    "fake_quant_mxfp4": Op(
+        "pallas_kernels.ops.quant:fake_quant_mxfp4",
+        (Kernel("pallas_kernels.fake_quant:mxfp4_fake_quant",
+                _module_reason("pallas_kernels.fake_quant:unsupported_mxfp4"),
+                _gpu_only(_FQ), batched=(True,)),)),
+    "fake_quant_fp8_swa": Op(
+        "pallas_kernels.ops.quant:fake_quant_fp8_swa",
+        (Kernel("pallas_kernels.fake_quant:fp8_swa_fake_quant",
+                _module_reason("pallas_kernels.fake_quant:unsupported_fp8_swa"),
+                _gpu_only(_FQ), batched=(True,)),)),
+    "hc_coefficients": Op(
+        "pallas_kernels.ops.mhc:hc_coefficients",
+        (Kernel("pallas_kernels.mhc:hc_coefficients",
+                _module_reason("pallas_kernels.mhc:unsupported_reason"),
+                _hc_coefficients_faster, batched=(True, False, False, False)),)),
+    "hc_site": Op(
+        "pallas_kernels.ops.mhc:hc_site",
+        (Kernel("pallas_kernels.mhc_site:hc_site",
+                _module_reason("pallas_kernels.mhc_site:unsupported_reason"),
+                _never("forward+backward not measured faster (RESULTS.md: forward 1.27x XLA, "
+                       "forward+backward unmeasured)"),
+                batched=(True,) * 5 + (False,) * 4),)),
+    "sparse_attention": Op(
+        "pallas_kernels.ops.sparse_attention:attend",
+        (Kernel("pallas_kernels.sparse_attention:sparse_attend",
+                _module_reason("pallas_kernels.sparse_attention:unsupported_reason"),
+                _sparse_attention_faster, batched=(True, True, True, False, True, True)),)),
+    "indexer_topk": Op(
+        "pallas_kernels.ops.indexer:score_and_select",
+        (Kernel("pallas_kernels.indexer:indexer_topk",
+                _module_reason("pallas_kernels.indexer:unsupported_reason"),
+                _never("not timed on the GPU yet (RESULTS.md, 'CSA2 Pallas kernels vs XLA': "
+                       "the kernel's lowering failed in the only device call)"),
+                batched=(True,) * 7),)),
+    # Not per batch shard: the MoE calls it inside its own shard_map, on expert-sorted rows.
+    "grouped_matmul": Op(
+        "pallas_kernels.ops.grouped_matmul:grouped_matmul",
+        (Kernel("pallas_kernels.grouped_matmul:mosaic_grouped_matmul", _mosaic_gpu,
+                _gpu_only("forward+backward 349 TFLOP/s vs ragged_dot's 8.3 on the H200, "
+                          "RESULTS.md 'Grouped GEMM'")),)),
+}
+
+
+def register(name: str, op: Op) -> None:
+  """Add the row of an op whose owner registers it at import (the optimizer's: `optim` is above
+  this package, so its rows cannot be named here). Registering the same row again is a no-op."""
+  if OPS.get(name, op) != op:
+    raise ValueError(f"op {name!r} is already registered with another row")
+  OPS[name] = op
+
+
+# --- dispatch ----------------------------------------------------------------------------------
+
+def names(owner: str | None = None) -> tuple[str, ...]:
+  """The registered ops (of one owner: "model" or "optim")."""
+  return tuple(n for n, op in OPS.items() if owner is None or op.owner == owner)
+
+
+def default_policy(name: str) -> str:
+  return _op(name).default
+
+
+def _op(name: str) -> Op:
+  if name not in OPS:
+    raise KeyError(f"no op named {name!r}; registered: {sorted(OPS)}")
+  return OPS[name]
+
+
+def check_policy(name: str, policy: str) -> None:
+  """PolicyError unless `policy` is one of POLICIES (the config checks with this at build time)."""
+  _op(name)
+  if policy not in POLICIES:
+    raise PolicyError(f"op {name}: policy {policy!r} is not one of {', '.join(POLICIES)}")
+
+
+def _per_shard(kernel: Kernel, fn: Callable) -> Callable:
+  return fn if kernel.batched is None else sharded.over_batch(fn, kernel.batched)
+
+
+def choose(name: str, policy: str, *args, **kwargs) -> tuple[str, Callable]:
+  """(the implementation's "module:function", the callable `call` runs) for these arguments."""
+  check_policy(name, policy)
+  op = _op(name)
+  if policy == "reference":
+    return op.reference, _resolve(op.reference)
+  reasons = []
+  for k in op.kernels:
+    if k.batched is not None and len(args) != len(k.batched):
+      raise TypeError(f"op {name} takes {len(k.batched)} array arguments positionally "
+                      f"(got {len(args)})")
+    why = k.unsupported(args, kwargs)
+    if why is None and policy == "auto":
+      why = k.faster(args, kwargs)
+    if why is None:
+      if policy == "auto":
+        log_once((name, k.fn), f"op {name}: policy 'auto' runs the kernel {k.fn}", logging.INFO)
+      return k.fn, _per_shard(k, _resolve(k.fn))
+    reasons.append(f"{k.fn}: {why}")
+  reason = "; ".join(reasons) or "no kernel is registered"
+  if policy == "kernel":
+    raise PolicyError(f"op {name}: policy 'kernel' cannot run here: {reason}")
+  log_once((name, reason), f"op {name}: policy 'auto' runs the reference ({reason})", logging.INFO)
+  return op.reference, _resolve(op.reference)
+
+
+def call(name: str, *args, policy: str, **kwargs):
+  """Op `name` on `args` (arrays, positional) and `kwargs` (static) under `policy` (module doc)."""
+  _, fn = choose(name, policy, *args, **kwargs)
+  return fn(*args, **kwargs)
+
+
+def kernel_names() -> tuple[tuple[str, str], ...]:
+  """(op, kernel "module:function") of every registered kernel."""
+  return tuple((n, k.fn) for n, op in OPS.items() for k in op.kernels)

@@ -1,0 +1,39 @@
+"""Op: the grouped matmul of the routed experts (docs/design.md §8.2; §T7).
+
+With group g owning rows [s_g, s_g + n_g) of x, s_g = Σ_{g'<g} n_g':
+
+  y[r] = x[r] · w[g(r)]          [M, K] × [G, K, N] -> [M, N] float32; rows past Σ n_g are 0
+
+The reference is XLA's `jax.lax.ragged_dot` (exact, jax's own VJP; slow on the GPU, ~10 TFLOP/s,
+benchmarks/RESULTS.md). It is the dispatcher's op `grouped_matmul`, whose kernel is the Mosaic GPU
+grouped GEMM with its own backward (`pallas_kernels/grouped_matmul.py`). Group sizes that are
+negative or sum past M raise ValueError when concrete and make the product NaN when traced.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _concrete(x):
+  """x as a numpy array, or None while it is traced."""
+  try:
+    return np.asarray(x)
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+    return None
+
+
+def grouped_matmul(x_sorted_PxD, w_ExDxF, group_sizes_E):
+  """Rows [Σ_{e'<e} g_e', Σ_{e'≤e} g_e') of x times w[e] (w cast to x's dtype); float32 out."""
+  w = w_ExDxF.astype(x_sorted_PxD.dtype)
+  sizes = group_sizes_E.astype(jnp.int32)
+  n_rows = x_sorted_PxD.shape[0]
+  known = _concrete(sizes)
+  if known is not None and ((known < 0).any() or known.astype(np.int64).sum() > n_rows):
+    raise ValueError(f"group sizes must be >= 0 and sum to at most the {n_rows} rows (min "
+                     f"{known.min()}, sum {known.astype(np.int64).sum()})")
+  bad = jnp.any(sizes < 0) | jnp.any(sizes > n_rows) | (jnp.sum(jnp.clip(sizes, 0, n_rows)) > n_rows)
+  y = jax.lax.ragged_dot(x_sorted_PxD, w, sizes, preferred_element_type=jnp.float32)
+  return jnp.where(bad, jnp.nan, y)

@@ -1,0 +1,113 @@
+"""Op: mHC coefficients, Sinkhorn projection, collapse, expand and the single-pass site (docs/design.md §3.2–3.3).
+
+The hidden state is n = hc_mult residual streams X [B, T, n, d]. A site's parameters are `fn`
+[(2+n)n, n·d], `base` [(2+n)n] and `scale` [3]; they turn X into three token-dependent
+coefficient sets, in the exact DeepSeek form (§3.2):
+
+  x̂    = X.reshape(B, T, n·d)                       float32
+  ρ    = rsqrt(mean(x̂², -1) + rms_norm_eps)         unweighted RMS over all n·d channels
+  mix  = (x̂ @ fnᵀ) · ρ                              [B, T, (2+n)n]            (`hc_mix`)
+  pre  = sigmoid(mix[:n] · scale[0] + base[:n]) + hc_eps             [B, T, n]
+  post = 2 · sigmoid(mix[n:2n] · scale[1] + base[n:2n])              [B, T, n]
+  comb = sinkhorn_project(mix[2n:].reshape(n, n) · scale[2] + base[2n:].reshape(n, n))
+                                                                     [B, T, n, n], comb[j, k]
+
+The sublayer then reads `collapse(X, pre) = Σ_i pre_i X_i` [B, T, d] and writes
+`expand(X, post, comb, F) = X'` with X'_k = post_k · F + Σ_j comb[j, k] · X_j (combᵀ X).
+`hc_site` composes one single-pass site (§3.3: the previous site's expand, this site's
+coefficients, collapse + sublayer norm) as one function.
+
+`hc_coefficients` and `hc_site` are ops of the dispatcher (`pallas_kernels.dispatch`), with the
+fused kernels `pallas_kernels/mhc.py` and `pallas_kernels/mhc_site.py`; the model's `MHCSite`
+(`dsv41_jax/layers/mhc.py`) holds the parameters and the block (`dsv41_jax/block.py`) the wiring.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.ops.norm import rms_norm
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def sinkhorn_project(logits_NxN: jax.Array, iters: int, eps: float) -> jax.Array:
+  """Near-doubly-stochastic matrix from logits [..., n, n] (DeepSeek's `hc_split_sinkhorn`).
+
+  Row softmax + eps, a column normalisation, then (iters − 1) alternations of row and column
+  normalisation, each dividing by (sum + eps). Float32 in, float32 out.
+  """
+  comb = jax.nn.softmax(logits_NxN, axis=-1) + eps
+  comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
+
+  def alternation(_, comb):
+    comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + eps)
+    return comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
+
+  # A loop, not unrolled: a quarter of the train step's kernels were these alternations.
+  return jax.lax.fori_loop(0, iters - 1, alternation, comb)
+
+
+def hc_mix(X_BxTxNxD: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
+  """mix = (x̂ @ fnᵀ) · ρ [B, T, (2+n)n] float32, x̂ = X flattened over (n, d), ρ its RMS⁻¹ (§3.2)."""
+  *lead, n, d = X_BxTxNxD.shape
+  x = X_BxTxNxD.reshape(*lead, n * d).astype(jnp.float32)
+  rho = jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + norm_eps)
+  return jnp.einsum("...k,mk->...m", x, fn.astype(jnp.float32), precision=_HIGHEST) * rho
+
+
+def hc_coefficients(X_BxTxNxD: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *,
+                    iters: int, hc_eps: float, norm_eps: float
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(pre_BxTxN, post_BxTxN, comb_BxTxNxN) of one mHC site, float32 (§3.2; see module doc)."""
+  *lead, n, _ = X_BxTxNxD.shape
+  mix = hc_mix(X_BxTxNxD, fn, norm_eps)
+  base = base.astype(jnp.float32)
+  scale = scale.astype(jnp.float32)
+  pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
+  post = 2.0 * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
+  logits = (mix[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*lead, n, n)
+  return pre, post, sinkhorn_project(logits, iters, hc_eps)
+
+
+def collapse(X_BxTxNxD: jax.Array, pre_BxTxN: jax.Array) -> jax.Array:
+  """Sublayer input Σ_i pre_i · X_i [B, T, d] (float32 math, X's dtype out); pre may be [n]."""
+  y = jnp.einsum("...nd,...n->...d", X_BxTxNxD.astype(jnp.float32), pre_BxTxN.astype(jnp.float32),
+                 precision=_HIGHEST)
+  return y.astype(X_BxTxNxD.dtype)
+
+
+def expand(X_BxTxNxD: jax.Array, post_BxTxN: jax.Array, comb_BxTxNxN: jax.Array,
+           f_out_BxTxD: jax.Array) -> jax.Array:
+  """New streams X'_k = post_k · F + Σ_j comb[j, k] · X_j (combᵀ X), X's dtype out."""
+  mixed = jnp.einsum("...jk,...jd->...kd", comb_BxTxNxN.astype(jnp.float32),
+                     X_BxTxNxD.astype(jnp.float32), precision=_HIGHEST)
+  out = post_BxTxN.astype(jnp.float32)[..., None] * f_out_BxTxD.astype(jnp.float32)[..., None, :]
+  return (out + mixed).astype(X_BxTxNxD.dtype)
+
+
+def hc_site(X_BxTxNxD: jax.Array, F_BxTxD: jax.Array, post_BxTxN: jax.Array,
+            comb_BxTxNxN: jax.Array, pre_BxTxN: jax.Array, fn: jax.Array, base: jax.Array,
+            scale: jax.Array, norm_weight: jax.Array, *, iters: int, hc_eps: float,
+            norm_eps: float) -> tuple[jax.Array, ...]:
+  """One single-pass site (§3.3) in one function: the op's reference (kernel: `mhc_site.hc_site`).
+
+  X [B,T,n,d] are the streams entering the PREVIOUS site, F [B,T,d] that site's sublayer output
+  and (post, comb, pre) its coefficients; fn/base/scale are THIS site's parameters and
+  norm_weight its sublayer norm (attn_norm / ffn_norm):
+
+    X'   = expand(X, post, comb, F)                          [B,T,n,d], X's dtype
+    x    = rms_norm(collapse(X', pre), norm_weight)          [B,T,d], X's dtype (sublayer input)
+    pre', post', comb' = hc_coefficients(X', fn, base, scale)   this site's coefficients
+
+  Returns (X', x, pre', post', comb'). A model's first site has no previous expand: F = 0,
+  post = 0, comb = I reproduce X exactly, with pre = `initial_pre(n)`.
+  """
+  X_new = expand(X_BxTxNxD, post_BxTxN, comb_BxTxNxN, F_BxTxD)
+  # Coefficients before the collapse: autodiff sums the cotangents of X' in reverse order of its
+  # uses, so this order keeps the gradients bit for bit those of the unfused site.
+  coefficients = hc_coefficients(X_new, fn, base, scale, iters=iters, hc_eps=hc_eps,
+                                 norm_eps=norm_eps)
+  x = rms_norm(collapse(X_new, pre_BxTxN), norm_weight, norm_eps)
+  return (X_new, x, *coefficients)
