@@ -190,7 +190,7 @@ def build_optimizer(cfg: OptimConfig, params, table: Sequence[Row] = TABLE,
     groups = {
         "muon": optax.chain(
             scale_by_muon(cfg.muon_momentum, cfg.update_rms, lambda path: rows[path].headwise,
-                          cfg.muon_ns_dtype, frozen=lambda path: path in frozen),
+                          cfg.newton_schulz, frozen=lambda path: path in frozen),
             optax.add_decayed_weights(cfg.weight_decay)),
         "adamw": adamw(cfg.weight_decay),
         "sinkhorn": optax.chain(

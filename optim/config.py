@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from pallas_kernels import dispatch
+
 
 class OptimConfigError(ValueError):
   """An optimizer configuration that is unknown or inconsistent; the message names the fields."""
@@ -49,9 +51,10 @@ class OptimConfig:
   # --- Muon ---
   muon_momentum: float = 0.95
   update_rms: float = 0.18          # Muon and Sinkhorn updates are rescaled to this RMS (× lr)
-  # Newton–Schulz products: "float32" (HIGHEST), "bfloat16" (bf16 operands, f32 accumulation), or
-  # "auto" = float32 on CPU, bfloat16 on accelerators (benchmarks/RESULTS.md, Muon precision).
-  muon_ns_dtype: str = "auto"
+  # Policy of the op `newton_schulz` (docs/design.md §T5): "reference" = float32 products at
+  # HIGHEST precision, "kernel" = the bfloat16 iterate with float32 accumulation (within 1 ± 5e-3
+  # of orthogonal, benchmarks/RESULTS.md "Muon precision"), "auto" = bfloat16 off the CPU.
+  newton_schulz: str = "auto"
   weight_decay: float = 0.1         # decoupled, for the muon and adamw groups
   # --- AdamW ---
   adam_b1: float = 0.9
@@ -99,8 +102,8 @@ class OptimConfig:
       need(0 <= getattr(self, name) < 1, f"{name} must lie in [0, 1) (got {getattr(self, name)})")
     need(self.vision_lr_mult >= 0, f"vision_lr_mult must be >= 0 (got {self.vision_lr_mult})")
     need(self.sinkhorn_iters >= 1, f"sinkhorn_iters must be >= 1 (got {self.sinkhorn_iters})")
-    need(self.muon_ns_dtype in ("auto", "float32", "bfloat16"),
-         f"muon_ns_dtype must be 'auto', 'float32' or 'bfloat16' (got {self.muon_ns_dtype!r})")
+    need(self.newton_schulz in dispatch.POLICIES,
+         f"newton_schulz: policy {self.newton_schulz!r} is not one of {', '.join(dispatch.POLICIES)}")
     need(self.unfreeze_at in ("never", "decay_start"),
          f"unfreeze_at must be 'never' or 'decay_start' (got {self.unfreeze_at!r})")
     if errors:

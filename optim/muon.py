@@ -19,8 +19,11 @@ iterate; "bfloat16" keeps the iterate X and the Gram matrices in bfloat16 betwee
 product accumulating in float32 and each polynomial combined in float32 before its one rounding
 to bfloat16 (so no product is preceded by a separate cast pass); the last step is written in
 float32. That is the tensor-core path of accelerators: singular values within 1 ± 5e-3 of one and
-the update RMS within 1 % of 0.18 on real gradients (`benchmarks/muon_precision.py`). "auto" picks
-float32 on CPU and bfloat16 elsewhere.
+the update RMS within 1 % of 0.18 on real gradients (`benchmarks/muon_precision.py`). The two are
+the reference and the kernel of the dispatcher's op `newton_schulz` (`pallas_kernels.dispatch`,
+registered below), so `ns_dtype` may also be an op policy (`OptimConfig.newton_schulz`): "auto"
+takes bfloat16 off the CPU (unchanged from before the policy; its speed against float32 is not
+measured) and float32 on the CPU, "reference" float32, "kernel" bfloat16.
 
 Frozen parameters (`frozen(path)`, the chain's frozen set, e.g. the ViT until the decay) get zero
 gradients and so a zero direction while frozen: their matrices are batched apart from the others,
@@ -38,21 +41,26 @@ import numpy as np
 import optax
 
 from optim import table as table_lib
+from pallas_kernels import dispatch
 
 NS_COEFFS: tuple[tuple[float, float, float], ...] = (
     ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2)
-NS_DTYPES = ("auto", "float32", "bfloat16")
+NS_DTYPES = ("float32", "bfloat16")
 
 _HI = jax.lax.Precision.HIGHEST
 
 
+def _iterator(ns_dtype: str):
+  """(precision, iterate function) for a precision of NS_DTYPES or a policy of the op
+  `newton_schulz` (resolved by the dispatcher at trace time; PolicyError for anything else)."""
+  policy = {"float32": "reference", "bfloat16": "kernel"}.get(ns_dtype, ns_dtype)
+  impl, iterate = dispatch.choose("newton_schulz", policy)
+  return ("float32" if impl == _NEWTON_SCHULZ.reference else "bfloat16"), iterate
+
+
 def resolve_ns_dtype(ns_dtype: str) -> str:
-  """"auto" → "float32" on CPU, "bfloat16" on GPU / TPU (the default backend at trace time)."""
-  if ns_dtype not in NS_DTYPES:
-    raise ValueError(f"muon_ns_dtype must be one of {NS_DTYPES} (got {ns_dtype!r})")
-  if ns_dtype == "auto":
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
-  return ns_dtype
+  """The precision ("float32" | "bfloat16") that `ns_dtype` (a precision or a policy) runs."""
+  return _iterator(ns_dtype)[0]
 
 
 def _normalized(x: jax.Array) -> jax.Array:
@@ -105,14 +113,38 @@ def _iterate_dtype(ns_dtype: str):
   return jnp.float32 if ns_dtype == "float32" else jnp.bfloat16
 
 
+def iterate_float32(x_BxMxN: jax.Array, coeffs=NS_COEFFS) -> jax.Array:
+  """The op `newton_schulz`'s reference: the steps in float32 at HIGHEST precision."""
+  return _iterate(x_BxMxN.astype(jnp.float32), coeffs, "float32")
+
+
+def iterate_bfloat16(x_BxMxN: jax.Array, coeffs=NS_COEFFS) -> jax.Array:
+  """The op's fast form: the bfloat16 iterate with float32 accumulation (module docstring)."""
+  return _iterate(x_BxMxN.astype(jnp.bfloat16), coeffs, "bfloat16")
+
+
+def _off_cpu(args, kwargs) -> str | None:
+  if jax.default_backend() != "cpu":
+    return None
+  return "float32 on the CPU (no bfloat16 matrix units)"
+
+
+_NEWTON_SCHULZ = dispatch.Op(
+    "optim.muon:iterate_float32",
+    (dispatch.Kernel("optim.muon:iterate_bfloat16", unsupported=lambda args, kwargs: None,
+                     faster=_off_cpu),),
+    owner="optim")
+dispatch.register("newton_schulz", _NEWTON_SCHULZ)
+
+
 def newton_schulz(x_BxMxN: jax.Array, coeffs=NS_COEFFS, ns_dtype: str = "float32") -> jax.Array:
   """Approximate U Vᵀ of each matrix in the batch (float32 out; precision `ns_dtype`, module
   docstring). The matrix is normalized by its Frobenius norm, then iterated in the wide
   orientation (A is min(m, n)²)."""
-  ns_dtype = resolve_ns_dtype(ns_dtype)
+  ns_dtype, iterate = _iterator(ns_dtype)
   tall = x_BxMxN.shape[-2] > x_BxMxN.shape[-1]
   x = _normalized(jnp.swapaxes(x_BxMxN, -1, -2) if tall else x_BxMxN)
-  x = _iterate(x.astype(_iterate_dtype(ns_dtype)), coeffs, ns_dtype)
+  x = iterate(x.astype(_iterate_dtype(ns_dtype)), coeffs)
   return jnp.swapaxes(x, -1, -2) if tall else x
 
 
@@ -134,7 +166,7 @@ def orthogonalize_many(gs: Sequence[jax.Array], headwise: Sequence[bool],
                        ) -> list[jax.Array]:
   """`orthogonalize` of every array, with one batched Newton–Schulz per distinct matrix shape
   (and per frozen-or-not: a batch of `frozen` arrays is skipped while all of it is zero)."""
-  ns_dtype = resolve_ns_dtype(ns_dtype)
+  ns_dtype, iterate = _iterator(ns_dtype)
   frozen = [False] * len(gs) if frozen is None else list(frozen)
   mats = [_as_matrices(g, h) for g, h in zip(gs, headwise)]
   by_key: dict[tuple[int, int, bool], list[int]] = {}
@@ -147,7 +179,7 @@ def orthogonalize_many(gs: Sequence[jax.Array], headwise: Sequence[bool],
                         ).astype(_iterate_dtype(ns_dtype)) for i in idx]
     sizes = np.cumsum([w.shape[0] for w in wide])[:-1]
     x = jnp.concatenate(wide, axis=0)
-    run = lambda x: _iterate(x, NS_COEFFS, ns_dtype)
+    run = lambda x: iterate(x, NS_COEFFS)
     if skippable:
       x = jax.lax.cond(jnp.any(x != 0), run,
                        lambda x: jnp.zeros(x.shape, jnp.float32), x)

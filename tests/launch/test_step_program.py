@@ -50,7 +50,7 @@ ALLOWED = {
     ("f32_dot", "expand"): "mHC stream mixing at HIGHEST (issue 27: multiply-adds, hand VJP)",
     ("f32_dot", "collapse"): "mHC's weighted sum of the float32 streams (issue 27)",
     ("f32_dot", "engram_gate"): "Engram's gate reads the float32 mHC streams (issue 28)",
-    ("f32_dot", "hc_coefficients"): "mHC coefficient projections (issue 27)",
+    ("f32_dot", "hc_mix"): "mHC coefficient projections, hc_coefficients' mix (issue 27)",
     ("f32_dot", "MoE.__call__"): "the float32 router (docs/design.md §6)",
     ("f32_dot", "SharedExpert.__call__.<locals>.<lambda>"): "the shared expert sees the float32 "
                                                              "mHC sublayer input (issue 28)",
@@ -72,7 +72,7 @@ def s1_sites():
   cfg = small.get_config("s1")
   cfg.model.vision = None   # as benchmarks/gpu_step.py: text rows, the ViT frozen for most of a run
   cfg.optim.frozen, cfg.optim.unfreeze_at = (), "never"
-  cfg.optim.muon_ns_dtype = "bfloat16"   # what "auto" takes on a GPU (float32 on the CPU)
+  cfg.optim.newton_schulz = "kernel"   # bfloat16, what "auto" takes on a GPU (float32 on the CPU)
   run = setup.run_config(cfg, process_count=1)
   mesh = setup.build_mesh(run.mesh, jax.devices()[:1])
   ts = setup.abstract_state(run, mesh)
