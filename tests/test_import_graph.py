@@ -1,9 +1,15 @@
-"""Imports flow one way: no circle among the modules of the code packages.
+"""Imports flow one way: no circle among the modules of the code packages, and every edge points down.
 
 The graph is read from the source with `ast`: an edge for every `import` anywhere in a module, at
 the top or inside a function (a function-level import does not break a circle, it hides it), and
 none for imports under `if TYPE_CHECKING:`, which never run. `from pkg import name` is an edge to
 the submodule `pkg.name` when there is one, else to `pkg` itself.
+
+Direction (docs/design.md §T5, shared STYLE "Imports flow one way"), as layers from the bottom:
+the ops (`pallas_kernels.ops`, jax / numpy / stdlib only) < the kernels and the dispatcher
+(`pallas_kernels`) < the model (`dsv41_jax`) and the optimizer (`optim`, which names parameters by
+the ops' `path_str` and never imports the model) < `configs` < `launch`; `data` imports nothing of
+ours. `LAYERS` says which layers each may import.
 """
 
 import ast
@@ -15,6 +21,19 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("dsv41_jax", "optim", "pallas_kernels", "launch", "data", "configs")
+OPS = "pallas_kernels.ops"
+# layer -> the other layers its modules may import.
+LAYERS: dict[str, set[str]] = {
+    OPS: set(),
+    "pallas_kernels": {OPS},
+    "data": set(),
+    "optim": {OPS, "pallas_kernels"},
+    "dsv41_jax": {OPS, "pallas_kernels"},
+    "configs": {OPS, "pallas_kernels", "dsv41_jax", "optim", "data"},
+    "launch": {OPS, "pallas_kernels", "dsv41_jax", "optim", "data", "configs"},
+}
+# What the ops may import from outside the project.
+OPS_EXTERNAL = {"jax", "numpy"} | set(sys.stdlib_module_names)
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -124,7 +143,49 @@ def later():
   assert imports_of("p.mod", source, False, modules) == {
       "p.a", "p.b", "p", "p.c", "p.d", "p.e", "p.g.h"}
   assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-  assert "dsv41_jax.param_paths" in import_graph()["optim.table"]
+  assert "pallas_kernels.ops.paths" in import_graph()["optim.table"]
+  # the direction check flags an optimizer that imports the model, and a kernel that reads launch
+  bad = {"optim.table": {"dsv41_jax.param_paths", "pallas_kernels.ops.paths"},
+         "pallas_kernels.mhc": {"pallas_kernels.ops.mhc", "launch.train"},
+         "pallas_kernels.ops.mhc": {"pallas_kernels.notices"}, "data.mixture": set()}
+  assert wrong_way(bad) == [("optim.table", "dsv41_jax.param_paths"),
+                            ("pallas_kernels.mhc", "launch.train"),
+                            ("pallas_kernels.ops.mhc", "pallas_kernels.notices")]
+  assert external_imports("import jax\nimport flax.nnx\nfrom numpy import ndarray\n") == {
+      "jax", "flax", "numpy"}
+
+
+def layer(module: str) -> str:
+  return OPS if module == OPS or module.startswith(OPS + ".") else module.partition(".")[0]
+
+
+def wrong_way(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+  """Every edge (module, imported) that `LAYERS` does not allow, sorted."""
+  return sorted((m, d) for m, deps in graph.items() for d in deps
+                if layer(d) != layer(m) and layer(d) not in LAYERS[layer(m)])
+
+
+def external_imports(source: str) -> set[str]:
+  """Top-level names of the packages a module's source imports (relative imports excluded)."""
+  names = set()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Import):
+      names.update(a.name.partition(".")[0] for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and not node.level:
+      names.add((node.module or "").partition(".")[0])
+  return names
+
+
+def test_imports_point_down_the_layers():
+  edges = wrong_way(import_graph())
+  assert not edges, "imports against the layers: " + "; ".join(f"{m} -> {d}" for m, d in edges)
+
+
+def test_the_ops_import_only_jax_numpy_and_the_standard_library():
+  for name, path in _modules().items():
+    if layer(name) == OPS:
+      extra = external_imports(path.read_text()) - OPS_EXTERNAL - {"pallas_kernels"}
+      assert not extra, f"{name} imports {sorted(extra)}"
 
 
 def test_no_import_cycle_among_the_package_modules():
