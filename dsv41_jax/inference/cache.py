@@ -41,6 +41,7 @@ import numpy as np
 from dsv41_jax import quant
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layer_plan import build_layer_plan
+from pallas_kernels.ops import quant as ops_quant
 
 _F32 = jnp.float32
 
@@ -86,8 +87,8 @@ def _per_block(scale_bx1: jax.Array) -> jax.Array:
 
 def encode_fp4_main_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(packed E2M1 [..., C/2] uint8, E4M3 scales [..., C/16]) of `quant.fp4_main_kv`."""
-  xb = quant._blocks(x, quant.FP4_MAIN_KV_BLOCK)
-  scale = quant.fp4_main_kv_scale(quant._block_amax(xb))
+  xb = ops_quant._blocks(x, quant.FP4_MAIN_KV_BLOCK)
+  scale = quant.fp4_main_kv_scale(ops_quant._block_amax(xb))
   q = quant.round_to_e2m1(jnp.clip(quant.div_short(xb, scale), -quant.E2M1_MAX, quant.E2M1_MAX))
   return _pack(_e2m1_codes(q).reshape(x.shape)), _per_block(scale).astype(jnp.float8_e4m3fn)
 
@@ -100,9 +101,9 @@ def decode_fp4_main_kv(packed: jax.Array, scales: jax.Array) -> jax.Array:
 
 def encode_mxfp4(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(packed E2M1 [..., C/2] uint8, E8M0 exponents [..., C/32] uint8) of `quant.mxfp4`."""
-  xb = quant._blocks(x, quant.MXFP4_BLOCK)
-  amax = jnp.maximum(quant._block_amax(xb), quant.E2M1_MAX * 2.0 ** -126)
-  scale = quant._ceil_pow2(amax / quant.E2M1_MAX)
+  xb = ops_quant._blocks(x, quant.MXFP4_BLOCK)
+  amax = jnp.maximum(ops_quant._block_amax(xb), quant.E2M1_MAX * 2.0 ** -126)
+  scale = ops_quant._ceil_pow2(amax / quant.E2M1_MAX)
   q = quant.round_to_e2m1(jnp.clip(xb / scale, -quant.E2M1_MAX, quant.E2M1_MAX))
   return _pack(_e2m1_codes(q).reshape(x.shape)), _e8m0(_per_block(scale))
 
@@ -115,9 +116,9 @@ def decode_mxfp4(packed: jax.Array, exponents: jax.Array) -> jax.Array:
 
 def encode_fp8_swa(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(E4M3 elements [..., C] float8_e4m3fn, E8M0 exponents [..., C/32] uint8) of `quant.fp8_swa`."""
-  xb = quant._blocks(x, quant.FP8_SWA_BLOCK)
-  amax = jnp.maximum(quant._block_amax(xb), 1e-4)
-  scale = quant._ceil_pow2(amax / quant.E4M3_MAX)
+  xb = ops_quant._blocks(x, quant.FP8_SWA_BLOCK)
+  amax = jnp.maximum(ops_quant._block_amax(xb), 1e-4)
+  scale = ops_quant._ceil_pow2(amax / quant.E4M3_MAX)
   q = quant.round_to_e4m3(jnp.clip(xb / scale, -quant.E4M3_MAX, quant.E4M3_MAX))
   return q.reshape(x.shape).astype(jnp.float8_e4m3fn), _e8m0(_per_block(scale))
 
