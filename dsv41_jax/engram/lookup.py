@@ -43,6 +43,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from dsv41_jax import quant, sharding
+from pallas_kernels.ops import quant as ops_quant
 
 # Table rows are padded to a multiple of this, so they split evenly over any power-of-two row
 # group up to this size. Padded rows are never addressed by a hash id.
@@ -237,7 +238,7 @@ def quantize_fp8_rows(x_RxD: jax.Array, block: int = FP8_BLOCK) -> tuple[jax.Arr
     raise ValueError(f"FP8 rows need the width ({D}) to be a multiple of {block}")
   xb = x_RxD.astype(jnp.float32).reshape(R, D // block, block)
   amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1), 1e-4)
-  scale = quant._ceil_pow2(amax / quant.E4M3_MAX)
+  scale = ops_quant._ceil_pow2(amax / quant.E4M3_MAX)
   q = jnp.clip(xb / scale[..., None], -quant.E4M3_MAX, quant.E4M3_MAX)
   q = q.astype(jnp.float8_e4m3fn).reshape(R, D)
   return q, scale
