@@ -27,10 +27,11 @@ from benchmarks.common import header, md_header  # noqa: E402
 
 
 def unigram_entropy(cfg) -> tuple[float, int]:
+  from data.config import data_config
   from data.pipeline import make_eval_iterator
 
   counts: collections.Counter = collections.Counter()
-  for batch in make_eval_iterator(cfg):
+  for batch in make_eval_iterator(data_config(cfg.data), vocab_size=cfg.model.vocab_size):
     targets = batch["targets"][batch["loss_mask"]]
     counts.update(targets.tolist())
   n = sum(counts.values())

@@ -32,6 +32,7 @@ from flax import nnx
 
 from configs import common, tiny
 from data import pipeline
+from data.config import data_config
 from dsv41_jax import inputs, model as M
 from dsv41_jax.loss import objective
 from dsv41_jax.vision.merge import check_image_batch
@@ -108,7 +109,8 @@ def run(blank: bool, args, setup_) -> dict:
   params = nnx.as_pure(nnx.split(model)[1])
   opt_state = tx.init(params)
   bias = M.zero_moe_bias(mc)
-  it = pipeline.make_train_iterator(cfg)
+  data = data_config(cfg.data)
+  it = pipeline.make_train_iterator(data, vocab_size=mc.vocab_size)
   t0 = time.time()
   losses = []
   for s in range(args.steps):
@@ -119,7 +121,7 @@ def run(blank: bool, args, setup_) -> dict:
       print(f"  [{'blank' if blank else 'image'}] step {s:4d} loss {np.mean(losses[-25:]):.3f} "
             f"({time.time() - t0:.0f}s)", flush=True)
   train_s = time.time() - t0
-  ev = pipeline.make_eval_iterator(cfg)
+  ev = pipeline.make_eval_iterator(data, vocab_size=mc.vocab_size)
   tot = n = 0.0
   for _ in range(args.eval_batches):
     b = next(ev)

@@ -1,13 +1,15 @@
 """The data pipeline the training loop calls (docs/design.md §T3).
 
-    it = make_train_iterator(cfg, process_index, process_count)
+    data = data_config(cfg.data)          # the typed data section (data/config.py), built once
+    it = make_train_iterator(data, process_index, process_count, tokenizer=tok)
     batch = next(it)           # dict of numpy arrays, [batch_size, seq_len] (+ image arrays)
     state = it.get_state()     # JSON-able; grain.checkpoint.CheckpointSave(it) stores it
     it.set_state(state)        # the next batches are bit-identical to the uninterrupted run
     it.counters()              # skipped records by reason, padding, tokens per stream
     it.skip_locations()        # the first file:line of each skip reason (and of truncation)
 
-Per stream (text, multimodal): a grain `MapDataset` over the stream's records, sliced to this
+Per stream (text, multimodal; a stream with no sources is left out, so text-only data needs no
+multimodal source): a grain `MapDataset` over the stream's records, sliced to this
 process (`[process_index::process_count]`, so processes read disjoint records whose union is
 the whole), shuffled with a per-epoch seed and repeated (training), then mapped (record ->
 segments -> document -> pieces) -- in grain worker processes when `data.worker_count > 0`.
@@ -38,13 +40,15 @@ image side (`packing.py` defines each).
 from __future__ import annotations
 
 import collections
+import copy
 import logging
+from typing import Any
 
 import grain
 import numpy as np
 
 from data import corpus, documents, images, packing
-from data.config import data_config, images_per_row
+from data.config import DataConfig, images_per_row
 from data.mixture import TokenMixer, normalized_weights
 from data.records import RecordSkipped, parse_record
 from data.sources import open_source
@@ -57,52 +61,66 @@ TRUNCATED = "truncated_documents"  # the counter (and skip_locations key) of doc
 log = logging.getLogger("dsv41.data")
 
 
-def cache_dir(cfg) -> str:
-  return cfg.data.cache_dir or corpus.default_cache_dir()
+def _typed(data) -> DataConfig:
+  if not isinstance(data, DataConfig):
+    raise TypeError(f"the data pipeline takes a DataConfig (data.config.data_config(cfg.data)), "
+                    f"not {type(data).__name__}")
+  return data
 
 
-def max_images_per_row(cfg) -> int:
-  return images_per_row(cfg.data.seq_len, cfg.data.max_images_per_row)
+def cache_dir(data: DataConfig) -> str:
+  return data.cache_dir or corpus.default_cache_dir()
 
 
-def default_manifest(cfg) -> dict:
-  d = cfg.data
-  return corpus.build_manifest(d.heldout_percent, d.image_docs_train, d.image_docs_eval, d.seed)
+def max_images_per_row(data: DataConfig) -> int:
+  return images_per_row(data.seq_len, data.max_images_per_row)
 
 
-def uses_default_corpus(cfg, split: str) -> bool:
-  keys = ("text_sources", "multimodal_sources") if split == "train" else (
-      "text_eval_sources", "multimodal_eval_sources")
-  given = [bool(tuple(cfg.data[k])) for k in keys]
-  if split == "eval" and not any(given):
-    return not (tuple(cfg.data.text_sources) or tuple(cfg.data.multimodal_sources))
-  return not any(given)
+def default_manifest(data: DataConfig) -> dict:
+  return corpus.build_manifest(data.heldout_percent, data.image_docs_train, data.image_docs_eval,
+                               data.seed)
 
 
-def make_tokenizer(cfg) -> TokenizerHandle:
-  """The tokenizer of `data.tokenizer_path`, or the default-corpus BPE of `model.vocab_size`.
+def _source_keys(split: str) -> tuple[str, str]:
+  """The data keys of the text and multimodal sources of a split."""
+  return (("text_sources", "multimodal_sources") if split == "train"
+          else ("text_eval_sources", "multimodal_eval_sources"))
+
+
+def uses_default_corpus(data: DataConfig, split: str) -> bool:
+  """No source given for the split (for evaluation: none for training either)."""
+  given = any(getattr(data, k) for k in _source_keys(split))
+  if split == "eval" and not given:
+    return not any(getattr(data, k) for k in _source_keys("train"))
+  return not given
+
+
+def make_tokenizer(data: DataConfig, vocab_size: int | None) -> TokenizerHandle:
+  """The tokenizer of `data.tokenizer_path`, or the default-corpus BPE of `vocab_size` entries
+  (`model.vocab_size`; needed only then).
 
   A tokenizer file that is missing or unreadable is a FileNotFoundError / ValueError naming
   `data.tokenizer_path`."""
-  if cfg.data.tokenizer_path:
+  data = _typed(data)
+  if data.tokenizer_path:
     try:
-      return load_tokenizer(cfg.data.tokenizer_path)
+      return load_tokenizer(data.tokenizer_path)
     except (OSError, ValueError) as e:
       raise type(e)(f"data.tokenizer_path: {e}; point it at a Hugging Face tokenizer.json, or "
                      "set it to '' for the default-corpus BPE") from None
-  manifest = default_manifest(cfg)
-  corpus.write_manifest(manifest, cache_dir(cfg))
-  return cached_bpe(lambda: corpus.bpe_texts(manifest), int(cfg.model.vocab_size),
-                    manifest["hash"], cache_dir(cfg))
+  if vocab_size is None:
+    raise ValueError("data.tokenizer_path is '': the default-corpus BPE needs model.vocab_size")
+  manifest = default_manifest(data)
+  corpus.write_manifest(manifest, cache_dir(data))
+  return cached_bpe(lambda: corpus.bpe_texts(manifest), int(vocab_size), manifest["hash"],
+                    cache_dir(data))
 
 
-def check_config(cfg, tok: TokenizerHandle) -> None:
-  """Errors for settings the pipeline cannot honour, each naming the field: the data section's
-  own checks (`DataConfig`), then the tokenizer against `model.vocab_size`."""
-  data_config(cfg.data)
-  if "model" in cfg and tok.vocab_size > cfg.model.vocab_size:
+def check_tokenizer(tok: TokenizerHandle, vocab_size: int | None) -> None:
+  """The tokenizer fits the model's vocabulary (`model.vocab_size`, when given)."""
+  if vocab_size is not None and tok.vocab_size > vocab_size:
     raise ValueError(f"tokenizer {tok.source} has {tok.vocab_size} tokens, more than "
-                     f"model.vocab_size={cfg.model.vocab_size}")
+                     f"model.vocab_size={vocab_size}")
 
 
 class ToPieces:
@@ -138,25 +156,29 @@ class ToPieces:
     return ("doc", index, pieces, len(doc), where if doc.truncated else None)
 
 
-def stream_dataset(source, stream: int, fn: ToPieces, cfg, process_index: int,
+def stream_dataset(source, stream: int, fn: ToPieces, seed: int, process_index: int,
                    process_count: int, train: bool) -> tuple[grain.MapDataset, int]:
-  """The stream's dataset for this process, and its records per pass."""
+  """The dataset of stream `stream` (an index of STREAMS) for this process, and its records per
+  pass; `seed` is `data.seed`."""
   ds = grain.MapDataset.source(source)[process_index::process_count]
   epoch_len = len(ds)
   if len(ds) == 0:
     raise ValueError(f"data stream {STREAMS[stream]!r} ({source!r}) has no records for process "
                      f"{process_index} of {process_count}")
   if train:
-    ds = ds.shuffle(seed=(cfg.data.seed * 1000 + stream) % 2**32).repeat(None)
+    ds = ds.shuffle(seed=(seed * 1000 + stream) % 2**32).repeat(None)
   return ds.map_with_index(fn), epoch_len
 
 
 class PackedIterator(grain.DatasetIterator):
-  """Batches of packed rows; grain-checkpointable (get_state/set_state are JSON-able)."""
+  """Batches of packed rows; grain-checkpointable (get_state/set_state are JSON-able).
 
-  def __init__(self, datasets: list[tuple[grain.MapDataset, int]], weights: list[float], cfg,
-               tok: TokenizerHandle, train: bool, features=None):
-    d = cfg.data
+  `datasets` and `weights` are per stream present, `names` their STREAMS names."""
+
+  def __init__(self, datasets: list[tuple[grain.MapDataset, int]], weights: list[float],
+               d: DataConfig, tok: TokenizerHandle, train: bool, features=None,
+               names: tuple[str, ...] = STREAMS):
+    self.names = tuple(names)
     self.features, self._pad_features = features, None
     if features is not None:  # a run of seq_len pad tokens in segment 0: padding's features
       pad = np.full((1, d.seq_len), tok.pad_id, np.int32)
@@ -166,7 +188,7 @@ class PackedIterator(grain.DatasetIterator):
     self.epoch_len = [n for _, n in datasets]
     self.train, self.tok = train, tok
     self.seq_len, self.batch_size = d.seq_len, d.batch_size
-    self.max_images = max_images_per_row(cfg)
+    self.max_images = max_images_per_row(d)
     self.max_px = images.max_cells(d.max_image_size) * images.CELL_PX
     self.max_document_tokens = d.max_document_tokens
     iters = []
@@ -226,7 +248,7 @@ class PackedIterator(grain.DatasetIterator):
         self._locate(item[2], item[3])
         skips += 1
         if skips > self.epoch_len[s]:
-          raise RuntimeError(f"data stream {STREAMS[s]!r}: every record of a whole pass was "
+          raise RuntimeError(f"data stream {self.names[s]!r}: every record of a whole pass was "
                              f"skipped (see counters {self.counters()})")
         continue
       _, index, pieces, n_tokens, cut = item
@@ -238,7 +260,7 @@ class PackedIterator(grain.DatasetIterator):
                       "keep more)", cut, self.max_document_tokens, n_tokens)
       self._pieces[(s, int(index))] = pieces
       self._cursor[s] = [int(index), 0]
-      self._counters[f"documents/{STREAMS[s]}"] += 1
+      self._counters[f"documents/{self.names[s]}"] += 1
       return True
 
   def _locate(self, reason: str, where: str) -> bool:
@@ -260,7 +282,7 @@ class PackedIterator(grain.DatasetIterator):
     pieces = []
     for s, index, k, a, b in refs:
       pieces.append(self._pieces[(s, index)][k].slice(a, b))
-      self._counters[f"row_tokens/{STREAMS[s]}"] += b - a
+      self._counters[f"row_tokens/{self.names[s]}"] += b - a
     row = packing.assemble_row(pieces, self.seq_len, self.max_images, self.max_px,
                                self.tok.pad_id, self.tok.image_pad_id, self.features,
                                self._pad_features)
@@ -312,11 +334,12 @@ class PackedIterator(grain.DatasetIterator):
     return {k: list(v) for k, v in sorted(self._skipped_at.items())}
 
   def get_state(self) -> dict:
-    return {"streams": [it.get_state() for it in self.streams],
-            "mixer": self.mixer.get_state(), "packer": self.packer.get_state(),
-            "cursor": self._cursor,
-            "counters": dict(self._counters), "skipped_at": self.skip_locations(),
-            "finished": self._finished}
+    """A snapshot (a copy: the packer's and cursor's lists go on changing with the iterator)."""
+    return copy.deepcopy({"streams": [it.get_state() for it in self.streams],
+                          "mixer": self.mixer.get_state(), "packer": self.packer.get_state(),
+                          "cursor": self._cursor,
+                          "counters": dict(self._counters), "skipped_at": self.skip_locations(),
+                          "finished": self._finished})
 
   def set_state(self, state: dict) -> None:
     for it, st in zip(self.streams, state["streams"]):
@@ -343,51 +366,55 @@ class PackedIterator(grain.DatasetIterator):
     super().close()
 
 
-def _sources(cfg, split: str):
-  d = cfg.data
-  if uses_default_corpus(cfg, split):
-    return corpus.sources(default_manifest(cfg), split)
-  if split == "train":
-    names = ("text_sources", "multimodal_sources")
-  else:
-    names = ("text_eval_sources", "multimodal_eval_sources")
-  out = []
-  for name, stream in zip(names, STREAMS):
-    paths = tuple(d[name])
-    if not paths:
-      raise ValueError(f"data.{name} is empty: the {stream} stream has no {split} source "
-                       f"(leave every data.*sources empty to use the default corpus)")
-    out.append(open_source(paths, f"data.{name}", d.max_record_bytes))
-  return tuple(out)
+def _sources(data: DataConfig, split: str) -> list[tuple[int, Any]]:
+  """(stream index, source) of every stream the split has sources for; a stream without any is
+  left out (text-only data needs no multimodal source), but a split needs one."""
+  if uses_default_corpus(data, split):
+    return list(enumerate(corpus.sources(default_manifest(data), split)))
+  keys = _source_keys(split)
+  out = [(stream, open_source(getattr(data, key), f"data.{key}", data.max_record_bytes))
+         for stream, key in enumerate(keys) if getattr(data, key)]
+  if not out:
+    raise ValueError(f"data.{keys[0]} and data.{keys[1]} are empty: the {split} split has no "
+                     f"source (give one of them, or leave every data.*sources empty for the "
+                     f"default corpus)")
+  return out
 
 
-def _make(cfg, process_index: int, process_count: int, split: str, tok=None,
-          features=None) -> PackedIterator:
+def _make(data: DataConfig, process_index: int, process_count: int, split: str, tok=None,
+          features=None, vocab_size: int | None = None) -> PackedIterator:
+  d = _typed(data)
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index={process_index} outside process_count={process_count}")
-  tok = tok or make_tokenizer(cfg)
-  check_config(cfg, tok)
-  d = cfg.data
-  weights = normalized_weights({"text": d.text_weight, "multimodal": d.multimodal_weight})
-  fn = ToPieces(tok, d.seq_len, max_images_per_row(cfg), d.max_image_size, d.max_record_bytes,
+  if tok is None:
+    tok = make_tokenizer(d, vocab_size)
+  check_tokenizer(tok, vocab_size)
+  fn = ToPieces(tok, d.seq_len, max_images_per_row(d), d.max_image_size, d.max_record_bytes,
                 d.max_image_pixels, features, d.max_document_tokens)
   train = split == "train"
-  datasets = [stream_dataset(src, s, fn, cfg, process_index, process_count, train)
-              for s, src in enumerate(_sources(cfg, split))]
-  return PackedIterator(datasets, [weights[s] for s in STREAMS], cfg, tok, train, features)
+  sources = _sources(d, split)
+  names = tuple(STREAMS[s] for s, _ in sources)
+  weights = normalized_weights({n: getattr(d, f"{n}_weight") for n in names})
+  datasets = [stream_dataset(src, s, fn, d.seed, process_index, process_count, train)
+              for s, src in sources]
+  return PackedIterator(datasets, [weights[n] for n in names], d, tok, train, features, names)
 
 
-def make_train_iterator(cfg, process_index: int = 0, process_count: int = 1,
-                        tokenizer: TokenizerHandle | None = None,
-                        token_features=None) -> PackedIterator:
+def make_train_iterator(data: DataConfig, process_index: int = 0, process_count: int = 1,
+                        tokenizer: TokenizerHandle | None = None, token_features=None,
+                        vocab_size: int | None = None) -> PackedIterator:
   """Endless training batches for this process (its shard of every stream), with the optional
-  token features (module docstring) under their batch key."""
-  return _make(cfg, process_index, process_count, "train", tokenizer, token_features)
+  token features (module docstring) under their batch key. Without `tokenizer`, the one of
+  `make_tokenizer(data, vocab_size)`; with `vocab_size` (the model's), the tokenizer is checked
+  to fit it."""
+  return _make(data, process_index, process_count, "train", tokenizer, token_features,
+               vocab_size)
 
 
-def make_eval_iterator(cfg, process_index: int = 0, process_count: int = 1,
-                       tokenizer: TokenizerHandle | None = None,
-                       token_features=None) -> PackedIterator:
+def make_eval_iterator(data: DataConfig, process_index: int = 0, process_count: int = 1,
+                       tokenizer: TokenizerHandle | None = None, token_features=None,
+                       vocab_size: int | None = None) -> PackedIterator:
   """One pass over the held-out records of this process; the last batch is padded with empty
-  rows (segment_ids 0), then StopIteration."""
-  return _make(cfg, process_index, process_count, "eval", tokenizer, token_features)
+  rows (segment_ids 0), then StopIteration. Arguments as `make_train_iterator`'s."""
+  return _make(data, process_index, process_count, "eval", tokenizer, token_features,
+               vocab_size)

@@ -54,12 +54,15 @@ def segment_lengths(batch: dict) -> np.ndarray:
 def report(cfg, rows: int) -> dict:
   """Produce `rows` (rounded up to whole batches) and measure them; see the module docstring."""
   from data import pipeline
+  from data.config import data_config
   t0 = time.perf_counter()
-  tok = pipeline.make_tokenizer(cfg)
-  it = pipeline.make_train_iterator(cfg, 0, 1, tokenizer=tok)
+  data = data_config(cfg.data)
+  vocab_size = cfg.model.vocab_size if "model" in cfg else None
+  tok = pipeline.make_tokenizer(data, vocab_size)
+  it = pipeline.make_train_iterator(data, 0, 1, tokenizer=tok, vocab_size=vocab_size)
   it.start_prefetch()
   setup = time.perf_counter() - t0
-  n_batches = math.ceil(rows / cfg.data.batch_size)
+  n_batches = math.ceil(rows / data.batch_size)
   pad = positions = 0
   lengths = []
   busy = first = 0.0
@@ -80,13 +83,13 @@ def report(cfg, rows: int) -> dict:
   text, mm = c.get("row_tokens/text", 0), c.get("row_tokens/multimodal", 0)
   skipped = {k.split("/", 1)[1]: v for k, v in c.items() if k.startswith("skipped/")}
   edges = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
-  edges = [e for e in edges if e < cfg.data.seq_len] + [cfg.data.seq_len]
+  edges = [e for e in edges if e < data.seq_len] + [data.seq_len]
   hist = np.histogram(seg, bins=[0.5] + [e + 0.5 for e in edges])[0]  # (prev, e] per bin
   out = {
-      "rows": n_batches * cfg.data.batch_size,
-      "seq_len": cfg.data.seq_len,
-      "batch_size": cfg.data.batch_size,
-      "worker_count": cfg.data.worker_count,
+      "rows": n_batches * data.batch_size,
+      "seq_len": data.seq_len,
+      "batch_size": data.batch_size,
+      "worker_count": data.worker_count,
       "padding_fraction": pad / positions,
       "multimodal_token_share": mm / max(1, text + mm),
       "tokens_per_second": (positions - batch["segment_ids"].size) / busy if busy else 0.0,
@@ -99,15 +102,15 @@ def report(cfg, rows: int) -> dict:
       "segment_length": {
           "count": int(len(seg)), "mean": float(seg.mean()),
           "percentiles": {str(q): float(np.percentile(seg, q)) for q in (1, 10, 50, 90, 99)},
-          "max": int(seg.max()), "full_rows": int((seg == cfg.data.seq_len).sum()),
+          "max": int(seg.max()), "full_rows": int((seg == data.seq_len).sum()),
           "histogram": {f"<={e}": int(h) for e, h in zip(edges, hist)},
       },
       "packer": {k.split("/", 1)[1]: v for k, v in c.items() if k.startswith("packer/")},
       "documents": {k.split("/", 1)[1]: v for k, v in c.items() if k.startswith("documents/")},
       "tokenizer": {"source": tok.source, "vocab_size": tok.vocab_size},
   }
-  if not (cfg.data.text_sources or cfg.data.multimodal_sources):
-    m = pipeline.default_manifest(cfg)
+  if not (data.text_sources or data.multimodal_sources):
+    m = pipeline.default_manifest(data)
     out["corpus"] = {"python": m["python"]["version"], "manifest_hash": m["hash"][:16],
                      "stdlib_files": len(m["files"]), "text_bytes": m["text_bytes"]}
   return out

@@ -72,6 +72,7 @@ def load_model(workdir: str, step: int | None = None,
 
   `expected_model` (a config's `model` section) makes a work directory of another model an error.
   """
+  from data.config import data_config
   from data.pipeline import make_tokenizer
   from dsv41_jax.engram.compression import build_compression_map
   import orbax.checkpoint as ocp
@@ -118,7 +119,7 @@ def load_model(workdir: str, step: int | None = None,
     raise LoadError(f"checkpoint {step} in {workdir} is not a checkpoint of the model in its "
                     f"config.json ({len(missing)} arrays missing, e.g. {missing[0]})")
   model = nnx.merge(graphdef, restored["params"])
-  tok = make_tokenizer(cfg)
+  tok = make_tokenizer(data_config(cfg.data), mcfg.vocab_size)
   cmap = build_compression_map(lambda i: tok.decode([i]), tok.vocab_size,
                                raw_token=lambda i: tok.id_to_token(i) or "")
   return LoadedModel(model, restored["moe_bias"], cfg, tok, cmap, step)

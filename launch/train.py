@@ -254,14 +254,14 @@ def _run(cfg: ml_collections.ConfigDict, workdir: str, stop: _Stop, profile_text
 
   # --- data ---
   try:
-    tok = make_tokenizer(cfg)
+    tok = make_tokenizer(run.data, run.model.vocab_size)
   except (KeyError, ValueError, OSError) as e:  # the message names data.tokenizer_path
     raise SetupError(_data_error(e)) from None
   cmap = setup.compression_map(run.model, tok)
   features = setup.EngramFeatures(run.model, cmap) if cmap is not None else None
   try:
-    train_it = make_train_iterator(cfg, jax.process_index(), jax.process_count(), tokenizer=tok,
-                                   token_features=features)
+    train_it = make_train_iterator(run.data, jax.process_index(), jax.process_count(),
+                                   tokenizer=tok, token_features=features)
   except (KeyError, ValueError, OSError) as e:  # the messages name the data key or path
     raise SetupError(_data_error(e)) from None
   t_data = time.time()
@@ -376,7 +376,7 @@ def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
   def evaluate() -> dict[str, float]:
     return evaluation.evaluate(
         lambda b: eval_step(ts.state.params, ts.state.moe_bias, adapter(b), token_bytes),
-        make_eval_iterator(ctx.cfg, jax.process_index(), jax.process_count(),
+        make_eval_iterator(run.data, jax.process_index(), jax.process_count(),
                            tokenizer=ctx.tokenizer, token_features=ctx.features),
         tcfg.eval_batches)
 

@@ -36,6 +36,7 @@ from ml_collections import config_flags
 
 from configs.common import model_config
 from data import images, pipeline, shapes
+from data.config import data_config
 from dsv41_jax.vision.config import VisionConfig
 from dsv41_jax.vision.siglip import SigLIP, l2_normalize
 from launch import cli
@@ -146,7 +147,7 @@ def main(argv):
                      f"vision.max_image_size={vcfg.max_image_size}")
   workdir = flags.FLAGS.workdir
   os.makedirs(workdir, exist_ok=True)
-  tok = pipeline.make_tokenizer(cfg)
+  tok = pipeline.make_tokenizer(data_config(cfg.data), mc.vocab_size)
   steps, bs, L = flags.FLAGS.steps, flags.FLAGS.batch_size, flags.FLAGS.max_text_len
 
   model = SigLIP(vcfg, int(cfg.model.vocab_size), nnx.Rngs(flags.FLAGS.seed))

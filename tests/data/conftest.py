@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from data import shapes
-from data.config import data_defaults
+from data.config import DataConfig, data_config, data_defaults
 from data.tokenizer import TokenizerHandle, train_bpe
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
@@ -74,3 +74,8 @@ def make_cfg(corpus_dir: str, **data) -> ml_collections.ConfigDict:
   for k, v in data.items():
     cfg.data[k] = v
   return cfg
+
+
+def make_data(corpus_dir: str, **data) -> DataConfig:
+  """`make_cfg`'s data section as the typed `DataConfig` the pipeline takes."""
+  return data_config(make_cfg(corpus_dir, **data).data)

@@ -22,7 +22,7 @@ import pytest
 
 from data import documents, images, pipeline, records, sources
 from data.config import DataConfigError, data_config, data_defaults
-from tests.data.conftest import make_cfg, mm_record, random_text, text_records, write_jsonl
+from tests.data.conftest import make_data, mm_record, random_text, text_records, write_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HUGE = 200 * 10**6
@@ -137,7 +137,7 @@ def test_pipeline_counts_and_locates_skips(tmp_path, corpus_dir, small_tok):
   mm[1] = {"segments": [{"text": "a bomb"},
                         {"image_base64": base64.b64encode(bomb_png()).decode()}]}
   mm_path = write_jsonl(tmp_path / "mm.jsonl", mm)
-  cfg = make_cfg(corpus_dir, text_eval_sources=(text,), multimodal_eval_sources=(mm_path,),
+  cfg = make_data(corpus_dir, text_eval_sources=(text,), multimodal_eval_sources=(mm_path,),
                  max_record_bytes=MiB)
   it = pipeline.make_eval_iterator(cfg, tokenizer=small_tok)
   list(it)
@@ -175,7 +175,7 @@ def test_outsized_document_is_cut_with_a_warning_and_bounded_work(tmp_path, corp
   assert len(big["text"]) > 4 * 10**6
   others = text_records(8, 2) + text_records(9, 2)
   text = write_jsonl(tmp_path / "text.jsonl", others[:2] + [big] + others[2:])
-  cfg = make_cfg(corpus_dir, text_eval_sources=(text,), max_document_tokens=3000)
+  cfg = make_data(corpus_dir, text_eval_sources=(text,), max_document_tokens=3000)
   calls = []
   real = small_tok._tok
 

@@ -205,7 +205,7 @@ def test_cut_rate_counter_is_cuts_per_piece(corpus_dir, small_tok):
   """`packer/cut_rate` restated from the fragments the packer made: every reference in the rows
   taken so far or still held, (fragments − pieces) / pieces; zero with `packer_cuts` off."""
   from data import pipeline
-  from tests.data.conftest import make_cfg
+  from tests.data.conftest import make_data
 
   class Tap(collections.deque):   # records the rows the iterator takes from the packer
     def popleft(self):
@@ -213,7 +213,7 @@ def test_cut_rate_counter_is_cuts_per_piece(corpus_dir, small_tok):
       return taken[-1]
 
   for cuts in (True, False):
-    it = pipeline.make_train_iterator(make_cfg(corpus_dir, packer_cuts=cuts), tokenizer=small_tok)
+    it = pipeline.make_train_iterator(make_data(corpus_dir, packer_cuts=cuts), tokenizer=small_tok)
     taken = []
     it.packer.ready = Tap(it.packer.ready)
     for _ in range(6):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from data import documents, pipeline, records
-from tests.data.conftest import make_cfg, mm_record, text_records, write_jsonl
+from tests.data.conftest import make_cfg, make_data, mm_record, text_records, write_jsonl
 
 
 def take(it, n):
@@ -59,7 +59,7 @@ def check_row_layout(batch, tok, seq_len):
 
 
 def test_batch_layout(corpus_dir, small_tok):
-  cfg = make_cfg(corpus_dir)
+  cfg = make_data(corpus_dir)
   it = pipeline.make_train_iterator(cfg, tokenizer=small_tok)
   batches = take(it, 6)
   b = batches[0]
@@ -74,7 +74,7 @@ def test_batch_layout(corpus_dir, small_tok):
 
 @pytest.mark.parametrize("workers", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_resume_is_bit_identical(corpus_dir, small_tok, workers):
-  cfg = make_cfg(corpus_dir, worker_count=workers)
+  cfg = make_data(corpus_dir, worker_count=workers)
   it = pipeline.make_train_iterator(cfg, tokenizer=small_tok)
   take(it, 7)
   state = json.loads(json.dumps(it.get_state()))  # what a checkpoint stores
@@ -90,7 +90,7 @@ def test_resume_is_bit_identical(corpus_dir, small_tok, workers):
 def test_resume_through_orbax_checkpoint(corpus_dir, small_tok, tmp_path):
   import grain
   import orbax.checkpoint as ocp
-  cfg = make_cfg(corpus_dir)
+  cfg = make_data(corpus_dir)
   it = pipeline.make_train_iterator(cfg, tokenizer=small_tok)
   take(it, 5)
   mgr = ocp.CheckpointManager(str(tmp_path / "ckpt"),
@@ -130,7 +130,7 @@ def headers(segments, tok):
 
 
 def test_two_processes_see_disjoint_data_whose_union_is_the_whole(corpus_dir, small_tok):
-  cfg = make_cfg(corpus_dir)
+  cfg = make_data(corpus_dir)
   whole = segment_tokens(eval_pass(cfg, small_tok, 0, 1))
   parts = [segment_tokens(eval_pass(cfg, small_tok, i, 2)) for i in range(2)]
   h0, h1, hall = (headers(x, small_tok) for x in (parts[0], parts[1], whole))
@@ -142,7 +142,7 @@ def test_two_processes_see_disjoint_data_whose_union_is_the_whole(corpus_dir, sm
 
 
 def test_train_shards_are_disjoint(corpus_dir, small_tok):
-  cfg = make_cfg(corpus_dir)
+  cfg = make_data(corpus_dir)
   seen = []
   for i in range(2):
     it = pipeline.make_train_iterator(cfg, i, 2, tokenizer=small_tok)
@@ -152,14 +152,14 @@ def test_train_shards_are_disjoint(corpus_dir, small_tok):
 
 @pytest.mark.slow
 def test_worker_processes_do_not_change_the_batches(corpus_dir, small_tok):
-  plain = take(pipeline.make_train_iterator(make_cfg(corpus_dir), tokenizer=small_tok), 8)
-  it = pipeline.make_train_iterator(make_cfg(corpus_dir, worker_count=2), tokenizer=small_tok)
+  plain = take(pipeline.make_train_iterator(make_data(corpus_dir), tokenizer=small_tok), 8)
+  it = pipeline.make_train_iterator(make_data(corpus_dir, worker_count=2), tokenizer=small_tok)
   assert_batches_equal(take(it, 8), plain)
   it.close()
 
 
 def test_eval_pass_conserves_every_token(corpus_dir, small_tok):
-  cfg = make_cfg(corpus_dir)
+  cfg = make_data(corpus_dir)
   batches = eval_pass(cfg, small_tok, 0, 1)
   got = collections.Counter(t for s in segment_tokens(batches) for t in s)
   expect = collections.Counter()
@@ -188,7 +188,7 @@ def test_bad_records_are_counted_not_fatal(tmp_path, corpus_dir, small_tok):
       f.write(r + b"\n")
   mpath = write_jsonl(tmp_path / "mm.jsonl", [empty_png] + good_mm[:3] + [junk_png, missing] +
                       good_mm[3:])
-  cfg = make_cfg(corpus_dir, text_eval_sources=(str(tpath),), multimodal_eval_sources=(mpath,))
+  cfg = make_data(corpus_dir, text_eval_sources=(str(tpath),), multimodal_eval_sources=(mpath,))
   it = pipeline.make_eval_iterator(cfg, tokenizer=small_tok)
   list(it)
   c = it.counters()
@@ -201,7 +201,7 @@ def test_bad_records_are_counted_not_fatal(tmp_path, corpus_dir, small_tok):
 
 def test_a_stream_with_only_bad_records_stops_with_a_clear_error(tmp_path, corpus_dir, small_tok):
   bad = write_jsonl(tmp_path / "bad.jsonl", ["{oops"] * 5)
-  cfg = make_cfg(corpus_dir, multimodal_sources=(bad,))
+  cfg = make_data(corpus_dir, multimodal_sources=(bad,))
   it = pipeline.make_train_iterator(cfg, tokenizer=small_tok)
   with pytest.raises(RuntimeError, match="multimodal.*skipped"):
     take(it, 20)
@@ -210,48 +210,46 @@ def test_a_stream_with_only_bad_records_stops_with_a_clear_error(tmp_path, corpu
 def test_configuration_errors_name_the_culprit(tmp_path, corpus_dir, small_tok):
   missing = str(tmp_path / "missing.jsonl")
   with pytest.raises(FileNotFoundError, match="missing.jsonl"):
-    pipeline.make_train_iterator(make_cfg(corpus_dir, text_sources=(missing,)),
+    pipeline.make_train_iterator(make_data(corpus_dir, text_sources=(missing,)),
                                  tokenizer=small_tok)
   (tmp_path / "shard.tfrecord").write_bytes(b"")
   with pytest.raises(ValueError, match="shard.tfrecord"):
     pipeline.make_train_iterator(
-        make_cfg(corpus_dir, text_sources=(str(tmp_path / "shard.tfrecord"),)),
+        make_data(corpus_dir, text_sources=(str(tmp_path / "shard.tfrecord"),)),
         tokenizer=small_tok)
   for w in (0.0, -2.0):
     with pytest.raises(ValueError, match="text_weight"):
-      pipeline.make_train_iterator(make_cfg(corpus_dir, text_weight=w), tokenizer=small_tok)
+      pipeline.make_train_iterator(make_data(corpus_dir, text_weight=w), tokenizer=small_tok)
   empty = write_jsonl(tmp_path / "empty.jsonl", [])
   with pytest.raises(ValueError, match="no records"):
-    pipeline.make_train_iterator(make_cfg(corpus_dir, multimodal_sources=(empty,)),
+    pipeline.make_train_iterator(make_data(corpus_dir, multimodal_sources=(empty,)),
                                  tokenizer=small_tok)
-  with pytest.raises(ValueError, match="multimodal_sources is empty"):
-    pipeline.make_train_iterator(make_cfg(corpus_dir, multimodal_sources=()), tokenizer=small_tok)
-  with pytest.raises(ValueError, match="text_eval_sources is empty"):
-    pipeline.make_eval_iterator(make_cfg(corpus_dir, text_eval_sources=()), tokenizer=small_tok)
+  with pytest.raises(ValueError, match="text_eval_sources and data.multimodal_eval_sources are "
+                     "empty"):
+    pipeline.make_eval_iterator(make_data(corpus_dir, text_eval_sources=(),
+                                          multimodal_eval_sources=()), tokenizer=small_tok)
+  with pytest.raises(TypeError, match="takes a DataConfig"):
+    pipeline.make_train_iterator(make_cfg(corpus_dir), tokenizer=small_tok)
   with pytest.raises(ValueError, match="max_image_size"):
-    pipeline.make_train_iterator(make_cfg(corpus_dir, seq_len=16), tokenizer=small_tok)
+    pipeline.make_train_iterator(make_data(corpus_dir, seq_len=16), tokenizer=small_tok)
 
 
 def test_default_corpus_with_trained_bpe(tmp_path):
   """No sources, no tokenizer: the stdlib + shapes corpus and a BPE trained into the cache."""
-  import ml_collections
-  from data.config import data_defaults
-  cfg = ml_collections.ConfigDict({"data": data_defaults(), "model": {"vocab_size": 300}})
-  cfg.data.cache_dir = str(tmp_path)
-  cfg.data.image_docs_train = 500
-  tok = pipeline.make_tokenizer(cfg)
+  from data.config import DataConfig
+  data = DataConfig(cache_dir=str(tmp_path), image_docs_train=500)
+  tok = pipeline.make_tokenizer(data, 300)
   assert tok.vocab_size == 300 and os.path.dirname(tok.source) == str(tmp_path / "tokenizers")
   assert len(os.listdir(tmp_path / "corpus")) == 1  # the manifest, beside the tokenizer
-  it = pipeline.make_train_iterator(cfg, tokenizer=tok)
+  it = pipeline.make_train_iterator(data, tokenizer=tok, vocab_size=300)
   batches = take(it, 60)
   c = it.counters()
   assert c["padding_tokens"] == 0 and c["documents/text"] > 0 and c["documents/multimodal"] > 0
   share = c["row_tokens/multimodal"] / (c["row_tokens/multimodal"] + c["row_tokens/text"])
   assert 0.1 < share < 0.15  # 480 rows of 128; the first rows lag while the pool fills
   check_row_layout(batches[-1], tok, 128)
-  cfg.model.vocab_size = 200
   with pytest.raises(ValueError, match="vocab_size"):
-    pipeline.make_train_iterator(cfg, tokenizer=tok)
+    pipeline.make_train_iterator(data, tokenizer=tok, vocab_size=200)
 
 
 def test_skip_locations_are_distinct_over_passes_and_streams(tmp_path, corpus_dir, small_tok):
@@ -260,9 +258,31 @@ def test_skip_locations_are_distinct_over_passes_and_streams(tmp_path, corpus_di
   repeated it per stream and per pass)."""
   shard = write_jsonl(tmp_path / "both.jsonl",
                       text_records(4, 3, rng_words=(3, 20)) + ["{not json"])
-  cfg = make_cfg(corpus_dir, text_sources=(shard,), multimodal_sources=(shard,))
+  cfg = make_data(corpus_dir, text_sources=(shard,), multimodal_sources=(shard,))
   it = pipeline.make_train_iterator(cfg, tokenizer=small_tok)
   for _ in range(6):
     next(it)
   assert it.counters()["skipped/malformed_json"] >= 4
   assert it.skip_locations() == {"malformed_json": [f"{shard}:4"]}
+
+
+def test_text_only_sources_need_no_multimodal_source(corpus_dir, small_tok):
+  """Text sources alone (no multimodal train or eval source): rows of text only, the mixture's
+  whole share on the one stream, exact resume, and a held-out pass over the text records."""
+  data = make_data(corpus_dir, multimodal_sources=(), multimodal_eval_sources=())
+  it = pipeline.make_train_iterator(data, tokenizer=small_tok)
+  first = take(it, 3)
+  state = it.get_state()
+  rest = take(it, 3)
+  c = it.counters()
+  assert c["documents/text"] > 0 and c["row_tokens/text"] > 0
+  assert not any("multimodal" in k for k in c)
+  for batch in first + rest:
+    check_row_layout(batch, small_tok, 128)
+    assert not batch["image_mask"].any() and not batch["image_count"].any()
+  fresh = pipeline.make_train_iterator(data, tokenizer=small_tok)
+  fresh.set_state(state)
+  assert_batches_equal(take(fresh, 3), rest)
+  ev = pipeline.make_eval_iterator(data, tokenizer=small_tok)
+  list(ev)
+  assert ev.counters()["documents/text"] == 24 and "documents/multimodal" not in ev.counters()

@@ -13,7 +13,7 @@ from configs.common import model_config
 from data import pipeline
 from dsv41_jax import inputs
 from launch import setup
-from tests.data.conftest import make_cfg
+from tests.data.conftest import make_data
 from tests.launch import micro_config
 
 
@@ -33,7 +33,7 @@ def _check(batch, model, cmap):
 @pytest.mark.parametrize("workers", [0, 1])
 def test_pipeline_ids_equal_row_level_hashing(corpus_dir, small_tok, workers):
   model, cmap, features = _features(small_tok)
-  cfg = make_cfg(corpus_dir, seq_len=32, batch_size=4, worker_count=workers)
+  cfg = make_data(corpus_dir, seq_len=32, batch_size=4, worker_count=workers)
   it = pipeline.make_train_iterator(cfg, tokenizer=small_tok, token_features=features)
   for _ in range(12):
     _check(next(it), model, cmap)
@@ -52,7 +52,7 @@ def test_pipeline_ids_equal_row_level_hashing(corpus_dir, small_tok, workers):
 
 def test_padded_eval_rows(corpus_dir, small_tok):
   model, cmap, features = _features(small_tok)
-  cfg = make_cfg(corpus_dir, seq_len=64, batch_size=8, packer_cuts=False)
+  cfg = make_data(corpus_dir, seq_len=64, batch_size=8, packer_cuts=False)
   batches = list(pipeline.make_eval_iterator(cfg, tokenizer=small_tok, token_features=features))
   assert any((b["segment_ids"] == 0).any() for b in batches)  # padding, empty tail rows
   for b in batches:

@@ -65,7 +65,7 @@ def test_abstract_batch_matches_the_adapter():
   cfg.data.batch_size = 8
   run = setup.run_config(cfg, process_count=1)
   mesh = setup.build_mesh(common.MeshConfig(data=8))
-  row = packing.empty_row(run.data.seq_len, pipeline.max_images_per_row(cfg), 168)
+  row = packing.empty_row(run.data.seq_len, pipeline.max_images_per_row(run.data), 168)
   rows = packing.stack_rows([row] * 8)
   cmap = np.arange(run.model.vocab_size) % run.model.engram_compressed_vocab_size
   adapter = setup.BatchAdapter(run.model, run.data, mesh, cmap)

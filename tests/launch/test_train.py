@@ -62,11 +62,12 @@ def env(tmp_path_factory):
   cache = str(root / "data_cache")
   subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
       import importlib.util
+      from data.config import data_config
       from data.pipeline import make_tokenizer
       spec = importlib.util.spec_from_file_location("micro", {CONFIG!r})
       m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
       cfg = m.get_config(); cfg.data.cache_dir = {cache!r}
-      make_tokenizer(cfg)
+      make_tokenizer(data_config(cfg.data), cfg.model.vocab_size)
       """)], cwd=REPO, env=e, check=True, timeout=TIMEOUT)
   return {"env": e, "root": root, "data_cache": cache}
 
