@@ -77,7 +77,7 @@ GRIDS: dict[str, dict] = {
                 sweep=dict(sizes=("L8d256", "L12d384"), steps=400, seeds=(0, 1), evals=4,
                            lrs={"muon": (5e-4, 1e-3, 2e-3, 4e-3, 8e-3),
                                 "adamw": (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3)})),
-    # The launch test's two points: tests/launch/micro_config.py's scale (two layers, seq 32).
+    # The launch test's two points: configs/tiny.py:micro's scale (two layers, seq 32).
     "micro": dict(sizes={"L2d32": (2, 32)}, steps=(3, 6), seq=32, batch=4, lr=3e-3, warmup=1,
                   ablation_size="L2d32", ablation_steps=3, seeds=(0,), xla_flags=FASTER_CPU,
                   sweep=dict(sizes=("L2d32",), steps=4, seeds=(0, 1), evals=2,
@@ -90,7 +90,7 @@ ABLATIONS = ("dense_attention", "full_depth_kv", "engram_off", "plain_residual",
 
 def plan_fields(layers: int) -> dict:
   """The layer roles at depth `layers`: `configs/small.py`'s `layout`, or at depth 2 its smallest
-  instance (tests/launch/micro_config.py): an encoder Full layer at ratio 2 with Engram and a
+  instance (configs/tiny.py:micro): an encoder Full layer at ratio 2 with Engram and a
   decoder Full layer at ratio 1."""
   if layers == 2:
     return dict(num_hidden_layers=2, compress_ratios=(2, 1), kv_source_layer_ids=(0, 1),

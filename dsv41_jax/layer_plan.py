@@ -45,6 +45,10 @@ class LayerSpec:
   kv_input: Literal["own", "encoder_final"] | None
   rope_theta: float
   yarn: bool
+  # A decoder KV source whose compressed KV the encoder-only prefill (CED, docs/design.md §6)
+  # projects from the final encoder state H_{L/2}: a decoder Full layer reading H_{L/2}
+  # (`kv_input` "encoder_final"), or the first decoder layer, whose own input H_{L/2} is.
+  prefills_from_encoder: bool
 
   def structure(self) -> tuple:
     """Everything that shapes the layer's computation graph, without its position in the stack."""
@@ -210,7 +214,8 @@ def build_layer_plan(cfg: "ModelConfig") -> LayerPlan:
     specs.append(LayerSpec(
         index=i, compress_ratio=m, mode=mode, kv_source=kv_source, index_source=index_source,
         engram=i in cfg.engram_layer_ids, candidate_role=candidate_role, is_encoder=i < n_enc,
-        kv_input=kv_input, rope_theta=theta, yarn=cfg.yarn_enabled and m != 0))
+        kv_input=kv_input, rope_theta=theta, yarn=cfg.yarn_enabled and m != 0,
+        prefills_from_encoder=mode == "full" and (kv_input == "encoder_final" or i == n_enc)))
   return LayerPlan(layers=tuple(specs), runs=_runs(specs), num_encoder_layers=n_enc)
 
 

@@ -59,7 +59,7 @@ def ledger(cfg: ModelConfig) -> dict[str, float]:
     spec = plan[layer]
     if layer < n_enc:
       active_prefill += size * frac
-    elif spec.owns_compressor and (spec.kv_input == "encoder_final" or layer == n_enc):
+    elif spec.prefills_from_encoder:
       # The decoder KV source projects from H_{L/2}: its collapse, attn_norm, compressor, indexer K.
       if rest.startswith(("compressor/", "indexer/wk", "indexer/k_norm", "attn_norm/")):
         active_prefill += size

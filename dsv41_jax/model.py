@@ -263,11 +263,10 @@ class Transformer(nnx.Module):
   def _prefill_outputs(self, enc: StreamState, ctx: Context) -> dict[str, Any]:
     """H_{L/2} and the decoder KV sources that project from it (docs/design.md §6): the first decoder
     layer when it is a Full layer (its attention input is H_{L/2}) and every Full layer whose
-    `kv_input` is "encoder_final"."""
-    n_enc = self.plan.num_encoder_layers
+    `kv_input` is "encoder_final" (`LayerSpec.prefills_from_encoder`)."""
     out: dict[str, Any] = {"encoder_state": enc, "decoder_kv": {}}
-    for spec in self.plan.layers[n_enc:]:
-      if spec.owns_compressor and (spec.kv_input == "encoder_final" or spec.index == n_enc):
+    for spec in self.plan.layers:
+      if spec.prefills_from_encoder:
         core, pub, _ = self.layer(spec.index)
         out["decoder_kv"][spec.index] = prefill_kv(self.cfg, core, pub, enc, ctx)
     return out

@@ -16,7 +16,8 @@ the CPU, and a sharded program can be compared with its single-device run. The p
 * `assert_sharded_matches(fn, args, mesh)`: runs `fn` on the mesh and on one device, compares
   outputs and gradients, optionally against a float64 run (tolerance rule in its docstring).
 * `count_collectives(compiled)`: all-reduce, all-gather, reduce-scatter, all-to-all and
-  collective-permute in a compiled program's HLO, so a sharding regression fails loudly.
+  collective-permute in a compiled program's HLO, so a sharding regression fails loudly;
+  `single_device_groups(line)`: whether a collective's replica groups are one device each.
 
 Worked example: docs/testing.md. Batches follow the packed-row layout of docs/design.md §14;
 meshes and logical-axis rules are `dsv41_jax.sharding`'s (docs/design.md §T1).
@@ -504,6 +505,23 @@ def count_collectives(compiled) -> dict[str, int]:
   """
   counts = collections.Counter(m.group(1) for m in _COLLECTIVE_RE.finditer(hlo_text(compiled)))
   return {k: counts.get(k, 0) for k in COLLECTIVES}
+
+
+_ALONE_LISTED = re.compile(r"replica_groups=(\{\{\d+\}(,\{\d+\})*\}|\[\d+,1\]<=)")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+
+
+def single_device_groups(hlo_line: str) -> bool:
+  """Whether the collective on this HLO line has replica groups of one device each (it moves
+  nothing), as jax 0.10 prints them (`{{0},{1},…}`, or iota `[8,1]<=[8]`) or jax 0.11
+  (`mesh['data'=2,'tensor'=1] {'tensor'}`: a group spans the named mesh axes)."""
+  if _ALONE_LISTED.search(hlo_line):
+    return True
+  m = _MESH_GROUPS.search(hlo_line)
+  if m is None:
+    return False
+  sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
+  return math.prod(sizes[a] for a in re.findall(r"'([^']+)'", m.group(2))) == 1
 
 
 def compile_sharded(fn: Callable, args: Sequence[Any], mesh: Mesh,

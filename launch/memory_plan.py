@@ -186,7 +186,7 @@ def _keep_axes(entry, names):
 # Live float32 buffers of a layer's score size ([b, H, T, N] global scores, [b, 512, H_I, N]
 # indexer logits) while the recomputed layer runs its backward: scores, mask, probabilities and
 # their cotangents. Measured, not derived: XLA's memory analysis of the micro model's gradient
-# step (tests/launch/micro_config.py, data 2 × fsdp 2, batch 8, remat) at T = 128, 256, 512 fits
+# step (configs/tiny.py:micro, data 2 × fsdp 2, batch 8, remat) at T = 128, 256, 512 fits
 # peak ≈ 0.028·T + 5.3·(score bytes of the largest layer) + 0.4 MiB; checked at other shapes by
 # tests/launch/test_memory_plan.py.
 SCORE_COPIES = 5

@@ -314,7 +314,7 @@ def prefill(model, cache: DecodeCache, tokens_BxT: jax.Array, engram_ids: dict,
     return {"cache": DecodeCache(tuple(swa), glob), "logits": logits, "last_logits": logits[:, -1]}
   for spec in plan.layers[n_enc:]:   # the decoder's KV sources, projected from H_{L/2} (§6)
     if spec.owns_compressor:
-      if not (spec.kv_input == "encoder_final" or spec.index == n_enc):
+      if not spec.prefills_from_encoder:
         raise ValueError(f"decoder KV source layer {spec.index} projects from its own input, not "
                          "from the final encoder state: CED prefill cannot build its cache")
       core, pub, _ = model.layer(spec.index)

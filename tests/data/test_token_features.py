@@ -9,16 +9,16 @@ import json
 import numpy as np
 import pytest
 
+from configs import tiny
 from configs.common import model_config
 from data import pipeline
 from dsv41_jax import inputs
 from launch import setup
 from tests.data.conftest import make_data
-from tests.launch import micro_config
 
 
 def _features(small_tok):
-  model = model_config(micro_config.get_config())
+  model = model_config(tiny.get_config("micro"))
   cmap = setup.compression_map(model, small_tok)
   return model, cmap, setup.EngramFeatures(model, cmap)
 

@@ -75,6 +75,10 @@ def _np_plan(c: dict) -> list[dict] | str:
         engram=i in c["engram_layer_ids"], is_encoder=half(i),
         kv_input=(None if mode != "full" else "encoder_final"
                   if c["kv_source_input"] == "encoder_final" and not half(i) else "own"),
+        # §6: CED prefill projects a decoder Full layer's KV from H_{L/2} when the layer reads
+        # it, or when it is the first decoder layer (its input is H_{L/2})
+        prefills_from_encoder=mode == "full" and not half(i) and (
+            c["kv_source_input"] == "encoder_final" or i == n // 2),
         yarn=c["yarn_enabled"] and m != 0))
   if c["use_candidate_pool"]:
     src = c["candidate_source_layer_id"]
@@ -112,7 +116,7 @@ def test_random_plans_match_the_rules_of_section_2():
     for spec, w in zip(plan, want):
       got = dict(mode=spec.mode, kv_source=spec.kv_source, index_source=spec.index_source,
                  engram=spec.engram, is_encoder=spec.is_encoder, kv_input=spec.kv_input,
-                 yarn=spec.yarn)
+                 prefills_from_encoder=spec.prefills_from_encoder, yarn=spec.yarn)
       assert got == {k: v for k, v in w.items() if k != "candidate_role"}, (c, spec.index)
       assert spec.candidate_role == w.get("candidate_role"), (c, spec.index)
       assert spec.compress_ratio == c["compress_ratios"][spec.index]

@@ -19,17 +19,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from configs import tiny
 from configs.common import base_config, model_config
 from dsv41_jax import ledger, model as M, testing
 from dsv41_jax.errors import ConfigError
 from dsv41_jax.param_paths import per_layer_params
 from launch.step import model_inputs
 from optim.table import flatten_params
-from tests.launch import micro_config
 
 
 def _micro(**changes):
-  fields = dict(micro_config.get_config().model)
+  fields = dict(tiny.get_config("micro").model)
   fields.update(changes)
   return model_config(base_config(model=fields))
 

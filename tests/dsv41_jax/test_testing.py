@@ -176,3 +176,16 @@ def test_count_collectives():
   assert testing.count_collectives(text) == {"all-reduce": 1, "all-gather": 1,
                                              "reduce-scatter": 0, "all-to-all": 1,
                                              "collective-permute": 0}
+
+
+def test_single_device_groups_in_both_hlo_formats():
+  """Replica groups as jax 0.10 prints them (listed, iota) and as jax 0.11 does (mesh axes)."""
+  line = "%s = f32[512,8]{1,0} all-reduce(f32[512,8]{1,0} %x), channel_id=1, replica_groups="
+  alone = ["{{0},{1},{2},{3}}", "[4,1]<=[4]",
+           "mesh['data'=2,'fsdp'=1,'expert'=1,'engram'=2,'tensor'=1] {'tensor'}",
+           "mesh['data'=2,'fsdp'=1,'tensor'=1] {'fsdp','tensor'}"]
+  shared = ["{{0,1},{2,3}}", "[2,2]<=[4]",
+            "mesh['data'=2,'fsdp'=1,'expert'=1,'engram'=2,'tensor'=1] {'engram'}",
+            "mesh['data'=2,'fsdp'=1,'tensor'=1] {'data','tensor'}"]
+  assert all(testing.single_device_groups(line + g + ", to_apply=%add") for g in alone)
+  assert not any(testing.single_device_groups(line + g + ", to_apply=%add") for g in shared)

@@ -32,7 +32,6 @@ from dsv41_jax.ledger import ledger
 from dsv41_jax.param_paths import iter_params
 from launch import checkpoint as ckpt_lib
 from launch import convert, released_config, released_layout as rl
-from tests.launch import micro_config
 
 
 def tiny_cfg():
@@ -265,7 +264,7 @@ def test_a_release_written_here_imports_to_the_expected_arrays(tmp_path):
 
 
 def micro_cfg(tmp_path):
-  cfg = micro_config.get_config()
+  cfg = tiny.get_config("micro")
   cfg.model.moe_intermediate_size = 32   # FP4 experts: input widths in blocks of 32
   cfg.data.cache_dir = str(tmp_path / "cache")
   return cfg

@@ -24,12 +24,8 @@ STEP = 3
 
 
 def _micro(cache_dir):
-  import importlib.util
-  spec = importlib.util.spec_from_file_location(
-      "micro", os.path.join(REPO, "tests", "launch", "micro_config.py"))
-  m = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(m)
-  cfg = m.get_config()
+  from configs import tiny
+  cfg = tiny.get_config("micro")
   cfg.data.cache_dir = cache_dir
   return cfg
 

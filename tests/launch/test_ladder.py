@@ -38,7 +38,7 @@ from launch import ladder, scaling_fit
 from launch.step import model_inputs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MICRO = os.path.join(REPO, "tests", "launch", "micro_config.py")
+TINY = os.path.join(REPO, "configs", "tiny.py")
 TIMEOUT = 600
 
 
@@ -273,7 +273,7 @@ def test_sigterm_stops_the_running_point_and_exits_130(tmp_path, env):
 # --- ablation switches ----------------------------------------------------------------------------
 
 def _micro_fields(**changes) -> dict:
-  spec = ladder.load_config_file(MICRO, None)
+  spec = ladder.load_config_file(TINY, "micro")
   fields = dict(spec.model)
   fields.update(changes)
   return fields

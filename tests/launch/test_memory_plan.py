@@ -4,19 +4,15 @@ activations agrees with XLA's memory analysis of the compiled gradient step of a
 on fake CPU devices within 25 %."""
 
 import math
-import os
-import sys
 
 import jax
 import pytest
 
-from configs import flash
+from configs import flash, tiny
 from configs.common import model_config
 from dsv41_jax import sharding
 from launch import aot, memory_plan
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import micro_config  # noqa: E402
 
 GiB = 1024 ** 3
 FLASH_MESH = "fsdp:64,expert:8"
@@ -46,7 +42,7 @@ def test_estimate_agrees_with_compiled_gradient_step():
   """Micro model at a shape outside the calibration of `memory_plan.SCORE_COPIES` (T = 128, 256,
   512 on data 2 × fsdp 2): T = 320 on expert 2 × engram 2 (expert-parallel MoE, Engram row
   exchange)."""
-  cfg = micro_config.get_config()
+  cfg = tiny.get_config("micro")
   T, B = 320, 8
   cfg.data.seq_len = T
   cfg.model.seq_len = T
@@ -64,7 +60,7 @@ def test_estimate_agrees_with_compiled_gradient_step():
 
 def test_rules_what_if_changes_activation_layouts():
   """`--rules` runs the compiled plan under the whole table: the model's own constraints follow."""
-  cfg = micro_config.get_config()
+  cfg = tiny.get_config("micro")
   sizes = memory_plan.resolve_mesh({"data": 2, "fsdp": 2}, 4)
   mesh = sharding.make_mesh(sizes, jax.devices()[:4])
   rules = memory_plan.parse_rules("batch=data")
@@ -87,7 +83,7 @@ def test_optimizer_bytes_equal_the_built_optimizer_state(chain_name):
   from optim.chain import build_optimizer
   from optim.config import optim_config
 
-  cfg = micro_config.get_config()
+  cfg = tiny.get_config("micro")
   mcfg = model_config(cfg)
   abs_model = model_lib.abstract_model(mcfg)
   params = nnx.as_pure(nnx.split(abs_model)[1])

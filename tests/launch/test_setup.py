@@ -9,11 +9,10 @@ import pytest
 
 from configs import common, tiny
 from launch import metrics as metrics_lib, setup
-from tests.launch import micro_config
 
 
 def _cfg(**overrides):
-  cfg = micro_config.get_config()
+  cfg = tiny.get_config("micro")
   for key, value in overrides.items():
     section, name = key.split(".")
     cfg[section][name] = value
@@ -40,7 +39,7 @@ def test_each_section_error_names_its_key(key, value, words):
 def test_run_config_sections_and_tokens_per_step():
   run = setup.run_config(_cfg(), process_count=2)
   assert run.optim.tokens_per_step == 2 * 8 * 32 == run.tokens_per_step
-  assert run.train == common.TrainConfig(**dict(micro_config.get_config().train))
+  assert run.train == common.TrainConfig(**dict(tiny.get_config("micro").train))
   assert run.mesh == common.MeshConfig()
   with pytest.raises(setup.SetupError, match="at most one axis"):
     setup.run_config(_cfg(**{"mesh.expert": -1}), process_count=1)

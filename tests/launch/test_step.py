@@ -170,9 +170,9 @@ def test_engram_sub_tables_of_the_model_are_its_hash_tables():
   from dsv41_jax.engram import hashing
   from launch.step import engram_sub_tables
   from optim import table as table_lib
-  from tests.launch import micro_config
+  from configs import tiny
 
-  mcfg = model_config(micro_config.get_config())
+  mcfg = model_config(tiny.get_config("micro"))
   abstract = model_lib.abstract_model(mcfg)
   layout = engram_sub_tables(abstract)
   shapes = {p: v.shape for p, v in table_lib.flatten_params(nnx.state(abstract, nnx.Param))}

@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CONFIG = os.path.join(REPO, "tests", "launch", "micro_config.py")
+CONFIG = os.path.join(REPO, "configs", "tiny.py") + ":micro"
 STEPS = 4
 # Compile fast: the XLA CPU backend's LLVM optimisation level changes speed, not semantics
 # (every compared run uses the same flags).
@@ -61,12 +61,10 @@ def env(tmp_path_factory):
   # The default-corpus BPE tokenizer, trained once (a few seconds) before any run reads it.
   cache = str(root / "data_cache")
   subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
-      import importlib.util
+      from configs import tiny
       from data.config import data_config
       from data.pipeline import make_tokenizer
-      spec = importlib.util.spec_from_file_location("micro", {CONFIG!r})
-      m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
-      cfg = m.get_config(); cfg.data.cache_dir = {cache!r}
+      cfg = tiny.get_config("micro"); cfg.data.cache_dir = {cache!r}
       make_tokenizer(data_config(cfg.data), cfg.model.vocab_size)
       """)], cwd=REPO, env=e, check=True, timeout=TIMEOUT)
   return {"env": e, "root": root, "data_cache": cache}

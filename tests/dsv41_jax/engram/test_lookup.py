@@ -160,10 +160,9 @@ def test_sharded_lookup_equals_local_values_and_gradients(batch, ids_spec):
   assert "scatter" in ops and "dot" not in ops and testing.count_collectives(hlo)["all-to-all"] > 0
   # Table rows never leave their owner: no collective carries a table shard ([R/8, D]) or more,
   # except sums whose every replica group is one device (they move nothing).
-  alone = r"replica_groups=(\{\{\d+\}(,\{\d+\})*\}|\[\d+,1\]<=)"
   for line in hlo.splitlines():
     if re.search(r"all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter", line):
-      if not re.search(alone, line):
+      if not testing.single_device_groups(line):
         assert all(int(r) < R // 8 for r in re.findall(rf"\[(\d+),{D}\]", line)), line
 
 
