@@ -100,7 +100,7 @@ def test_optimizer_bytes_equal_the_built_optimizer_state(chain_name):
 def test_grad_accumulation_plans_one_micro_batch_and_an_accumulator():
   """k micro-batches: the activations of b / k rows, gradients twice (accumulator + one
   micro-batch's), everything else unchanged; a batch that does not split is a PlanError."""
-  mcfg = model_config(micro_config.get_config())
+  mcfg = model_config(tiny.get_config("micro"))
   sizes = memory_plan.resolve_mesh({"data": 2}, 2)
   one = memory_plan.analytic_plan(mcfg, sizes, 8, 32)
   four = memory_plan.analytic_plan(mcfg, sizes, 8, 32, grad_accum_steps=4)

@@ -228,11 +228,11 @@ def _assert_same_step(state, new_state, ref_state, m, ref_m, k):
                                rtol=2e-6, atol=1e-9, err_msg=f"k={k} {name}")
 
 def _micro_model_config():
-  """tests/launch/micro_config.py's model: two Full layers at ratios 2 and 1 with indexers, Engram,
+  """configs/tiny.py:micro's model: two Full layers at ratios 2 and 1 with indexers, Engram,
   MoE whose capacity never drops a token, float32."""
+  from configs import tiny
   from configs.common import model_config
-  from tests.launch import micro_config
-  return model_config(micro_config.get_config())
+  return model_config(tiny.get_config("micro"))
 
 
 ACCUM_CFG = _micro_model_config()
