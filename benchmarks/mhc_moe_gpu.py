@@ -8,11 +8,14 @@ mHC (configs/small.py:s3 at 4 × 4096 tokens, d 1024, hc_mult 4, 20 Sinkhorn ite
 streams X as the model keeps them, bf16 sublayer output F): one single-pass site (previous expand,
 this site's coefficients, collapse + norm) forward and forward+backward (the gradient of a random
 projection of all five outputs w.r.t. all nine inputs), for
-- `reference`: `dsv41_jax.layers.mhc.hc_site` (einsums at HIGHEST, `fori_loop` Sinkhorn, autodiff);
+- `reference`: `dsv41_jax.layers.mhc.hc_site` (HIGHEST einsums for expand/collapse when RESULTS was measured,
+  the broadcast forms since; `fori_loop` Sinkhorn; autodiff);
 - `fast`: `pallas_kernels.mhc_fast.hc_site` (broadcast multiply-adds with hand VJPs, the mix GEMM,
   the Sinkhorn gates as one Triton kernel and its recomputing backward);
 - `kernel`: `pallas_kernels.mhc_site.hc_site` (the fused Triton site, its custom VJP);
-and the pieces alone: expand, and the Sinkhorn on [T, 4, 4].
+and the pieces alone: expand (the einsum form measured as the reference before issue 27; the ops'
+expand is now the broadcast form, so the site rows above were measured with the einsum reference),
+and the gates (sigmoids + Sinkhorn) on [T, (2+n)n].
 Minimum bytes (each input read once, each output written once): forward X, F read, X', x
 written; forward+backward adds X, F, gX', gx read and gX, gF written (X' recomputed, not stored).
 
@@ -150,7 +153,7 @@ def mhc_cases(lead, n, d, reps, budget_s, interpret, impls, pieces):
   if ARGS.quick:
     e_args = ()
   e_bytes = tokens * (2 * n * d * sx + d * sf)
-  for impl, f in (("reference", mhc.expand), ("fast", mhc_fast.expand)) if e_args else ():
+  for impl, f in (("einsum", _einsum_expand), ("ops (broadcast)", mhc.expand)) if e_args else ():
     time_case("expand fwd", impl, jax.jit(f), e_args, reps, nbytes=e_bytes)
     time_case("expand fwd+bwd", impl, _loss_grad(f, e_args), e_args, reps,
               nbytes=e_bytes + tokens * (3 * n * d * sx + 2 * d * sf))
@@ -163,6 +166,13 @@ def mhc_cases(lead, n, d, reps, budget_s, interpret, impls, pieces):
     time_case("gates (sigmoids + sinkhorn) fwd+bwd", impl, _loss_grad(g, (z,)), (z,), reps,
               nbytes=tokens * (2 + n) * n * 16)
   _save(ARGS.json)
+
+
+def _einsum_expand(X, post, comb, F):
+  """expand as an einsum over the stream axis (the reference before issue 27)."""
+  mixed = jnp.einsum("...jk,...jd->...kd", comb, X.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+  return (post[..., None] * F.astype(jnp.float32)[..., None, :] + mixed).astype(X.dtype)
 
 
 def _ref_gates(z, n):

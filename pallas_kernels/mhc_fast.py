@@ -1,26 +1,22 @@
-"""The mHC site from fused XLA streaming and a Pallas Sinkhorn, with hand VJPs (docs/design.md §3.2–3.3; §T5).
+"""The mHC coefficients and single-pass site with the Sinkhorn as a Triton kernel (docs/design.md §3.2–3.3; §T5).
 
-The same functions as the model's references (`layers.mhc.expand`, `collapse`,
-`hc_coefficients`, `hc_site`; the tests compare them), written so that the GPU runs a few
-memory-bound fusions and one small kernel instead of per-token tiny GEMMs and a launch-bound loop:
+The same functions as the ops' references (`pallas_kernels.ops.mhc.hc_coefficients`, `hc_site`;
+the tests compare them) except for the gates:
 
-- `expand` X'_k = post_k·F + Σ_j comb[j, k]·X_j and `collapse` y = Σ_i pre_i·X_i are n = hc_mult
-  unrolled broadcast multiply-adds (the references' einsums over a 4-wide axis lower to batched
-  SGEMMs of 4 × 4 by 4 × d per token: 0.76 ms forward per s3 site against 0.13 ms of traffic,
-  benchmarks/RESULTS.md). Their custom VJPs are the same kind of code: gX_j = Σ_k comb[j, k]·g_k
-  and gF = Σ_k post_k·g_k elementwise, gcomb[j, k] = Σ_d X_j·g_k and gpost_k = Σ_d F·g_k as
-  row reductions over d (jax's autodiff of the broadcast form measured slower than its forward).
 - `gates` (sigmoids + the Sinkhorn projection, z [.., (2+n)n] -> pre | post | comb) is one Triton
   kernel with the iterations in registers (`pallas_kernels.mhc.gate_rows`), and its backward the
   recomputing kernel of `pallas_kernels.mhc_site` (no stored iterates). The reference's
-  `fori_loop` of [T, 4, 4] reductions is a device loop of small launches (0.64 ms forward for
-  1 MB of data); written as unrolled XLA code it is ~4,000 tiny ops whose CPU compile alone
-  took 3 minutes. Both kernels run per batch shard under a mesh (`sharded.over_batch`).
-- `hc_coefficients` is the reference's mix GEMM (x̂ @ fnᵀ, float32, a real [T, n·d] × [n·d, (2+n)n]
-  product) and RMS, then `gates`; `hc_site` composes the pieces like the reference.
+  `fori_loop` of [T, 4, 4] reductions is a device loop of small launches (0.41–0.67 ms forward
+  for 1 MB of data on the H200, against 0.08); written as unrolled XLA code it is ~4,000 tiny ops
+  whose CPU compile alone took 3 minutes. Both kernels run per batch shard under a mesh
+  (`sharded.over_batch`).
+- `hc_coefficients` is the op's mix GEMM and RMS (`hc_mix`), then `gates`; `hc_site` composes
+  the op's expand and collapse (broadcast multiply-adds with hand VJPs), the norm and these
+  coefficients like the reference. At s3's shapes on the H200 the site is 1.85× the reference
+  forward and 1.21× forward+backward (benchmarks/RESULTS.md, issue 27).
 
-Float32 math throughout, outputs in the references' dtypes; the sums are the references' in
-another order (ulp-level differences). `interpret=None` interprets the kernels on the CPU.
+Float32 math throughout, outputs in the references' dtypes. `interpret=None` interprets the
+kernels on the CPU.
 """
 
 from __future__ import annotations
@@ -34,83 +30,11 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.mhc import _next_pow2, _triton_params, gate_rows
 from pallas_kernels.mhc_site import sinkhorn_gates_vjp
+from pallas_kernels.ops.mhc import collapse, expand, hc_mix
+from pallas_kernels.ops.norm import rms_norm
 from pallas_kernels.sharded import over_batch
 
-_HIGHEST = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32
-
-
-# --- expand ------------------------------------------------------------------------------------
-
-def _expand_f32(X, post, comb, F):
-  n = X.shape[-2]
-  X, post, comb, F = (a.astype(_F32) for a in (X, post, comb, F))
-  out = post[..., :, None] * F[..., None, :]
-  for j in range(n):
-    out = out + comb[..., j, :, None] * X[..., j:j + 1, :]
-  return out
-
-
-@jax.custom_vjp
-def expand(X_BxTxNxD, post_BxTxN, comb_BxTxNxN, f_out_BxTxD):
-  """New streams X'_k = post_k · F + Σ_j comb[j, k] · X_j, X's dtype out (`layers.mhc.expand`)."""
-  return _expand_f32(X_BxTxNxD, post_BxTxN, comb_BxTxNxN, f_out_BxTxD).astype(X_BxTxNxD.dtype)
-
-
-def _expand_fwd(X, post, comb, F):
-  return expand(X, post, comb, F), (X, post, comb, F)
-
-
-def _expand_bwd(res, g):
-  X, post, comb, F = res
-  n = X.shape[-2]
-  g = g.astype(_F32)
-  c = comb.astype(_F32)
-  p = post.astype(_F32)
-  X32, F32 = X.astype(_F32), F.astype(_F32)
-  gX = c[..., :, 0, None] * g[..., 0:1, :]
-  gF = p[..., 0, None] * g[..., 0, :]
-  for k in range(1, n):
-    gX = gX + c[..., :, k, None] * g[..., k:k + 1, :]
-    gF = gF + p[..., k, None] * g[..., k, :]
-  gpost = jnp.sum(g * F32[..., None, :], axis=-1)
-  gcomb = jnp.stack([jnp.sum(g * X32[..., j:j + 1, :], axis=-1) for j in range(n)], axis=-2)
-  return (gX.astype(X.dtype), gpost.astype(post.dtype), gcomb.astype(comb.dtype),
-          gF.astype(F.dtype))
-
-
-expand.defvjp(_expand_fwd, _expand_bwd)
-
-
-# --- collapse ----------------------------------------------------------------------------------
-
-@jax.custom_vjp
-def collapse(X_BxTxNxD, pre_BxTxN):
-  """Sublayer input Σ_i pre_i · X_i [B, T, d], X's dtype out; pre may be [n] (`layers.mhc.collapse`)."""
-  n = X_BxTxNxD.shape[-2]
-  X = X_BxTxNxD.astype(_F32)
-  pre = pre_BxTxN.astype(_F32)
-  y = pre[..., 0, None] * X[..., 0, :]
-  for i in range(1, n):
-    y = y + pre[..., i, None] * X[..., i, :]
-  return y.astype(X_BxTxNxD.dtype)
-
-
-def _collapse_fwd(X, pre):
-  return collapse(X, pre), (X, pre)
-
-
-def _collapse_bwd(res, g):
-  X, pre = res
-  g = g.astype(_F32)
-  gX = pre.astype(_F32)[..., :, None] * g[..., None, :]
-  gpre = jnp.sum(X.astype(_F32) * g[..., None, :], axis=-1)
-  extra = gpre.ndim - pre.ndim  # pre broadcast over leading axes: sum them out
-  gpre = jnp.sum(gpre, axis=tuple(range(extra))) if extra else gpre
-  return jnp.broadcast_to(gX, X.shape).astype(X.dtype), gpre.astype(pre.dtype)
-
-
-collapse.defvjp(_collapse_fwd, _collapse_bwd)
 
 
 # --- coefficients ------------------------------------------------------------------------------
@@ -170,10 +94,8 @@ def _interpret(interpret):
 def hc_coefficients(X_BxTxNxD, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: float,
                     block_tokens: int = 16, interpret: bool | None = None):
   """(pre, post, comb) of one site, float32 (`layers.mhc.hc_coefficients`)."""
-  *lead, n, d = X_BxTxNxD.shape
-  x = X_BxTxNxD.reshape(*lead, n * d).astype(_F32)
-  rho = jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + norm_eps)
-  mix = jnp.einsum("...k,mk->...m", x, fn.astype(_F32), precision=_HIGHEST) * rho
+  *lead, n, _ = X_BxTxNxD.shape
+  mix = hc_mix(X_BxTxNxD, fn, norm_eps)
   s = scale.astype(_F32)
   scale_cols = jnp.concatenate([jnp.full((n,), s[0]), jnp.full((n,), s[1]),
                                 jnp.full((n * n,), s[2])])
@@ -184,18 +106,12 @@ def hc_coefficients(X_BxTxNxD, fn, base, scale, *, iters: int, hc_eps: float, no
 
 # --- the single-pass site ----------------------------------------------------------------------
 
-def _rms_norm(x, weight, eps):
-  x32 = x.astype(_F32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-  return (y * weight.astype(_F32)).astype(x.dtype)
-
-
 def hc_site(X_BxTxNxD, F_BxTxD, post_BxTxN, comb_BxTxNxN, pre_BxTxN, fn, base, scale,
             norm_weight, *, iters: int, hc_eps: float, norm_eps: float, block_tokens: int = 16,
             interpret: bool | None = None):
   """(X', x, pre', post', comb') of one single-pass site (`layers.mhc.hc_site`)."""
   X_new = expand(X_BxTxNxD, post_BxTxN, comb_BxTxNxN, F_BxTxD)
-  x = _rms_norm(collapse(X_new, pre_BxTxN), norm_weight, norm_eps)
+  x = rms_norm(collapse(X_new, pre_BxTxN), norm_weight, norm_eps)
   return (X_new, x, *hc_coefficients(X_new, fn, base, scale, iters=iters, hc_eps=hc_eps,
                                      norm_eps=norm_eps, block_tokens=block_tokens,
                                      interpret=interpret))

@@ -13,7 +13,11 @@ coefficient sets, in the exact DeepSeek form (§3.2):
                                                                      [B, T, n, n], comb[j, k]
 
 The sublayer then reads `collapse(X, pre) = Σ_i pre_i X_i` [B, T, d] and writes
-`expand(X, post, comb, F) = X'` with X'_k = post_k · F + Σ_j comb[j, k] · X_j (combᵀ X).
+`expand(X, post, comb, F) = X'` with X'_k = post_k · F + Σ_j comb[j, k] · X_j (combᵀ X). Both are
+n unrolled broadcast multiply-adds in float32 with hand-written VJPs of the same kind (row sums
+over d for the coefficients' cotangents): written as einsums over the 4-wide stream axis, XLA runs
+them as per-token batched 4 × 4 GEMMs (on the H200 expand measured 0.668 ms forward / 1.178 ms
+forward+backward per s3 site that way against 0.366 / 0.946 ms; benchmarks/RESULTS.md, issue 27).
 `hc_site` composes one single-pass site (§3.3: the previous site's expand, this site's
 coefficients, collapse + sublayer norm) as one function.
 
@@ -71,20 +75,77 @@ def hc_coefficients(X_BxTxNxD: jax.Array, fn: jax.Array, base: jax.Array, scale:
   return pre, post, sinkhorn_project(logits, iters, hc_eps)
 
 
-def collapse(X_BxTxNxD: jax.Array, pre_BxTxN: jax.Array) -> jax.Array:
+# --- expand ------------------------------------------------------------------------------------
+
+def _expand_f32(X, post, comb, F):
+  n = X.shape[-2]
+  X, post, comb, F = (a.astype(jnp.float32) for a in (X, post, comb, F))
+  out = post[..., :, None] * F[..., None, :]
+  for j in range(n):
+    out = out + comb[..., j, :, None] * X[..., j:j + 1, :]
+  return out
+
+
+@jax.custom_vjp
+def expand(X_BxTxNxD, post_BxTxN, comb_BxTxNxN, f_out_BxTxD):
+  """New streams X'_k = post_k · F + Σ_j comb[j, k] · X_j (combᵀ X), X's dtype out (module doc)."""
+  return _expand_f32(X_BxTxNxD, post_BxTxN, comb_BxTxNxN, f_out_BxTxD).astype(X_BxTxNxD.dtype)
+
+
+def _expand_fwd(X, post, comb, F):
+  return expand(X, post, comb, F), (X, post, comb, F)
+
+
+def _expand_bwd(res, g):
+  X, post, comb, F = res
+  n = X.shape[-2]
+  g = g.astype(jnp.float32)
+  c = comb.astype(jnp.float32)
+  p = post.astype(jnp.float32)
+  X32, F32 = X.astype(jnp.float32), F.astype(jnp.float32)
+  gX = c[..., :, 0, None] * g[..., 0:1, :]
+  gF = p[..., 0, None] * g[..., 0, :]
+  for k in range(1, n):
+    gX = gX + c[..., :, k, None] * g[..., k:k + 1, :]
+    gF = gF + p[..., k, None] * g[..., k, :]
+  gpost = jnp.sum(g * F32[..., None, :], axis=-1)
+  gcomb = jnp.stack([jnp.sum(g * X32[..., j:j + 1, :], axis=-1) for j in range(n)], axis=-2)
+  return (gX.astype(X.dtype), gpost.astype(post.dtype), gcomb.astype(comb.dtype),
+          gF.astype(F.dtype))
+
+
+expand.defvjp(_expand_fwd, _expand_bwd)
+
+
+# --- collapse ----------------------------------------------------------------------------------
+
+@jax.custom_vjp
+def collapse(X_BxTxNxD, pre_BxTxN):
   """Sublayer input Σ_i pre_i · X_i [B, T, d] (float32 math, X's dtype out); pre may be [n]."""
-  y = jnp.einsum("...nd,...n->...d", X_BxTxNxD.astype(jnp.float32), pre_BxTxN.astype(jnp.float32),
-                 precision=_HIGHEST)
+  n = X_BxTxNxD.shape[-2]
+  X = X_BxTxNxD.astype(jnp.float32)
+  pre = pre_BxTxN.astype(jnp.float32)
+  y = pre[..., 0, None] * X[..., 0, :]
+  for i in range(1, n):
+    y = y + pre[..., i, None] * X[..., i, :]
   return y.astype(X_BxTxNxD.dtype)
 
 
-def expand(X_BxTxNxD: jax.Array, post_BxTxN: jax.Array, comb_BxTxNxN: jax.Array,
-           f_out_BxTxD: jax.Array) -> jax.Array:
-  """New streams X'_k = post_k · F + Σ_j comb[j, k] · X_j (combᵀ X), X's dtype out."""
-  mixed = jnp.einsum("...jk,...jd->...kd", comb_BxTxNxN.astype(jnp.float32),
-                     X_BxTxNxD.astype(jnp.float32), precision=_HIGHEST)
-  out = post_BxTxN.astype(jnp.float32)[..., None] * f_out_BxTxD.astype(jnp.float32)[..., None, :]
-  return (out + mixed).astype(X_BxTxNxD.dtype)
+def _collapse_fwd(X, pre):
+  return collapse(X, pre), (X, pre)
+
+
+def _collapse_bwd(res, g):
+  X, pre = res
+  g = g.astype(jnp.float32)
+  gX = pre.astype(jnp.float32)[..., :, None] * g[..., None, :]
+  gpre = jnp.sum(X.astype(jnp.float32) * g[..., None, :], axis=-1)
+  extra = gpre.ndim - pre.ndim  # pre broadcast over leading axes: sum them out
+  gpre = jnp.sum(gpre, axis=tuple(range(extra))) if extra else gpre
+  return jnp.broadcast_to(gX, X.shape).astype(X.dtype), gpre.astype(pre.dtype)
+
+
+collapse.defvjp(_collapse_fwd, _collapse_bwd)
 
 
 def hc_site(X_BxTxNxD: jax.Array, F_BxTxD: jax.Array, post_BxTxN: jax.Array,

@@ -1,9 +1,10 @@
-"""pallas_kernels/mhc_fast.py against the model's references (dsv41_jax.layers.mhc) and float64.
+"""pallas_kernels/mhc_fast.py against the ops' references (dsv41_jax.layers.mhc) and float64, and the
+ops' expand / collapse (broadcast multiply-adds, hand VJPs) against their einsum forms.
 
 Forward: the same float32 formulas with sums in another order, so X' and x agree to float32
 rounding (bfloat16 streams: at most one bfloat16 ulp, where a float32 difference crosses a rounding
 midpoint) and the coefficients to 1e-5 after 20 Sinkhorn rounds. Every VJP (the hand-written ones
-of expand / collapse, the autodiff of the unrolled Sinkhorn) against `jax.grad` of the reference.
+of expand / collapse, the Sinkhorn backward kernel) against `jax.grad` of an independent form.
 """
 
 import jax
@@ -22,6 +23,20 @@ def _within_bf16_ulp(got, want):
   ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(g), np.abs(w)))) - 7)
   assert (np.abs(g - w) <= ulp).all()
   assert (g != w).mean() < 0.01
+
+
+def _einsum_expand(X, post, comb, F):
+  """expand as the einsum over the stream axis (the former reference), for jax.grad."""
+  mixed = jnp.einsum("...jk,...jd->...kd", comb.astype(jnp.float32), X.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+  out = post.astype(jnp.float32)[..., None] * F.astype(jnp.float32)[..., None, :]
+  return (out + mixed).astype(X.dtype)
+
+
+def _einsum_collapse(X, pre):
+  y = jnp.einsum("...nd,...n->...d", X.astype(jnp.float32), pre.astype(jnp.float32),
+                 precision=jax.lax.Precision.HIGHEST)
+  return y.astype(X.dtype)
 
 
 def _vjp_all(f, args, seed=3):
@@ -72,23 +87,23 @@ def test_gates_kernel_matches_reference_float64_and_autodiff():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_expand_and_collapse_forward_and_vjps(dtype):
   X, F, post, comb, pre, *_ = _inputs(1, lead=(2, 9), dtype=dtype)
-  got, want = mhc_fast.expand(X, post, comb, F), mhc.expand(X, post, comb, F)
+  got, want = mhc.expand(X, post, comb, F), _einsum_expand(X, post, comb, F)
   assert got.dtype == want.dtype == dtype
   if dtype == jnp.float32:
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=1e-6)
   else:
     _within_bf16_ulp(got, want)
   names = ["X", "post", "comb", "F"]
-  _close_grads(_vjp_all(mhc_fast.expand, (X, post, comb, F)),
-               _vjp_all(mhc.expand, (X, post, comb, F)), names)
+  _close_grads(_vjp_all(mhc.expand, (X, post, comb, F)),
+               _vjp_all(_einsum_expand, (X, post, comb, F)), names)
   for p in (pre, pre[0, 0]):  # per token, and one [n] vector broadcast over tokens
-    got, want = mhc_fast.collapse(X, p), mhc.collapse(X, p)
+    got, want = mhc.collapse(X, p), _einsum_collapse(X, p)
     assert got.dtype == want.dtype == dtype
     if dtype == jnp.float32:
       np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=1e-6)
     else:
       _within_bf16_ulp(got, want)
-    _close_grads(_vjp_all(mhc_fast.collapse, (X, p)), _vjp_all(mhc.collapse, (X, p)), ["X", "pre"])
+    _close_grads(_vjp_all(mhc.collapse, (X, p)), _vjp_all(_einsum_collapse, (X, p)), ["X", "pre"])
 
 
 def test_coefficients_match_float64():
