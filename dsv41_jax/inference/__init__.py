@@ -26,19 +26,26 @@ from dsv41_jax.inference import decode
 from dsv41_jax.inference.cache import DecodeCache
 
 
-def sample(logits_BxV: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
-  """Token ids [B]: argmax at temperature 0; else softmax(logits / temperature) restricted to the
-  smallest set of most likely tokens whose probability reaches `top_p` (nucleus sampling)."""
-  if temperature <= 0:
-    return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+def sampling_logits(logits_BxV: jax.Array, temperature: float, top_p: float) -> jax.Array:
+  """logits / temperature (float32), −∞ outside the smallest set of most likely tokens whose
+  probability reaches `top_p` (nucleus sampling); softmax of it is the sampled distribution.
+  Any leading shape; temperature > 0."""
   logits = logits_BxV.astype(jnp.float32) / temperature
   if top_p < 1.0:
-    sorted_desc = jnp.sort(logits, axis=-1)[:, ::-1]
+    sorted_desc = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
     probs = jax.nn.softmax(sorted_desc, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs          # mass of the more likely tokens
     cutoff = jnp.min(jnp.where(before < top_p, sorted_desc, jnp.inf), axis=-1, keepdims=True)
     logits = jnp.where(logits >= cutoff, logits, -jnp.inf)
-  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+  return logits
+
+
+def sample(logits_BxV: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
+  """Token ids [B]: argmax at temperature 0; else a draw from `sampling_logits`."""
+  if temperature <= 0:
+    return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+  return jax.random.categorical(key, sampling_logits(logits_BxV, temperature, top_p),
+                                axis=-1).astype(jnp.int32)
 
 
 class Decoder:

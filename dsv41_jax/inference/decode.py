@@ -119,11 +119,18 @@ def _moe(cfg: ModelConfig, moe, x_BxTxD: jax.Array, bias_E: jax.Array) -> jax.Ar
   return y.astype(x_BxTxD.dtype)
 
 
-def _head(model, X_BxTxNxD: jax.Array, pre_BxTxN: jax.Array) -> jax.Array:
-  cfg = model.cfg
-  x = model.final_norm(mhc.collapse(X_BxTxNxD, pre_BxTxN)).astype(cfg.dtype)
-  return jnp.einsum("btd,dv->btv", x, model.head[...].astype(cfg.dtype),
+def final_hidden(model, X_BxTxNxD: jax.Array, pre_BxTxN: jax.Array) -> jax.Array:
+  """The head's input, final_norm(collapse(X, pre_mix)) [B, T, D] (what the DSpark drafter reads)."""
+  return model.final_norm(mhc.collapse(X_BxTxNxD, pre_BxTxN)).astype(model.cfg.dtype)
+
+
+def head_logits(model, h_BxTxD: jax.Array) -> jax.Array:
+  return jnp.einsum("btd,dv->btv", h_BxTxD, model.head[...].astype(model.cfg.dtype),
                     preferred_element_type=jnp.float32)
+
+
+def _head(model, X_BxTxNxD: jax.Array, pre_BxTxN: jax.Array) -> jax.Array:
+  return head_logits(model, final_hidden(model, X_BxTxNxD, pre_BxTxN))
 
 
 # --- decode ------------------------------------------------------------------------------------
@@ -273,8 +280,9 @@ def prefill(model, cache: DecodeCache, tokens_BxT: jax.Array, engram_ids: dict,
             moe_bias_Lx2xE: jax.Array, *, depth: str = "ced") -> dict[str, Any]:
   """Run a T-token prompt into empty caches (module docstring for the two paths).
 
-  Returns {"cache", "last_logits" [B, V]} (the logits of the last prompt token); depth "full" adds
-  "logits" [B, T, V].
+  Returns {"cache", "last_logits" [B, V] (the logits of the last prompt token), "hidden" (the final
+  hidden states `final_hidden` of the rows the decoder ran: all T for "full", the replayed
+  T − s for "ced")}; depth "full" adds "logits" [B, T, V].
   """
   if depth not in ("full", "ced"):
     raise ValueError(f"prefill depth must be 'full' or 'ced' (got {depth!r})")
@@ -310,8 +318,10 @@ def prefill(model, cache: DecodeCache, tokens_BxT: jax.Array, engram_ids: dict,
                                         spec.compress_ratio)
       state, _ = layer_forward(cfg, [spec], core, [pub], state, ctx, moe_bias_Lx2xE[spec.index])
   if depth == "full":
-    logits = _head(model, state.X_BxTxNxD, state.pre_mix_BxTxN)
-    return {"cache": DecodeCache(tuple(swa), glob), "logits": logits, "last_logits": logits[:, -1]}
+    hidden = final_hidden(model, state.X_BxTxNxD, state.pre_mix_BxTxN)
+    logits = head_logits(model, hidden)
+    return {"cache": DecodeCache(tuple(swa), glob), "logits": logits, "last_logits": logits[:, -1],
+            "hidden": hidden}
   for spec in plan.layers[n_enc:]:   # the decoder's KV sources, projected from H_{L/2} (§6)
     if spec.owns_compressor:
       if not spec.prefills_from_encoder:
@@ -320,8 +330,9 @@ def prefill(model, cache: DecodeCache, tokens_BxT: jax.Array, engram_ids: dict,
       core, pub, _ = model.layer(spec.index)
       glob[spec.index] = _fill_global(cfg, core, pub, glob[spec.index],
                                       encoder_final_input(cfg, core, enc), spec.compress_ratio)
-  logits = _replay(model, swa, glob, enc, engram_ids, moe_bias_Lx2xE)
-  return {"cache": DecodeCache(tuple(swa), glob), "last_logits": logits}
+  hidden = _replay(model, swa, glob, enc, engram_ids, moe_bias_Lx2xE)
+  return {"cache": DecodeCache(tuple(swa), glob),
+          "last_logits": head_logits(model, hidden[:, -1:])[:, 0], "hidden": hidden}
 
 
 def _shared_kv(cfg, g: GlobalCache, m: int, T: int, s: int) -> CompressedKV:
@@ -341,7 +352,8 @@ def _replay(model, swa: list, glob: dict, enc: StreamState, engram_ids: dict,
   """Bounded replay (docs/design.md §5.7): the decoder layers over prompt rows s … T − 1 only, as one
   sequence (`block.layer_forward`), from the final encoder state of those rows, reading the
   decoder's stored global entries (a Full layer runs as its indexer only: its entries are in the
-  cache). Fills the decoder's SWA rings in `swa`; returns the last row's logits [B, V]."""
+  cache). Fills the decoder's SWA rings in `swa`; returns the replayed rows' final hidden states
+  [B, T − s, D]."""
   cfg: ModelConfig = model.cfg
   plan = model.plan
   dt = jnp.dtype(cfg.dtype)
@@ -372,7 +384,7 @@ def _replay(model, swa: list, glob: dict, enc: StreamState, engram_ids: dict,
       x = core.attn_norm(mhc.collapse(state.X_BxTxNxD, state.pre_mix_BxTxN)).astype(dt)
       swa[spec.index] = _fill_swa(cfg, swa[spec.index], _swa_key(core, x, positions), s)
       state, _ = layer_forward(cfg, [spec], core, [pub], state, ctx, moe_bias_Lx2xE[spec.index])
-  return _head(model, state.X_BxTxNxD[:, -1:], state.pre_mix_BxTxN[:, -1:])[:, 0]
+  return final_hidden(model, state.X_BxTxNxD, state.pre_mix_BxTxN)
 
 
 def replay_start(cfg: ModelConfig, prompt_len: int) -> int:

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from dsv41_jax.block import StreamState, encoder_final_input, site_coefficients, site_output
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.inference import cache as cache_lib
 from dsv41_jax.inference.cache import DecodeCache, GlobalCache, SWACache
-from dsv41_jax.inference.decode import _compressor_step, _moe, _swa_key
+from dsv41_jax.inference.decode import (_compressor_step, _moe, _swa_key, final_hidden,
+                                        head_logits)
 from dsv41_jax.layer_plan import LayerSpec, build_layer_plan
 from dsv41_jax.layers import mhc, rope
 from dsv41_jax.layers.indexer import candidate_mask, candidate_pool, indexer_scores, select_topk
@@ -39,14 +41,25 @@ from dsv41_jax.layers.sparse_attention import attend, default_scale
 from dsv41_jax.layers.types import CompressedKV, entry_visible
 
 
-def final_hidden(model, X_BxTxNxD: jax.Array, pre_BxTxN: jax.Array) -> jax.Array:
-  """The head's input, final_norm(collapse(X, pre_mix)) [B, T, D]: what the drafter reads."""
-  return model.final_norm(mhc.collapse(X_BxTxNxD, pre_BxTxN)).astype(model.cfg.dtype)
+def _tokenwise_moe(cfg, moe, x_BxTxD: jax.Array, bias_E: jax.Array) -> jax.Array:
+  """`decode._moe`, batchable: under `jax.vmap` (independent requests, `speculative.py`) the
+  mapped axis joins the batch rows, which is exact since routing and experts act per token
+  (XLA's ragged_dot has no batching rule of its own)."""
+  graphdef, state = nnx.split(moe)
+  leaves, treedef = jax.tree.flatten(state)
 
+  @jax.custom_batching.custom_vmap
+  def f(x, *leaves):
+    return _moe(cfg, nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), x, bias_E)
 
-def head_logits(model, h_BxTxD: jax.Array) -> jax.Array:
-  return jnp.einsum("btd,dv->btv", h_BxTxD, model.head[...].astype(model.cfg.dtype),
-                    preferred_element_type=jnp.float32)
+  @f.def_vmap
+  def rule(axis_size, in_batched, x, *leaves):
+    if any(in_batched[1:]):
+      raise ValueError("the MoE weights must be shared by the mapped requests")
+    y = f(x.reshape(-1, *x.shape[2:]), *leaves)
+    return y.reshape(x.shape[:2] + y.shape[1:]), True
+
+  return f(x_BxTxD, *leaves)
 
 
 def _index_span(cfg, spec: LayerSpec, pub, x, c_q, pos_BxQ, g: GlobalCache, m: int, pool):
@@ -157,7 +170,7 @@ def verify_span(model, cache: DecodeCache, tokens_BxQ: jax.Array, t, engram_ids:
     X = site_output(X, a_post, a_comb, y)
     f_pre, f_post, f_comb = site_coefficients(cfg, "ffn_hc", core, X, a_pre)
     x = core.ffn_norm(mhc.collapse(X, a_pre)).astype(dt)
-    X = site_output(X, f_post, f_comb, _moe(cfg, core.moe, x, moe_bias_Lx2xE[i, 0]))
+    X = site_output(X, f_post, f_comb, _tokenwise_moe(cfg, core.moe, x, moe_bias_Lx2xE[i, 0]))
     pre = f_pre
   h = final_hidden(model, X, pre)
   return head_logits(model, h), h, DecodeCache(tuple(swa), glob), trail

@@ -1,0 +1,143 @@
+"""Speculative generation (`inference/speculative.py`, `acceptance.py`, `scheduler.py`): greedy
+speculative decoding returns plain greedy decoding's tokens; sampled speculative decoding draws
+from the backbone's distribution.
+
+The backbone is the inference tests' micro model (every CSA2 mode, Engram, the candidate pool)
+with a 32-token vocabulary and its head scaled ×6, so that its next-token distributions are
+peaked (a wrong acceptance rule then moves mass visibly); the drafter is random, with a random
+Markov head, so its q differs from the backbone's p and both rules are exercised (acceptances and
+rejections). Caches hold the forward pass's values (`stored_formats=False`).
+
+Distribution test: 3,000 independent requests of one prompt, 3 new tokens each, k = 2 drafts per
+round (token 1 comes from the prefill; tokens 2 and 3 from the rounds: a first draft accepted or
+corrected, a second accepted, corrected or drafted in a second round). The exact marginals of
+tokens 2 and 3 come from plain decode steps over all 32 and 32² histories. A chi-square test per
+token (cells with expected count < 5 pooled) must not reject at p < 1e-4; with the residual
+(p − q)⁺ replaced by p, or every draft accepted, both tests reject at p < 1e-10 (checked by hand).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats as sps
+
+from dsv41_jax import model as M, testing
+from dsv41_jax.dspark.config import DrafterConfig
+from dsv41_jax.dspark.model import init_drafter
+from dsv41_jax.inference import Decoder, acceptance, cache as C, decode, scheduler
+from dsv41_jax.inference.speculative import SpeculativeDecoder, SpeculativeStats
+
+V, N, MAX_LEN = 32, 6, 32
+
+
+@pytest.fixture(scope="module")
+def setup():
+  cfg = testing.tiny_config(index_head_dim=32, use_candidate_pool=True, candidate_source_layer_id=4,
+                            candidate_block_size=2, candidate_topk_blocks=2,
+                            moe_dispatch="capacity", moe_capacity_factor=2.0, vocab_size=V,
+                            engram_compressed_vocab_size=V)
+  model = M.init_model(cfg, 0)
+  model.head[...] = model.head[...] * 6.0
+  bias = jnp.zeros((cfg.num_hidden_layers, 2, cfg.n_routed_experts))
+  dec = Decoder(model, bias, stored_formats=False)
+  drafter = init_drafter(DrafterConfig(hidden_size=cfg.hidden_size, vocab_size=V, sliding_window=16,
+                                       draft_len=3, num_heads=2, markov_rank=4,
+                                       confidence_width=8), 1)
+  drafter.markov_out[...] = jax.random.normal(jax.random.key(2), drafter.markov_out.shape) * 2.0
+  spec = SpeculativeDecoder(dec, model, drafter)
+  prompt = np.random.default_rng(0).integers(0, V, (1, N)).astype(np.int32)
+  return cfg, model, bias, dec, spec, prompt
+
+
+def test_greedy_speculative_equals_plain_greedy(setup):
+  cfg, model, bias, dec, spec, prompt = setup
+  prompts = np.concatenate([prompt, np.random.default_rng(5).integers(0, V, (1, N))]).astype(np.int32)
+  want = dec.generate(prompts, 20, max_len=MAX_LEN, temperature=0, depth="full")
+  st = SpeculativeStats()
+  got = spec.generate(prompts, 20, max_len=MAX_LEN, temperature=0, depth="full", verify_length=3,
+                      stats=st)
+  for r in range(2):
+    np.testing.assert_array_equal(got[r], want[r])
+  assert st.accepted > 0 and st.accepted < st.verified      # both outcomes happened
+  # The scheduler's choice (a curve where longer rounds cost more) gives the same tokens.
+  curve = scheduler.ThroughputCurve((1, 2), ((1.0, 1.3, 1.6, 1.9),) * 2)
+  spec.curve = curve
+  got = spec.generate(prompts, 20, max_len=MAX_LEN, temperature=0, depth="full")
+  spec.curve = None
+  for r in range(2):
+    np.testing.assert_array_equal(got[r], want[r])
+
+
+def _exact_marginals(cfg, model, bias, dec, prompt):
+  """P(token 2), P(token 3) of plain sampling at temperature 1, from decode steps over every
+  history (token 1 from the prefill's logits)."""
+  graphdef, params = nnx.split(model)
+  step = jax.jit(lambda c, tok, t, ids: decode.decode_step(nnx.merge(graphdef, params), c, tok, t,
+                                                           ids, bias))
+  cache = C.init_cache(cfg, 1, MAX_LEN, stored_formats=False)
+  out = dec._prefill(dec.params, cache, jnp.asarray(prompt), dec.engram_ids(prompt), dec.moe_bias,
+                     "full")
+  p1 = np.asarray(jax.nn.softmax(out["last_logits"]))[0]
+  rows = lambda c, n: jax.tree.map(lambda a: jnp.repeat(a, n, 0) if a.ndim > 1 else a, c)
+  hist1 = np.concatenate([np.repeat(prompt, V, 0), np.arange(V)[:, None]], 1).astype(np.int32)
+  lg, c1 = step(rows(out["cache"], V), jnp.asarray(hist1[:, N]), jnp.int32(N),
+                dec._token_engram_ids(hist1, N))
+  p2 = np.asarray(jax.nn.softmax(lg))                                   # [x1, x2]
+  hist2 = np.concatenate([np.repeat(hist1, V, 0), np.tile(np.arange(V), V)[:, None]], 1)
+  lg, _ = step(rows(c1, V), jnp.asarray(hist2[:, N + 1]), jnp.int32(N + 1),
+               dec._token_engram_ids(hist2.astype(np.int32), N + 1))
+  p3 = np.asarray(jax.nn.softmax(lg)).reshape(V, V, V)                  # [x1, x2, x3]
+  joint12 = p1[:, None] * p2
+  return joint12.sum(0), (joint12[..., None] * p3).sum((0, 1))
+
+
+def _chi2_p(counts, probs):
+  exp = probs * counts.sum()
+  big = exp >= 5
+  obs = np.append(counts[big], counts[~big].sum())
+  exp = np.append(exp[big], exp[~big].sum())
+  if exp[-1] == 0:
+    obs, exp = obs[:-1], exp[:-1]
+  return sps.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+def test_sampled_speculative_matches_the_backbone_distribution(setup):
+  cfg, model, bias, dec, spec, prompt = setup
+  R = 3000
+  P2, P3 = _exact_marginals(cfg, model, bias, dec, prompt)
+  st = SpeculativeStats()
+  got = spec.generate(np.repeat(prompt, R, 0), 3, max_len=MAX_LEN, temperature=1.0, top_p=1.0,
+                      seed=7, depth="full", verify_length=2, stats=st)
+  got = np.stack(got)
+  assert got.shape == (R, 3)
+  assert 0.2 < st.accepted / st.verified < 0.9                # the rule both accepts and rejects
+  for col, P in ((1, P2), (2, P3)):
+    counts = np.bincount(got[:, col], minlength=V).astype(np.float64)
+    assert _chi2_p(counts, P) > 1e-4, (col, counts, P * R)
+
+
+def test_rules_on_fixed_distributions():
+  """Greedy: the leading matches and the argmax after them; the cap k_B stops a row early."""
+  lg = jnp.asarray(np.eye(4)[[2, 1, 3, 0]][None] * 5.0)                 # argmax 2, 1, 3, 0
+  n, nxt = acceptance.greedy_accept(jnp.asarray([[2, 1, 0]]), lg)
+  assert (int(n[0]), int(nxt[0])) == (2, 3)
+  n, nxt = acceptance.greedy_accept(jnp.asarray([[2, 1, 3]]), lg, jnp.asarray([1]))
+  assert (int(n[0]), int(nxt[0])) == (1, 1)
+  # Sampling with q = p accepts everything and draws the bonus from p_{k+1}.
+  p = jax.nn.softmax(lg, -1)
+  n, nxt = acceptance.rejection_accept(jnp.asarray([[2, 1, 3]]), p[:, :3], p, jax.random.key(0))
+  assert int(n[0]) == 3
+
+
+def test_scheduler_maximises_expected_tokens_per_second():
+  conf = np.array([[0.9, 0.8, 0.5, 0.1]])
+  S = scheduler.survival(conf)
+  np.testing.assert_allclose(S[0], [0.9, 0.72, 0.36, 0.036])
+  seconds = np.array([1.0, 1.1, 1.2, 1.3, 1.4])
+  k, rate = scheduler.choose_length(S, seconds)
+  want = (1 + np.concatenate([[0], np.cumsum(S[0])])) / seconds
+  np.testing.assert_allclose(rate, want)
+  assert k == int(np.argmax(want)) == 3
+  assert scheduler.choose_length(S, seconds, max_k=1)[0] == 1
