@@ -10,6 +10,17 @@ their stored formats (FP4 main KV, MXFP4 indexer K, FP8 SWA) and, by default, th
 (encoder only, decoder by bounded replay of the last window, docs/design.md §5.7, §6); `--prefill=full`
 runs the exact path instead. Bad input (a work directory without a checkpoint, a checkpoint of
 another model, an empty prompt or one over the limit) stops with one line `error: …`, exit 2.
+
+`--speculative` decodes with the DSpark drafter of `--drafter` (a `launch.train_drafter` work
+directory; docs/design.md §16): `--verify_length=k` fixes the drafts verified per round, otherwise
+the scheduler picks k each round from the confidence head and `--throughput_curve` (the JSON of
+`benchmarks/dspark_throughput.py`; without one, k = draft_len). A drafter directory without a
+checkpoint falls back to plain decoding with one warning (`--require_drafter`: an error); a
+drafter trained on another width or vocabulary is an error naming it. `--stats` prints the
+rounds, accepted drafts and backbone passes per token.
+
+  python -m launch.generate --workdir=/tmp/dsv41_tiny --speculative --drafter=/tmp/dsv41_tiny_drafter \
+      --prompt="The river" --temperature=0 --stats
 """
 
 from __future__ import annotations
@@ -140,22 +151,58 @@ def encode_prompt(loaded: LoadedModel, prompt: str) -> np.ndarray:
 
 def generate(loaded: LoadedModel, prompts: list[str], max_new_tokens: int = 64, *,
              temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
-             prefill: str = "ced", decoder: Decoder | None = None) -> list[str]:
+             prefill: str = "ced", decoder: Decoder | None = None, speculative=None,
+             verify_length: int | None = None, stats=None) -> list[str]:
   """Continuations of `prompts` (each its own sequence; prompts of equal token length share a
-  batch), stopping at end-of-document or at the model's context limit."""
-  dec = decoder or loaded.decoder()
+  batch), stopping at end-of-document or at the model's context limit. `speculative`: a
+  `dsv41_jax.inference.speculative.SpeculativeDecoder` to decode with (its `stats` collected)."""
+  dec = decoder or (None if speculative is not None else loaded.decoder())
   encoded = [encode_prompt(loaded, p) for p in prompts]
   out: list[str] = [""] * len(prompts)
   eos = loaded.tokenizer.eos_id
   for n in sorted({len(e) for e in encoded}):
     rows = [i for i, e in enumerate(encoded) if len(e) == n]
-    new = dec.generate(np.stack([encoded[i] for i in rows]), max_new_tokens,
-                       max_len=loaded.limit(), temperature=temperature, top_p=top_p, seed=seed,
-                       eos_id=eos, depth=prefill)
+    kw = dict(max_len=loaded.limit(), temperature=temperature, top_p=top_p, seed=seed,
+              eos_id=eos, depth=prefill)
+    if speculative is not None:
+      new = speculative.generate(np.stack([encoded[i] for i in rows]), max_new_tokens,
+                                 verify_length=verify_length, stats=stats, **kw)
+    else:
+      new = dec.generate(np.stack([encoded[i] for i in rows]), max_new_tokens, **kw)
     for r, i in enumerate(rows):
-      ids = new[r].tolist()
+      ids = [int(x) for x in new[r]]
       out[i] = loaded.tokenizer.decode(ids[:ids.index(eos)] if eos in ids else ids)
   return out
+
+
+def speculative_decoder(loaded: LoadedModel, drafter_dir: str | None, required: bool,
+                        curve_path: str | None, verify_length: int | None = None):
+  """(SpeculativeDecoder, SpeculativeStats) for `--speculative`, or (None, None) after one warning
+  when the drafter directory holds no drafter and `required` is false."""
+  from dsv41_jax.inference.scheduler import ThroughputCurve
+  from dsv41_jax.inference.speculative import SpeculativeDecoder, SpeculativeStats
+  from launch.train_drafter import DrafterMissing, DrafterStageError, load_drafter
+  try:
+    if not drafter_dir:
+      raise DrafterMissing("--speculative needs --drafter=DIR (a launch.train_drafter work "
+                           "directory)")
+    drafter = load_drafter(drafter_dir, loaded)
+  except DrafterMissing as e:
+    if required:
+      raise LoadError(str(e)) from None
+    print(f"warning: {e}; decoding without speculation", file=sys.stderr)
+    return None, None
+  except DrafterStageError as e:
+    raise LoadError(str(e)) from None
+  try:
+    curve = ThroughputCurve.load(curve_path) if curve_path else None
+    spec = SpeculativeDecoder(loaded.decoder(), loaded.model, drafter, curve)
+  except (OSError, ValueError) as e:
+    raise LoadError(str(e)) from None
+  if verify_length is not None and not 0 <= verify_length <= spec.K:
+    raise LoadError(f"--verify_length={verify_length} must be in 0 … {spec.K} (the drafter's "
+                    "draft_len)")
+  return spec, SpeculativeStats()
 
 
 def define_flags() -> None:
@@ -169,6 +216,12 @@ def define_flags() -> None:
   flags.DEFINE_integer("seed", 0, "Sampling seed.")
   flags.DEFINE_enum("prefill", "ced", ["ced", "full"],
                     "ced: encoder + bounded decoder replay; full: the exact path.")
+  flags.DEFINE_bool("speculative", False, "Decode speculatively with the DSpark drafter.")
+  flags.DEFINE_string("drafter", None, "Work directory of launch.train_drafter (--speculative).")
+  flags.DEFINE_bool("require_drafter", False, "--speculative without a drafter is an error.")
+  flags.DEFINE_integer("verify_length", None, "Drafts verified per round (default: scheduled).")
+  flags.DEFINE_string("throughput_curve", None, "benchmarks/dspark_throughput.py JSON (scheduler).")
+  flags.DEFINE_bool("stats", False, "Print the speculative rounds and acceptance (stderr).")
 
 
 def main(argv):
@@ -179,8 +232,15 @@ def main(argv):
     if not f.prompt.strip():
       raise LoadError("the prompt is empty")      # before the slow restore
     loaded = load_model(f.workdir, f.step)
+    spec, stats = (speculative_decoder(loaded, f.drafter, f.require_drafter, f.throughput_curve,
+                                       f.verify_length) if f.speculative else (None, None))
     text = generate(loaded, [f.prompt], f.max_new_tokens, temperature=f.temperature,
-                    top_p=f.top_p, seed=f.seed, prefill=f.prefill)[0]
+                    top_p=f.top_p, seed=f.seed, prefill=f.prefill, speculative=spec,
+                    verify_length=f.verify_length, stats=stats)[0]
+    if stats is not None and f.stats:
+      print(f"speculative: {stats.rounds} rounds, {stats.tokens} tokens, mean accepted "
+            f"{stats.mean_accepted:.2f} drafts per round, {stats.passes_per_token:.3f} backbone "
+            f"passes per token (plain decoding: 1)", file=sys.stderr)
   except LoadError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

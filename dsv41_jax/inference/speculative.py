@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -43,14 +44,16 @@ from dsv41_jax.inference.scheduler import ThroughputCurve
 class SpeculativeStats:
   """Per generate call: `rounds` (backbone passes after the prefill, counted per request),
   `tokens` (emitted by those rounds), `accepted` (drafts accepted), `verified` (drafts verified),
-  `lengths` (k of each round), and `calibration` rows (position i, confidence c_i, accepted) of
-  every draft whose acceptance was decided."""
+  `lengths` (k of each round), `seconds` (wall time of each round: drafter, host hashing,
+  backbone pass, acceptance and rollback), and `calibration` rows (position i, confidence c_i,
+  accepted) of every draft whose acceptance was decided."""
 
   rounds: int = 0
   tokens: int = 0
   accepted: int = 0
   verified: int = 0
   lengths: list = dataclasses.field(default_factory=list)
+  seconds: list = dataclasses.field(default_factory=list)
   calibration: list = dataclasses.field(default_factory=list)
 
   @property
@@ -171,6 +174,7 @@ class SpeculativeDecoder:
     done = np.zeros((R,), bool) if eos_id is None else pending == eos_id
     done |= np.array([len(o) >= n_new for o in out])
     while not done.all():
+      t_round = time.perf_counter()
       key, kd, kr = jax.random.split(key, 3)
       drafts, dists, conf, dcache = self._draft(
           self.dparams, dcache, h_prev, new_rows, jnp.asarray(firsts), jnp.asarray(n_rows),
@@ -193,6 +197,7 @@ class SpeculativeDecoder:
           jnp.full((R,), k, jnp.int32), dists[:, :k], jax.random.split(kr, R),
           float(temperature), float(top_p))
       n, nxt = np.asarray(n), np.asarray(nxt)
+      stats.seconds.append(time.perf_counter() - t_round)
       stats.lengths.append(k)
       for r in np.flatnonzero(~done):
         emitted = list(drafts_np[r, :n[r]]) + [int(nxt[r])]

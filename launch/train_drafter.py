@@ -1,0 +1,266 @@
+"""The DSpark drafter stage: train a drafter on a frozen pre-trained backbone (docs/design.md §16.2).
+
+  python -m launch.train_drafter --config=configs/dspark.py --backbone=/tmp/dsv41_tiny \
+      --workdir=/tmp/dsv41_tiny_drafter [--config.train.steps=300]
+
+The backbone is restored from its work directory (`launch.generate.load_model`: parameters and MoE
+biases of its newest checkpoint, or `--backbone_step`) and never updated: the step differentiates
+the drafter's parameters only, reading the backbone's logits and final hidden states through
+`stop_gradient`. The data is the backbone's own training stream (its config.json's data section,
+`train.batch_size` rows a step), on one device (docs/design.md §16.6). The drafter work directory holds `config.json` (the resolved
+drafter config and the backbone it was trained on), `metrics.jsonl` and orbax checkpoints of the
+drafter's parameters, optimizer state and data-iterator state (`launch/checkpoint.py`); a work
+directory with a checkpoint is resumed from it, bit for bit like `launch.train`.
+
+Bad input stops with one `error: …` line, exit 2: a drafter config whose `hidden_size` or
+`vocab_size` differs from the backbone's, a drafter work directory trained on another backbone,
+a backbone directory without a checkpoint.
+
+`load_drafter(directory, backbone)` restores a trained drafter for `launch.generate --speculative`;
+`DrafterMissing` when the directory holds none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import app, flags
+from absl import logging as absl_logging
+from flax import nnx
+from ml_collections import config_flags
+
+from dsv41_jax.dspark.config import DrafterConfig, DrafterConfigError
+from dsv41_jax.dspark.loss import draft_targets, drafter_losses
+from dsv41_jax.dspark.model import Drafter
+from dsv41_jax.inference.decode import head_logits
+from launch import checkpoint as ckpt_lib, metrics as metrics_lib, setup
+from launch.generate import LoadedModel, LoadError, load_model
+from launch.step import model_inputs
+
+log = logging.getLogger("dsv41.train_drafter")
+
+
+class DrafterStageError(ValueError):
+  """The drafter stage cannot run as configured; the message names the setting."""
+
+
+class DrafterMissing(DrafterStageError):
+  """The drafter directory holds no trained drafter."""
+
+
+def drafter_config(section, backbone_model) -> DrafterConfig:
+  """The config's `drafter` section as a DrafterConfig at the backbone's width and vocabulary."""
+  fields = dict(section)
+  for name in ("hidden_size", "vocab_size"):
+    have = int(getattr(backbone_model, name))
+    given = int(fields.get(name) or 0)
+    if given and given != have:
+      raise DrafterStageError(f"config.drafter.{name}={given} does not match the backbone's "
+                              f"{name} {have}; set it to {have} or 0 (= the backbone's)")
+    fields[name] = have
+  try:
+    return DrafterConfig(**fields)
+  except (DrafterConfigError, TypeError) as e:
+    raise DrafterStageError(f"config.{e}" if isinstance(e, DrafterConfigError) else
+                            f"config.drafter: {e}") from None
+
+
+def _backbone_record(loaded: LoadedModel, backbone_dir: str) -> dict:
+  m = loaded.model.cfg
+  return {"workdir": os.path.abspath(backbone_dir), "step": int(loaded.step),
+          "hidden_size": m.hidden_size, "vocab_size": m.vocab_size}
+
+
+def _check_or_write(workdir: str, record: dict) -> None:
+  """Refuse a drafter work directory trained with another drafter config or on another backbone."""
+  path = os.path.join(workdir, "config.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      stored = json.load(f)
+    for section in ("backbone", "drafter"):
+      old, new = stored.get(section, {}), record[section]
+      diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+      if diff:
+        detail = ", ".join(f"{k}: stored {old.get(k)!r} vs now {new.get(k)!r}" for k in diff[:6])
+        raise DrafterStageError(f"{workdir} holds a drafter of another {section} ({detail}); use "
+                                "a new --workdir")
+  os.makedirs(workdir, exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    json.dump(record, f, indent=1, sort_keys=True)
+  os.replace(path + ".tmp", path)
+
+
+@functools.lru_cache(maxsize=8)
+def _make_step(graphdef, dgraph, tcfg: tuple):
+  """The jitted drafter step: (drafter params, opt state, backbone params, MoE bias, batch) →
+  (drafter params, opt state, figures); gradients only for the drafter."""
+  steps, lr, warmup, wd, conf_w = tcfg
+  tx = _optimizer(steps, lr, warmup, wd)
+
+  def loss_fn(dp, h, logits, batch, embed, head):
+    d = nnx.merge(dgraph, dp)
+    z, base = d(h, batch["tokens"], batch["positions"], batch["segment_ids"], embed, head)
+    prev, valid = draft_targets(batch["tokens"], batch["segment_ids"], batch["loss_mask"],
+                                d.dc.draft_len)
+    draft_logits = base + d.markov(prev)
+    return drafter_losses(draft_logits, d.confidence_logit(z, draft_logits), logits, valid, conf_w)
+
+  def step(dp, opt_state, params, moe_bias, batch):
+    backbone = nnx.merge(graphdef, params)
+    (h, _), _ = backbone(model_inputs(batch), moe_bias, return_hidden=True)
+    h = jax.lax.stop_gradient(h)
+    logits = jax.lax.stop_gradient(head_logits(backbone, h))
+    (loss, figs), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        dp, h, logits, batch, backbone.embed[...], backbone.head[...])
+    updates, opt_state = tx.update(grads, opt_state, dp)
+    return optax.apply_updates(dp, updates), opt_state, dict(figs, loss=loss,
+                                                              grad_norm=optax.global_norm(grads))
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def _optimizer(steps: int, lr: float, warmup: int, wd: float) -> optax.GradientTransformation:
+  sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, min(warmup, steps - 1)), steps,
+                                             lr * 0.1)
+  return optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=wd)
+
+
+def run(cfg: ml_collections.ConfigDict, backbone_dir: str, workdir: str,
+        backbone_step: int | None = None, stop_at: int | None = None) -> dict:
+  """Train the drafter per `cfg` on the backbone of `backbone_dir` in `workdir`; returns a summary
+  (steps, last figures, the drafter parameters and the backbone parameters it read). `stop_at`
+  ends the run after that step with a checkpoint, as an interrupted run would (tests)."""
+  from data.pipeline import make_train_iterator
+  t0 = time.time()
+  try:
+    loaded = load_model(backbone_dir, backbone_step)
+  except LoadError as e:
+    raise DrafterStageError(f"--backbone: {e}") from None
+  mcfg = loaded.model.cfg
+  dc = drafter_config(cfg.drafter, mcfg)
+  t = cfg.train
+  record = {"drafter": dataclasses.asdict(dc), "backbone": _backbone_record(loaded, backbone_dir),
+            "train": t.to_dict()}
+  _check_or_write(workdir, record)
+
+  bcfg = ml_collections.ConfigDict(loaded.config.to_dict())
+  bcfg.data.batch_size = int(t.batch_size)
+  run_cfg = setup.run_config(bcfg)
+  features = setup.EngramFeatures(run_cfg.model, loaded.compression_map) if mcfg.engram_layer_ids else None
+  train_it = make_train_iterator(bcfg, jax.process_index(), jax.process_count(),
+                                 tokenizer=loaded.tokenizer, token_features=features)
+  # One device: the backbone is restored onto the first (`load_model`), the batch stays with it.
+  adapter = setup.BatchAdapter(run_cfg.model, run_cfg.data, None, loaded.compression_map)
+
+  graphdef, params = nnx.split(loaded.model)
+  dgraph, dstate = nnx.split(Drafter(dc, nnx.Rngs(int(t.seed))))
+  dparams = nnx.as_pure(dstate)             # plain arrays: what the checkpoint holds
+  tx = _optimizer(int(t.steps), float(t.lr), int(t.warmup_steps), float(t.weight_decay))
+  opt_state = tx.init(dparams)
+  checkpointer = ckpt_lib.Checkpointer(workdir, int(t.keep_checkpoints))
+  state = {"params": dparams, "opt_state": opt_state, "step": jnp.int32(0)}
+  restored = checkpointer.restore_latest(ckpt_lib.abstract_like(state), train_it)
+  start = 0
+  if restored is not None:
+    start, tree = restored
+    dparams, opt_state = tree["params"], tree["opt_state"]
+    log.info("resumed the drafter from step %d of %s", start, checkpointer.directory)
+  step_fn = _make_step(graphdef, dgraph, (int(t.steps), float(t.lr), int(t.warmup_steps),
+                                          float(t.weight_decay), float(t.confidence_weight)))
+  writer = metrics_lib.MetricWriter(workdir, jax.process_index() == 0, "", record)
+  figs = {}
+  try:
+    for step in range(start + 1, int(t.steps) + 1):
+      batch = adapter.host(next(train_it))
+      dparams, opt_state, figs = step_fn(dparams, opt_state, params, loaded.moe_bias, batch)
+      if step % int(t.log_every) == 0 or step == int(t.steps):
+        figs = jax.tree.map(np.asarray, figs)
+        writer.write(step, figs)
+        log.info("step %d loss %.4f draft %.4f confidence %.4f accepted length %.3f "
+                 "(teacher-forced, of %d)", step, figs["loss"], figs["draft_loss"],
+                 figs["confidence_loss"], figs["accepted_length"], dc.draft_len)
+      if step % int(t.checkpoint_every) == 0 or step in (int(t.steps), stop_at):
+        checkpointer.save(step, {"params": dparams, "opt_state": opt_state,
+                                 "step": jnp.int32(step)}, train_it)
+      if step == stop_at:
+        break
+  finally:
+    checkpointer.close()
+    writer.close()
+    train_it.close()
+  end = start if start >= int(t.steps) else step
+  return {"start_step": start, "end_step": end, "figures": figs,
+          "drafter_params": dparams, "backbone_params": params, "seconds": time.time() - t0}
+
+
+def load_drafter(directory: str, backbone: LoadedModel) -> Drafter:
+  """The newest drafter checkpoint of `directory` for `backbone`: DrafterMissing when there is
+  none, DrafterStageError when it was trained for another width or vocabulary."""
+  import orbax.checkpoint as ocp
+  path = os.path.join(directory, "config.json")
+  ckpts = os.path.join(directory, "checkpoints")
+  steps = sorted(int(n) for n in os.listdir(ckpts) if n.isdigit()) if os.path.isdir(ckpts) else []
+  if not os.path.exists(path) or not steps:
+    raise DrafterMissing(f"{directory} holds no drafter checkpoint (expected config.json and "
+                         "checkpoints/<step>/ written by launch.train_drafter)")
+  with open(path) as f:
+    stored = json.load(f)
+  dc = DrafterConfig(**stored["drafter"])
+  m = backbone.model.cfg
+  for name in ("hidden_size", "vocab_size"):
+    if getattr(dc, name) != getattr(m, name):
+      raise DrafterStageError(f"the drafter in {directory} was trained for {name} "
+                              f"{getattr(dc, name)}; this backbone has {name} {getattr(m, name)}")
+  dgraph, abstract = nnx.split(nnx.eval_shape(lambda: Drafter(dc, nnx.Rngs(0))))
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = {"params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                                   nnx.as_pure(abstract))}
+  state_dir = os.path.join(os.path.abspath(ckpts), str(steps[-1]), "state")
+  restored = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
+      item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+      partial_restore=True))
+  return nnx.merge(dgraph, restored["params"])
+
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Drafter config file.", lock_config=True)
+_BACKBONE = flags.DEFINE_string("backbone", None, "Work directory of a launch.train run.")
+_BACKBONE_STEP = flags.DEFINE_integer("backbone_step", None, "Backbone checkpoint (default newest).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "The drafter's work directory.")
+
+
+def main(argv):
+  del argv
+  absl_logging.set_verbosity(absl_logging.WARNING)
+  ours = logging.getLogger("dsv41")
+  if not ours.handlers:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    ours.addHandler(handler)
+  ours.setLevel(logging.INFO)
+  ours.propagate = False
+  try:
+    s = run(_CONFIG.value, _BACKBONE.value, _WORKDIR.value, _BACKBONE_STEP.value)
+  except (DrafterStageError, setup.SetupError, ckpt_lib.RestoreError, ckpt_lib.SaveError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  f = s["figures"]
+  last = (f"loss {float(f['loss']):.4f}, teacher-forced accepted length "
+          f"{float(f['accepted_length']):.3f}" if f else "nothing to train")
+  print(f"done: drafter steps {s['start_step']}→{s['end_step']}, {last}, {s['seconds']:.0f} s",
+        flush=True)
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config", "backbone", "workdir"])
+  app.run(main)
