@@ -33,10 +33,9 @@ from benchmarks.common import header, log, md_header
 
 def prompts(loaded, n_rows: int, length: int) -> np.ndarray:
   """The first `length` tokens of held-out rows whose first document is at least that long."""
-  import ml_collections
   from data.pipeline import make_eval_iterator
-  cfg = ml_collections.ConfigDict(loaded.config.to_dict())
-  it = make_eval_iterator(cfg, tokenizer=loaded.tokenizer)
+  from launch.train_drafter import backbone_config
+  it = make_eval_iterator(backbone_config(loaded, n_rows), tokenizer=loaded.tokenizer)
   out = []
   for rows in it:
     for tok, seg in zip(rows["tokens"], rows["segment_ids"]):
@@ -63,7 +62,7 @@ def main():
   from dsv41_jax.inference import scheduler
   from dsv41_jax.inference.speculative import SpeculativeDecoder, SpeculativeStats
   from launch.generate import load_model
-  from launch.train_drafter import load_drafter
+  from launch.drafter import load_drafter
 
   loaded = load_model(args.backbone)
   drafter = load_drafter(args.drafter, loaded)

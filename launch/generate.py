@@ -181,7 +181,7 @@ def speculative_decoder(loaded: LoadedModel, drafter_dir: str | None, required: 
   when the drafter directory holds no drafter and `required` is false."""
   from dsv41_jax.inference.scheduler import ThroughputCurve
   from dsv41_jax.inference.speculative import SpeculativeDecoder, SpeculativeStats
-  from launch.train_drafter import DrafterMissing, DrafterStageError, load_drafter
+  from launch.drafter import DrafterMissing, DrafterStageError, load_drafter
   try:
     if not drafter_dir:
       raise DrafterMissing("--speculative needs --drafter=DIR (a launch.train_drafter work "

@@ -7,17 +7,17 @@ The backbone is restored from its work directory (`launch.generate.load_model`: 
 biases of its newest checkpoint, or `--backbone_step`) and never updated: the step differentiates
 the drafter's parameters only, reading the backbone's logits and final hidden states through
 `stop_gradient`. The data is the backbone's own training stream (its config.json's data section,
-`train.batch_size` rows a step), on one device (docs/design.md §16.6). The drafter work directory holds `config.json` (the resolved
-drafter config and the backbone it was trained on), `metrics.jsonl` and orbax checkpoints of the
-drafter's parameters, optimizer state and data-iterator state (`launch/checkpoint.py`); a work
-directory with a checkpoint is resumed from it, bit for bit like `launch.train`.
+`train.batch_size` rows a step), on one device (docs/design.md §16.6). The drafter work directory
+holds `config.json` (the resolved drafter config and the backbone it was trained on),
+`metrics.jsonl` and orbax checkpoints of the drafter's parameters, optimizer state and
+data-iterator state (`launch/checkpoint.py`); a work directory with a checkpoint is resumed from
+it, bit for bit like `launch.train`.
 
 Bad input stops with one `error: …` line, exit 2: a drafter config whose `hidden_size` or
 `vocab_size` differs from the backbone's, a drafter work directory trained on another backbone,
 a backbone directory without a checkpoint.
 
-`load_drafter(directory, backbone)` restores a trained drafter for `launch.generate --speculative`;
-`DrafterMissing` when the directory holds none.
+The directory's format, its errors and `load_drafter` are in `launch/drafter.py`.
 """
 
 from __future__ import annotations
@@ -40,40 +40,15 @@ from absl import logging as absl_logging
 from flax import nnx
 from ml_collections import config_flags
 
-from dsv41_jax.dspark.config import DrafterConfig, DrafterConfigError
 from dsv41_jax.dspark.loss import draft_targets, drafter_losses
 from dsv41_jax.dspark.model import Drafter
 from dsv41_jax.inference.decode import head_logits
 from launch import checkpoint as ckpt_lib, metrics as metrics_lib, setup
+from launch.drafter import DrafterStageError, drafter_config
 from launch.generate import LoadedModel, LoadError, load_model
 from launch.step import model_inputs
 
 log = logging.getLogger("dsv41.train_drafter")
-
-
-class DrafterStageError(ValueError):
-  """The drafter stage cannot run as configured; the message names the setting."""
-
-
-class DrafterMissing(DrafterStageError):
-  """The drafter directory holds no trained drafter."""
-
-
-def drafter_config(section, backbone_model) -> DrafterConfig:
-  """The config's `drafter` section as a DrafterConfig at the backbone's width and vocabulary."""
-  fields = dict(section)
-  for name in ("hidden_size", "vocab_size"):
-    have = int(getattr(backbone_model, name))
-    given = int(fields.get(name) or 0)
-    if given and given != have:
-      raise DrafterStageError(f"config.drafter.{name}={given} does not match the backbone's "
-                              f"{name} {have}; set it to {have} or 0 (= the backbone's)")
-    fields[name] = have
-  try:
-    return DrafterConfig(**fields)
-  except (DrafterConfigError, TypeError) as e:
-    raise DrafterStageError(f"config.{e}" if isinstance(e, DrafterConfigError) else
-                            f"config.drafter: {e}") from None
 
 
 def _backbone_record(loaded: LoadedModel, backbone_dir: str) -> dict:
@@ -99,6 +74,15 @@ def _check_or_write(workdir: str, record: dict) -> None:
   with open(path + ".tmp", "w") as f:
     json.dump(record, f, indent=1, sort_keys=True)
   os.replace(path + ".tmp", path)
+
+
+def backbone_config(loaded: LoadedModel, batch_size: int) -> ml_collections.ConfigDict:
+  """The backbone run's config with `batch_size` rows a step; data keys added since that run was
+  written take their defaults."""
+  from data.config import data_defaults
+  d = loaded.config.to_dict()
+  d["data"] = {**data_defaults(), **d["data"], "batch_size": batch_size}
+  return ml_collections.ConfigDict(d)
 
 
 @functools.lru_cache(maxsize=8)
@@ -154,10 +138,10 @@ def run(cfg: ml_collections.ConfigDict, backbone_dir: str, workdir: str,
             "train": t.to_dict()}
   _check_or_write(workdir, record)
 
-  bcfg = ml_collections.ConfigDict(loaded.config.to_dict())
-  bcfg.data.batch_size = int(t.batch_size)
+  bcfg = backbone_config(loaded, int(t.batch_size))
   run_cfg = setup.run_config(bcfg)
-  features = setup.EngramFeatures(run_cfg.model, loaded.compression_map) if mcfg.engram_layer_ids else None
+  features = (setup.EngramFeatures(run_cfg.model, loaded.compression_map)
+              if mcfg.engram_layer_ids else None)
   train_it = make_train_iterator(bcfg, jax.process_index(), jax.process_count(),
                                  tokenizer=loaded.tokenizer, token_features=features)
   # One device: the backbone is restored onto the first (`load_model`), the batch stays with it.
@@ -202,35 +186,6 @@ def run(cfg: ml_collections.ConfigDict, backbone_dir: str, workdir: str,
   end = start if start >= int(t.steps) else step
   return {"start_step": start, "end_step": end, "figures": figs,
           "drafter_params": dparams, "backbone_params": params, "seconds": time.time() - t0}
-
-
-def load_drafter(directory: str, backbone: LoadedModel) -> Drafter:
-  """The newest drafter checkpoint of `directory` for `backbone`: DrafterMissing when there is
-  none, DrafterStageError when it was trained for another width or vocabulary."""
-  import orbax.checkpoint as ocp
-  path = os.path.join(directory, "config.json")
-  ckpts = os.path.join(directory, "checkpoints")
-  steps = sorted(int(n) for n in os.listdir(ckpts) if n.isdigit()) if os.path.isdir(ckpts) else []
-  if not os.path.exists(path) or not steps:
-    raise DrafterMissing(f"{directory} holds no drafter checkpoint (expected config.json and "
-                         "checkpoints/<step>/ written by launch.train_drafter)")
-  with open(path) as f:
-    stored = json.load(f)
-  dc = DrafterConfig(**stored["drafter"])
-  m = backbone.model.cfg
-  for name in ("hidden_size", "vocab_size"):
-    if getattr(dc, name) != getattr(m, name):
-      raise DrafterStageError(f"the drafter in {directory} was trained for {name} "
-                              f"{getattr(dc, name)}; this backbone has {name} {getattr(m, name)}")
-  dgraph, abstract = nnx.split(nnx.eval_shape(lambda: Drafter(dc, nnx.Rngs(0))))
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = {"params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-                                   nnx.as_pure(abstract))}
-  state_dir = os.path.join(os.path.abspath(ckpts), str(steps[-1]), "state")
-  restored = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
-      item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-      partial_restore=True))
-  return nnx.merge(dgraph, restored["params"])
 
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Drafter config file.", lock_config=True)

@@ -6,7 +6,8 @@ The backbone is the inference tests' micro model (every CSA2 mode, Engram, the c
 with a 32-token vocabulary and its head scaled ×1.5, so that its next-token distributions are
 peaked (the most likely token ~0.2: a wrong acceptance rule then moves mass visibly); the drafter
 is random with a small random Markov head and its final norm scaled ×0.1, so its q is flat,
-differs from the backbone's p and overlaps it enough that drafts are both accepted and rejected. Caches hold the forward pass's values (`stored_formats=False`).
+differs from the backbone's p and overlaps it enough that drafts are both accepted and rejected.
+Caches hold the forward pass's values (`stored_formats=False`).
 
 Distribution test: 3,000 independent requests of one prompt, 3 new tokens each, k = 2 drafts per
 round (token 1 comes from the prefill; tokens 2 and 3 from the rounds: a first draft accepted or
