@@ -8,8 +8,8 @@
    verification length k = 0 … K, the median over the rounds of a greedy generation after a warm-up
    generation that compiles (`SpeculativeStats.seconds`). k = 0 is a plain decode step through the
    same path. Written as the JSON `launch.generate --throughput_curve` and the scheduler read.
-2. On held-out prompts (the first `--prompt_len` tokens of the backbone's eval rows, `--requests`
-   in flight, greedy, `--new_tokens` each): per fixed k, the mean accepted drafts per round, the
+2. On `--prompts` × `--requests` held-out prompts (the first `--prompt_len` tokens of the
+   backbone's eval rows, `--requests` in flight at a time, greedy, `--new_tokens` each): per fixed k, the mean accepted drafts per round, the
    backbone passes per generated token (rounds / tokens; plain decoding: 1) and whether the tokens
    equal plain greedy decoding's; the confidence head's reliability (predicted c_i against realised
    acceptance, per position and per confidence bin, at k = K); the scheduler's run
@@ -52,8 +52,9 @@ def main():
   ap.add_argument("--backbone", required=True)
   ap.add_argument("--drafter", required=True)
   ap.add_argument("--curve_out", default="benchmarks/dspark_curve.json")
-  ap.add_argument("--batches", default="1,4")
-  ap.add_argument("--requests", type=int, default=4)
+  ap.add_argument("--batches", default="1")
+  ap.add_argument("--requests", type=int, default=1)
+  ap.add_argument("--prompts", type=int, default=6)
   ap.add_argument("--prompt_len", type=int, default=32)
   ap.add_argument("--new_tokens", type=int, default=48)
   ap.add_argument("--curve_tokens", type=int, default=16)
@@ -75,7 +76,7 @@ def main():
         f"stored cache formats: {dec.stored_formats}\n")
 
   # --- 1. the engine-throughput curve -------------------------------------------------------
-  P = prompts(loaded, max(args.requests, max(int(b) for b in args.batches.split(","))),
+  P = prompts(loaded, max(args.requests * args.prompts, max(int(b) for b in args.batches.split(","))),
               args.prompt_len)
   batches = [int(b) for b in args.batches.split(",")]
   seconds = []
@@ -101,27 +102,29 @@ def main():
 
   # --- 2. acceptance, calibration, scheduler --------------------------------------------------
   R = args.requests
-  want = dec.generate(P[:R], args.new_tokens, max_len=limit, temperature=0)
+  groups = [P[i * R:(i + 1) * R] for i in range(args.prompts)]
+  want = [w for g in groups for w in dec.generate(g, args.new_tokens, max_len=limit, temperature=0)]
   tau = curve.at(R)
   results = {}
   for k in list(range(1, K + 1)) + ["scheduled"]:
     st = SpeculativeStats()
     if k == "scheduled":
       spec.curve = curve
-    got = spec.generate(P[:R], args.new_tokens, max_len=limit, temperature=0,
-                        verify_length=None if k == "scheduled" else k, stats=st)
+    got = [o for g in groups for o in spec.generate(
+        g, args.new_tokens, max_len=limit, temperature=0,
+        verify_length=None if k == "scheduled" else k, stats=st)]
     spec.curve = None
     same = sum(int(np.array_equal(g, w)) for g, w in zip(got, want))
     expected = st.tokens / sum(tau[kk] for kk in st.lengths)
     results[k] = (st, same, expected, st.tokens / sum(st.seconds))
     log(f"k={k}: {st.mean_accepted:.2f} accepted per round, {st.passes_per_token:.3f} passes/token")
-  print(f"Greedy speculative decoding, {R} held-out prompts of {args.prompt_len} tokens, "
-        f"{args.new_tokens} new tokens each (plain decoding: 1 backbone pass per token):\n")
+  print(f"Greedy speculative decoding, {args.prompts * R} held-out prompts of {args.prompt_len} "
+        f"tokens ({R} in flight), {args.new_tokens} new tokens each (plain decoding: 1 backbone pass per token):\n")
   print(md_header("k", "mean accepted drafts / round", "tokens / round", "backbone passes / token",
                   "= plain greedy (requests)", "expected tokens/s (curve)", "measured tokens/s"))
   for k, (st, same, exp_rate, meas) in results.items():
     print(f"| {k} | {st.mean_accepted:.2f} | {st.tokens / st.rounds:.2f} | "
-          f"{st.passes_per_token:.3f} | {same}/{R} | {exp_rate:.1f} | {meas:.1f} |")
+          f"{st.passes_per_token:.3f} | {same}/{len(want)} | {exp_rate:.1f} | {meas:.1f} |")
   best_fixed = max((v[2], k) for k, v in results.items() if k != "scheduled")
   sched = results["scheduled"]
   ks = np.bincount(sched[0].lengths, minlength=K + 1)

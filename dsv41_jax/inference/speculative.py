@@ -220,8 +220,7 @@ class SpeculativeDecoder:
         acc = list(drafts_np[r, :n[r]]) + [int(nxt[r])]
         rows_tok[r, :len(acc)] = acc
         history[r, t[r] + 1:t[r] + 2 + n[r]] = acc
-      pad = S - h.shape[1]
-      h_prev = jnp.concatenate([h, jnp.zeros_like(h[:, :max(pad, 0)])], axis=1)[:, :S]
+      h_prev = jnp.pad(h, ((0, 0), (0, S - h.shape[1]), (0, 0)))
       new_rows = jnp.asarray(rows_tok)
       firsts = t + 1
       n_rows = (n + 1).astype(np.int32)

@@ -54,20 +54,34 @@ def setup():
 
 
 def test_greedy_speculative_equals_plain_greedy(setup):
-  cfg, model, bias, dec, spec, prompt = setup
+  """With a drafter whose Markov head holds the bigrams of the greedy output (right where a token
+  has one successor, wrong elsewhere), so that drafts are both accepted and rejected."""
+  cfg, model, bias, dec, _, prompt = setup
   prompts = np.concatenate([prompt, np.random.default_rng(5).integers(0, V, (1, N))]).astype(np.int32)
   want = dec.generate(prompts, 20, max_len=MAX_LEN, temperature=0, depth="full")
+  table = np.zeros((V, V))
+  for p, w in zip(prompts, want):
+    seq = np.concatenate([p, w])
+    np.add.at(table, (seq[:-1], seq[1:]), 1.0)
+  drafter = init_drafter(DrafterConfig(hidden_size=cfg.hidden_size, vocab_size=V, sliding_window=16,
+                                       draft_len=3, num_heads=2, markov_rank=V,
+                                       confidence_width=8), 3)
+  drafter.final_norm.scale[...] = drafter.final_norm.scale[...] * 0.1
+  drafter.markov_in[...] = jnp.eye(V)
+  drafter.markov_out[...] = jnp.asarray(8.0 * (np.arange(V) == table.argmax(1)[:, None]))
+  spec = SpeculativeDecoder(dec, model, drafter)
   st = SpeculativeStats()
   got = spec.generate(prompts, 20, max_len=MAX_LEN, temperature=0, depth="full", verify_length=3,
                       stats=st)
   for r in range(2):
     np.testing.assert_array_equal(got[r], want[r])
   assert st.accepted > 0 and st.accepted < st.verified      # both outcomes happened
+  got = spec.generate(prompts, 20, max_len=MAX_LEN, temperature=0, depth="full", verify_length=1)
+  for r in range(2):
+    np.testing.assert_array_equal(got[r], want[r])
   # The scheduler's choice (a curve where longer rounds cost more) gives the same tokens.
-  curve = scheduler.ThroughputCurve((1, 2), ((1.0, 1.3, 1.6, 1.9),) * 2)
-  spec.curve = curve
+  spec.curve = scheduler.ThroughputCurve((1, 2), ((1.0, 1.3, 1.6, 1.9),) * 2)
   got = spec.generate(prompts, 20, max_len=MAX_LEN, temperature=0, depth="full")
-  spec.curve = None
   for r in range(2):
     np.testing.assert_array_equal(got[r], want[r])
 
