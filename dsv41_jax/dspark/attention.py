@@ -2,8 +2,8 @@
 
 Two kinds of rows attend. A *context* row j (the fused backbone state h_{j−1} and embedding of
 x_j) reads the context rows of its document in its window, j − W < s ≤ j (causal sliding window,
-`sparse_attention.swa_visible`). The K *draft queries* of anchor t read the context rows anchor t
-reads and the queries of their own block up to themselves (query i sees queries 1 … i), never
+`swa_visible` of `pallas_kernels/ops/sparse_attention.py`). The K *draft queries* of anchor t
+read the context rows anchor t reads and the queries of their own block up to themselves (query i sees queries 1 … i), never
 another anchor's. In training every row of a sequence is an anchor and all T·K queries run at once
 (`train_attention`); in decoding the context rows of each layer are kept in a ring of W keys and
 values, the new rows of a round and then the queries attend over the ring and their own block

@@ -34,7 +34,7 @@ from dsv41_jax.dspark.attention import ring_attention, train_attention
 from dsv41_jax.dspark.config import DrafterConfig
 from dsv41_jax.layers import rope
 from dsv41_jax.layers.norm import RMSNorm
-from dsv41_jax.layers.sparse_attention import swa_visible
+from pallas_kernels.ops.sparse_attention import swa_visible
 
 
 class DraftCache(NamedTuple):

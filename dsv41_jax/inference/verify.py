@@ -28,17 +28,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax.block import StreamState, encoder_final_input, site_coefficients, site_output
+from dsv41_jax.block import (StreamState, encoder_final_input, next_site, site_coefficients,
+                             site_output)
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.inference import cache as cache_lib
 from dsv41_jax.inference.cache import DecodeCache, GlobalCache, SWACache
 from dsv41_jax.inference.decode import (_compressor_step, _moe, _swa_key, final_hidden,
                                         head_logits)
 from dsv41_jax.layer_plan import LayerSpec, build_layer_plan
-from dsv41_jax.layers import mhc, rope
-from dsv41_jax.layers.indexer import candidate_mask, candidate_pool, indexer_scores, select_topk
-from dsv41_jax.layers.sparse_attention import attend, default_scale
-from dsv41_jax.layers.types import CompressedKV, entry_visible
+from dsv41_jax.layers import mhc
+from dsv41_jax.layers.types import CompressedKV
+from pallas_kernels import dispatch
+from pallas_kernels.ops.sparse_attention import default_scale
 
 
 def _tokenwise_moe(cfg, moe, x_BxTxD: jax.Array, bias_E: jax.Array) -> jax.Array:
@@ -62,28 +63,19 @@ def _tokenwise_moe(cfg, moe, x_BxTxD: jax.Array, bias_E: jax.Array) -> jax.Array
   return f(x_BxTxD, *leaves)
 
 
-def _index_span(cfg, spec: LayerSpec, pub, x, c_q, pos_BxQ, g: GlobalCache, m: int, pool):
-  """(topk [B, Q, K], candidate pool) of a Full / Reindex layer for the span's rows."""
+def _index_span(cfg, spec: LayerSpec, pub, x, c_q, pos_BxQ, t, g: GlobalCache, m: int, pool):
+  """(topk [B, Q, K], candidate pool) of a Full / Reindex layer for the span's rows (the decode
+  step's `_index_step` over Q rows: row r is at position t + r)."""
   idx = pub.indexer
-  inv_freq = jnp.asarray(idx.inv_freq)
-  q = jnp.einsum("btq,qhi->bthi", c_q, idx.wq_b[...].astype(c_q.dtype))
-  q = idx._quant(rope.apply_rope(q, pos_BxQ, inv_freq))
-  w = jnp.einsum("btd,dh->bth", x, idx.weights_proj[...].astype(x.dtype))
-  w = w.astype(jnp.float32) * (idx.n_heads ** -0.5)
+  q, w = idx.queries(x, c_q, pos_BxQ)
   k = cache_lib.read_index(g).astype(q.dtype)
   B, N = k.shape[:2]
-  Q = pos_BxQ.shape[1]
   n = jnp.arange(N, dtype=jnp.int32)
-  meta = CompressedKV(None, None, jnp.ones((B, N), jnp.int32),
-                      jnp.broadcast_to((n + 1) * m - 1, (B, N)), jnp.broadcast_to(n * m, (B, N)))
-  vis = entry_visible(meta, jnp.ones((B, Q), jnp.int32), pos_BxQ[0])
-  scores = indexer_scores(q, k, w)                                      # [B, Q, N]
-  cmask = None
+  meta = CompressedKV(None, k, jnp.ones((B, N), jnp.int32),
+                      jnp.broadcast_to((n + 1) * m - 1 - t, (B, N)), jnp.broadcast_to(n * m, (B, N)))
+  topk, _, out = idx.select(q, w, meta, jnp.ones(pos_BxQ.shape, jnp.int32), pool)
   if spec.candidate_role == "source":
-    pool = candidate_pool(scores, vis, cfg.candidate_block_size, cfg.candidate_topk_blocks)
-  elif spec.candidate_role == "consumer":
-    cmask = candidate_mask(pool, N, cfg.candidate_block_size)
-  topk, _ = select_topk(scores, vis, cfg.index_topk, cmask)
+    pool = out
   return topk, pool
 
 
@@ -115,9 +107,10 @@ def _attention_span(cfg, core, x_BxQxD, c_q, pos_BxQ, t, ring: SWACache, sel_BxQ
     keys = jnp.concatenate([keys, sel_BxQxKxD.reshape(B, Q * K, -1).astype(q.dtype)], axis=1)
     own_slots = W + jnp.arange(Q)[:, None] * K + jnp.arange(K)          # [Q, K]
     idx = jnp.concatenate([idx, jnp.where(sel_valid_BxQxK, own_slots, -1)], axis=-1)
-  o, _ = attend(q, own, jnp.ones((B, Q), jnp.int32), core.attn.attn_sink[...], window=W,
-                scale=default_scale(cfg.head_dim), global_kv_BxNxD=keys,
-                topk_BxTxK=idx.astype(jnp.int32), impl="gather")
+  o, _ = dispatch.call("sparse_attention", q, own, jnp.ones((B, Q), jnp.int32),
+                       core.attn.attn_sink[...], keys, idx.astype(jnp.int32),
+                       policy=cfg.ops.sparse_attention, window=W,
+                       scale=default_scale(cfg.head_dim), impl="gather")
   slots = (t + jnp.arange(Q)) % W
   ring = SWACache(ring.codes_BxWxD.at[:, slots].set(codes), ring.scales_BxWxR.at[:, slots].set(scales),
                   ring.pos_W.at[slots].set(t + jnp.arange(Q, dtype=jnp.int32)))
@@ -163,13 +156,12 @@ def verify_span(model, cache: DecodeCache, tokens_BxQ: jax.Array, t, engram_ids:
           glob[i] = _compressor_step(cfg, core, pub, glob[i], src[:, j:j + 1], t + j, m)
       g = glob[spec.kv_source]
       if spec.owns_indexer:
-        topk[i], pool = _index_span(cfg, spec, pub, x, c_q, pos, g, m, pool)
+        topk[i], pool = _index_span(cfg, spec, pub, x, c_q, pos, t, g, m, pool)
       sel_idx = topk[spec.index_source]
       sel, valid = _gather_span(g, sel_idx), sel_idx >= 0
     y, swa[i] = _attention_span(cfg, core, x, c_q, pos, t, swa[i], sel, valid)
-    X = site_output(X, a_post, a_comb, y)
-    f_pre, f_post, f_comb = site_coefficients(cfg, "ffn_hc", core, X, a_pre)
-    x = core.ffn_norm(mhc.collapse(X, a_pre)).astype(dt)
+    X, x, f_pre, f_post, f_comb = next_site(cfg, "ffn_hc", core.ffn_norm, core, X, y, a_post,
+                                            a_comb, a_pre)
     X = site_output(X, f_post, f_comb, _tokenwise_moe(cfg, core.moe, x, moe_bias_Lx2xE[i, 0]))
     pre = f_pre
   h = final_hidden(model, X, pre)
