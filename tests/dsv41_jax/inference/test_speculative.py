@@ -13,8 +13,8 @@ Distribution test: 3,000 independent requests of one prompt, 3 new tokens each, 
 round (token 1 comes from the prefill; tokens 2 and 3 from the rounds: a first draft accepted or
 corrected, a second accepted, corrected or drafted in a second round). The exact marginals of
 tokens 2 and 3 come from plain decode steps over all 32 and 32² histories. A chi-square test per
-token (cells with expected count < 5 pooled) must not reject at p < 1e-4; with the residual
-(p − q)⁺ replaced by p, or every draft accepted, both tests reject at p < 1e-10 (checked by hand).
+token (cells with expected count < 5 pooled) must not reject at p < 1e-4. On a broken copy that
+draws the correction from p instead of the residual (p − q)⁺ the test of token 2 fails (checked).
 """
 
 import jax
