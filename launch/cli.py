@@ -21,9 +21,12 @@ def parse_flags(argv: list[str]) -> list[str]:
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
-    missing = re.fullmatch(r"flag --(\w+)=None: Flag --\w+ must have a value other than None\.",
-                           str(e).strip())
-    text = f"--{missing.group(1)} is required" if missing else str(e)
+    missing = re.findall(r"flag --(\w+)=None: Flag --\w+ must have a value other than None\.",
+                         str(e))
+    names = [f"--{m}" for m in missing]
+    text = (f"{names[0]} is required" if len(names) == 1 else
+            f"{', '.join(names[:-1])} and {names[-1]} are required") if names \
+        else " ".join(str(e).split())
     print(f"error: {text}", file=sys.stderr)
   except (AttributeError, KeyError, TypeError, ValueError) as e:
     # ml_collections raises these for an unknown key ('stepz' ... Did you mean "steps"?).

@@ -36,14 +36,13 @@ import ml_collections
 import numpy as np
 import optax
 from absl import app, flags
-from absl import logging as absl_logging
 from flax import nnx
 from ml_collections import config_flags
 
 from dsv41_jax.dspark.loss import draft_targets, drafter_losses
 from dsv41_jax.dspark.model import Drafter
 from dsv41_jax.inference.decode import head_logits
-from launch import checkpoint as ckpt_lib, metrics as metrics_lib, setup
+from launch import checkpoint as ckpt_lib, cli, metrics as metrics_lib, setup
 from launch.drafter import DrafterStageError, drafter_config
 from launch.generate import LoadedModel, LoadError, load_model
 from launch.step import model_inputs
@@ -196,14 +195,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "The drafter's work directory.")
 
 def main(argv):
   del argv
-  absl_logging.set_verbosity(absl_logging.WARNING)
-  ours = logging.getLogger("dsv41")
-  if not ours.handlers:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    ours.addHandler(handler)
-  ours.setLevel(logging.INFO)
-  ours.propagate = False
+  cli.log_to_stderr()
   try:
     s = run(_CONFIG.value, _BACKBONE.value, _WORKDIR.value, _BACKBONE_STEP.value)
   except (DrafterStageError, setup.SetupError, ckpt_lib.RestoreError, ckpt_lib.SaveError) as e:
@@ -218,4 +210,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config", "backbone", "workdir"])
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

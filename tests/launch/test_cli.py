@@ -17,6 +17,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     ("launch.ledger", ["--config=configs/tiny.py", "--config.model.hidden_sise=3"],
      "error: a --config override does not fit the config file"),
     ("launch.ladder", ["--lst"], "error: Unknown command line flag 'lst'"),
+    ("launch.train_drafter", [], "error: --config, --backbone and --workdir are required"),
+    ("launch.convert", ["import", "--nope"], "error: Unknown command line flag 'nope'"),
 ])
 def test_flag_mistakes_are_one_error_line(module, args, message):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
