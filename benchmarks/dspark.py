@@ -33,9 +33,11 @@ from benchmarks.common import header, log, md_header
 
 def prompts(loaded, n_rows: int, length: int) -> np.ndarray:
   """The first `length` tokens of held-out rows whose first document is at least that long."""
+  from data.config import data_config
   from data.pipeline import make_eval_iterator
   from launch.train_drafter import backbone_config
-  it = make_eval_iterator(backbone_config(loaded, n_rows), tokenizer=loaded.tokenizer)
+  it = make_eval_iterator(data_config(backbone_config(loaded, n_rows).data),
+                          tokenizer=loaded.tokenizer)
   out = []
   for rows in it:
     for tok, seg in zip(rows["tokens"], rows["segment_ids"]):

@@ -141,7 +141,7 @@ def run(cfg: ml_collections.ConfigDict, backbone_dir: str, workdir: str,
   run_cfg = setup.run_config(bcfg)
   features = (setup.EngramFeatures(run_cfg.model, loaded.compression_map)
               if mcfg.engram_layer_ids else None)
-  train_it = make_train_iterator(bcfg, jax.process_index(), jax.process_count(),
+  train_it = make_train_iterator(run_cfg.data, jax.process_index(), jax.process_count(),
                                  tokenizer=loaded.tokenizer, token_features=features)
   # One device: the backbone is restored onto the first (`load_model`), the batch stays with it.
   adapter = setup.BatchAdapter(run_cfg.model, run_cfg.data, None, loaded.compression_map)
