@@ -187,17 +187,12 @@ def run(cfg: ml_collections.ConfigDict, backbone_dir: str, workdir: str,
           "drafter_params": dparams, "backbone_params": params, "seconds": time.time() - t0}
 
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Drafter config file.", lock_config=True)
-_BACKBONE = flags.DEFINE_string("backbone", None, "Work directory of a launch.train run.")
-_BACKBONE_STEP = flags.DEFINE_integer("backbone_step", None, "Backbone checkpoint (default newest).")
-_WORKDIR = flags.DEFINE_string("workdir", None, "The drafter's work directory.")
-
-
 def main(argv):
   del argv
   cli.log_to_stderr()
   try:
-    s = run(_CONFIG.value, _BACKBONE.value, _WORKDIR.value, _BACKBONE_STEP.value)
+    s = run(_FLAGS["config"].value, _FLAGS["backbone"].value, _FLAGS["workdir"].value,
+            _FLAGS["backbone_step"].value)
   except (DrafterStageError, setup.SetupError, ckpt_lib.RestoreError, ckpt_lib.SaveError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
@@ -208,6 +203,21 @@ def main(argv):
         flush=True)
 
 
+_FLAGS = {}
+
+
+def _define_flags():
+  """The program's flags, defined only when run as a program: `launch.train` defines `--config`
+  too, and a process that imports both (a test worker) must not see it defined twice."""
+  _FLAGS["config"] = config_flags.DEFINE_config_file("config", None, "Drafter config file.",
+                                                     lock_config=True)
+  _FLAGS["backbone"] = flags.DEFINE_string("backbone", None, "Work directory of a launch.train run.")
+  _FLAGS["backbone_step"] = flags.DEFINE_integer("backbone_step", None,
+                                                 "Backbone checkpoint (default newest).")
+  _FLAGS["workdir"] = flags.DEFINE_string("workdir", None, "The drafter's work directory.")
+
+
 if __name__ == "__main__":
+  _define_flags()
   flags.mark_flags_as_required(["config", "backbone", "workdir"])
   app.run(main, flags_parser=cli.parse_flags)

@@ -26,3 +26,16 @@ def test_flag_mistakes_are_one_error_line(module, args, message):
                      capture_output=True, text=True, timeout=300)
   lines = p.stderr.strip().splitlines()
   assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith(message), p.stderr[-2000:]
+
+
+def test_every_launch_module_imports_beside_the_others():
+  """A test worker imports many launch modules into one process: a module that defines its
+  absl flags at import time (`--config` in both launch.train and launch.train_drafter) fails the
+  second import with DuplicateFlagError, so only one program may define flags at load time."""
+  names = sorted(f[:-3] for f in os.listdir(os.path.join(REPO, "launch"))
+                 if f.endswith(".py") and f != "__init__.py")
+  code = "import importlib\n" + "".join(f"importlib.import_module('launch.{n}')\n" for n in names)
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                     text=True, timeout=300)
+  assert p.returncode == 0, p.stderr[-2000:]
