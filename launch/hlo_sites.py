@@ -28,11 +28,14 @@ _TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-z][a-z0-9]*)>")
 _FUNC = re.compile(r"^\s*func\.func (?:private |public )?@([\w.$-]+)\(")
 _CALL = re.compile(r"\bcall @([\w.$-]+)\(")
 _REGION_OPS = {'"stablehlo.scatter"(': "scatter", '"stablehlo.sort"(': "sort"}
+# Python 3.12 inlines list, dict and set comprehensions (PEP 709), so 3.11's qualname
+# `f.<locals>.<listcomp>.<lambda>` is `f.<locals>.<lambda>` there; sites use the 3.12 spelling.
+_COMPREHENSION = re.compile(r"\.<(?:listcomp|dictcomp|setcomp)>")
 
 
 class Site(NamedTuple):
   """One op: its kind ("scatter", "sort", "top_k", "f32_dot"), where it was written (file relative
-  to the repository, the innermost function, line), and its size (FLOPs for a dot, elements of
+  to the repository, the innermost function without comprehension frames, line), and its size (FLOPs for a dot, elements of
   the updates / operand otherwise)."""
   kind: str
   file: str
@@ -71,7 +74,8 @@ def _origin(locs: dict[str, str], line: str) -> tuple[str, str, int]:
   frames = _frames(locs, m.group(1), []) if m else []
   for i, frame in enumerate(frames):
     if isinstance(frame, tuple):   # a frame is its function's name, then its file location
-      function = frames[i - 1] if i and isinstance(frames[i - 1], str) else "?"
+      named = i and isinstance(frames[i - 1], str)
+      function = _COMPREHENSION.sub("", frames[i - 1]) if named else "?"
       path = frame[0]
       return (path[len(_ROOT):] if path.startswith(_ROOT) else path), function, frame[1]
   return "?", "?", 0
