@@ -18,11 +18,13 @@ Cases:
 - `quant`: FP4 main-KV, MXFP4 and FP8 SWA fake quantization of [entries, 512] bf16 (docs/design.md §9.2),
   forward (the backward is the straight-through identity). Also checked on the host against the
   ml_dtypes casts with the spec's scales.
-- `site`: one fused single-pass mHC site (`hc_site`: previous expand + coefficients + collapse +
-  norm, docs/design.md §3.3), n = 4, bf16 streams, at d = 5120 / 4096 and 8K–32K tokens; forward, and
-  forward+backward (`jax.vjp` with given cotangents). Minimum traffic: (2n+2)·d values per token
-  forward, plus (3n+3)·d backward (X, F, dX', dx read; dX, dF written).
-- `hc`: the coefficient-only kernel `hc_coefficients` (the earlier kernel; X [tokens, 4, 5120]).
+- `site`: one single-pass mHC site (`hc_site`: previous expand + coefficients + collapse + norm,
+  docs/design.md §3.3) and its kernel `pallas_kernels.mhc.hc_site` (the Sinkhorn gates in Triton;
+  `--sweep` adds 64-token gate blocks), n = 4, bf16 streams, at d = 5120 / 4096 and 8K–32K tokens;
+  forward, and forward+backward (`jax.vjp` with given cotangents). Minimum traffic: (2n+2)·d
+  values per token forward, plus (3n+3)·d backward (X, F, dX', dx read; dX, dF written). The
+  model's streams are float32: benchmarks/mhc_moe_gpu.py times the site at s3's shapes that way.
+- `hc`: the coefficients alone, `hc_coefficients` and its kernel (X [tokens, 4, 5120]).
 
 Imports only jax/numpy and this repository, so it runs on the GPU machine without the data stack.
 """
@@ -46,7 +48,6 @@ from dsv41_jax import quant  # noqa: E402
 from dsv41_jax.layers import mhc  # noqa: E402
 from pallas_kernels import fake_quant as fq_kernel  # noqa: E402
 from pallas_kernels import mhc as mhc_kernel  # noqa: E402
-from pallas_kernels import mhc_site  # noqa: E402
 
 HC = dict(iters=20, hc_eps=1e-6, norm_eps=1e-20)
 COPY = {"gbs": 4300.0, "source": "docs/design.md §T5 (not measured in this run)"}
@@ -161,11 +162,9 @@ def _site_inputs(tokens: int, n: int, d: int):
 def site_case(tokens: int, n: int, d: int, interpret: bool, sweep: bool, reps: int):
   args = _site_inputs(tokens, n, d)
   ref = jax.jit(functools.partial(mhc.hc_site, **HC))
-  configs = [(64, 64, 8, 2)] + ([(16, 128, 4, 2), (32, 128, 8, 2), (32, 256, 8, 1)]
-                                 if sweep else [])
-  kerns = {f"tok={bt},d={bd},warps={nw},stages={ns}": jax.jit(functools.partial(
-      mhc_site.hc_site_forward, **HC, block_tokens=bt, block_d=bd, num_warps=nw, num_stages=ns,
-      interpret=interpret)) for bt, bd, nw, ns in configs}
+  kerns = {f"gate blocks of {bt} tokens": jax.jit(functools.partial(
+      mhc_kernel.hc_site, **HC, block_tokens=bt, interpret=interpret))
+      for bt in ((16, 64) if sweep else (16,))}
   moved = (2 * n + 2) * d * 2 * tokens  # X, F read; X', x written (bf16); coefficients ≪
   return bench_pair("mhc site fwd", f"[{tokens}, {n}, {d}] bf16", ref, kerns, args, reps, moved)
 
@@ -182,16 +181,16 @@ def site_grad_case(tokens: int, n: int, d: int, interpret: bool, reps: int):
       return out, vjp(cts)
     return jax.jit(run)
 
-  kern = functools.partial(mhc_site.hc_site, interpret=interpret)
+  kern = functools.partial(mhc_kernel.hc_site, interpret=interpret)
   moved = ((2 * n + 2) + (3 * n + 3)) * d * 2 * tokens
   return bench_pair("mhc site fwd+bwd", f"[{tokens}, {n}, {d}] bf16", fwd_bwd(mhc.hc_site),
-                    {"fused fwd + Sinkhorn-recompute bwd": fwd_bwd(kern)}, args, reps, moved)
+                    {"gates kernel + Sinkhorn-recompute bwd": fwd_bwd(kern)}, args, reps, moved)
 
 
 def hc_case(tokens: int, n: int, d: int, interpret: bool, reps: int):
   X, _, _, _, _, fn, base, scale, _ = _site_inputs(tokens, n, d)
   ref = jax.jit(lambda *a: mhc.hc_coefficients(*a, **HC))
-  kern = jax.jit(lambda *a: mhc_kernel.hc_coefficients_pallas(*a, **HC, interpret=interpret))
+  kern = jax.jit(lambda *a: mhc_kernel.hc_coefficients(*a, **HC, interpret=interpret))
   return bench_pair("hc_coefficients", f"X [{tokens}, {n}, {d}] bf16", ref, {"default": kern},
                     (X, fn, base, scale), reps)
 

@@ -10,9 +10,10 @@ this site's coefficients, collapse + norm) forward and forward+backward (the gra
 projection of all five outputs w.r.t. all nine inputs), for
 - `reference`: `dsv41_jax.layers.mhc.hc_site` (HIGHEST einsums for expand/collapse when RESULTS was measured,
   the broadcast forms since; `fori_loop` Sinkhorn; autodiff);
-- `fast`: `pallas_kernels.mhc_fast.hc_site` (broadcast multiply-adds with hand VJPs, the mix GEMM,
-  the Sinkhorn gates as one Triton kernel and its recomputing backward);
-- `kernel`: `pallas_kernels.mhc_site.hc_site` (the fused Triton site, its custom VJP);
+- `kernel`: `pallas_kernels.mhc.hc_site`, the op's registered kernel ("fast" in RESULTS' first
+  rows: broadcast multiply-adds with hand VJPs, the mix GEMM, the Sinkhorn gates as one Triton
+  kernel and its recomputing backward; the fused single-pass Triton site measured there as
+  `kernel` was retired); `kernel gates block 64`: the same with 64-token gate blocks;
 and the pieces alone: expand (the einsum form measured as the reference before issue 27; the ops'
 expand is now the broadcast form, so the site rows above were measured with the einsum reference),
 and the gates (sigmoids + Sinkhorn) on [T, (2+n)n].
@@ -47,7 +48,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import elapsed, header, log, time_calls  # noqa: E402
 from dsv41_jax.layers import mhc, moe_dispatch  # noqa: E402
-from pallas_kernels import mhc_site, mhc_fast  # noqa: E402
+from pallas_kernels import mhc as mhc_kernel  # noqa: E402
 
 COPY_BPS, MMA_FLOPS = 4.3e12, 790e12
 KW = dict(iters=20, hc_eps=1e-6, norm_eps=1e-20)
@@ -129,10 +130,9 @@ def mhc_cases(lead, n, d, reps, budget_s, interpret, impls, pieces):
   bwd_bytes = fwd_bytes + tokens * (n * d * sx + d * sf + n * d * sx + d * sx + n * d * sx + d * sf)
   site = {
       "reference": lambda *a: mhc.hc_site(*a, **KW),
-      "fast": lambda *a: mhc_fast.hc_site(*a, **KW, interpret=interpret),
-      "fast gates block 64": lambda *a: mhc_fast.hc_site(*a, **KW, interpret=interpret,
-                                                         block_tokens=64),
-      "kernel": lambda *a: mhc_site.hc_site(*a, **KW, interpret=interpret),
+      "kernel": lambda *a: mhc_kernel.hc_site(*a, **KW, interpret=interpret),
+      "kernel gates block 64": lambda *a: mhc_kernel.hc_site(*a, **KW, interpret=interpret,
+                                                             block_tokens=64),
   }
   if "site" not in _REFS:
     _REFS["site"] = (jax.jit(site["reference"])(*args), _loss_grad(site["reference"], args)(*args))
@@ -159,8 +159,8 @@ def mhc_cases(lead, n, d, reps, budget_s, interpret, impls, pieces):
               nbytes=e_bytes + tokens * (3 * n * d * sx + 2 * d * sf))
   z = jnp.asarray(2 * rng.standard_normal((tokens, (2 + n) * n)), jnp.float32)
   gate_ref = lambda z: _ref_gates(z, n)
-  gate_fast = lambda z: mhc_fast.gates(z, (n, 20, 1e-6, 16, interpret))
-  for impl, g in (("reference", gate_ref), ("fast", gate_fast)):
+  gate_fast = lambda z: mhc_kernel.gates(z, (n, 20, 1e-6, 16, interpret))
+  for impl, g in (("reference", gate_ref), ("kernel", gate_fast)):
     time_case("gates (sigmoids + sinkhorn) fwd", impl, jax.jit(g), (z,), reps,
               nbytes=tokens * (2 + n) * n * 8)
     time_case("gates (sigmoids + sinkhorn) fwd+bwd", impl, _loss_grad(g, (z,)), (z,), reps,
@@ -234,7 +234,7 @@ def main():
   ap.add_argument("--baseline-moe", default="")
   ap.add_argument("--only", choices=["mhc", "moe", ""], default="")
   ap.add_argument("--quick", action="store_true",
-                  help="mHC only: the site forward+backward (fast, kernel) and the gates")
+                  help="mHC only: the site forward+backward (kernel) and the gates")
   ARGS = ap.parse_args()
   print(header())
   cpu = jax.default_backend() == "cpu"
@@ -246,14 +246,14 @@ def main():
     reps = ARGS.reps
   t0 = time.time()
   if ARGS.quick:
-    mhc_cases(lead, n, d, reps, ARGS.budget_s, cpu, ("fast", "kernel"), True)
+    mhc_cases(lead, n, d, reps, ARGS.budget_s, cpu, ("kernel",), True)
   elif ARGS.only in ("", "mhc"):
-    mhc_cases(lead, n, d, reps, ARGS.budget_s * 0.35, cpu, ("reference", "fast"), False)
+    mhc_cases(lead, n, d, reps, ARGS.budget_s * 0.35, cpu, ("reference", "kernel"), False)
   if ARGS.only in ("", "moe") and not ARGS.quick:
     moe_cases(*moe, reps=reps, budget_s=ARGS.budget_s * 0.7,
               impl="ragged_dot" if cpu else "auto")
   if ARGS.only in ("", "mhc") and not ARGS.quick:
-    mhc_cases(lead, n, d, reps, ARGS.budget_s, cpu, ("kernel", "fast gates block 64"), True)
+    mhc_cases(lead, n, d, reps, ARGS.budget_s, cpu, ("kernel gates block 64",), True)
   _save(ARGS.json)
   print(f"# done in {time.time() - t0:.0f} s")
   for r in ROWS:

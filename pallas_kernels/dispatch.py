@@ -44,7 +44,6 @@ import logging
 from typing import Any, Callable, Mapping
 
 import jax
-import jax.numpy as jnp
 
 from pallas_kernels import sharded
 from pallas_kernels.notices import log_once
@@ -116,15 +115,6 @@ def _never(why: str) -> Rule:
   return rule
 
 
-def _hc_coefficients_faster(args, kwargs) -> str | None:
-  if jax.default_backend() != "gpu":
-    return f"measured faster on the GPU only; {jax.default_backend()} runs the reference"
-  if args[0].dtype != jnp.bfloat16:
-    return (f"{args[0].dtype} streams: the kernel's IEEE float32 dot is 8x slower than XLA "
-            "(RESULTS.md, fused mHC); it is faster for bfloat16 streams only (2.5-3.1x forward)")
-  return None
-
-
 # Sparse attention forward+backward, kernel over the best XLA form on the H200 (RESULTS.md, "CSA2
 # Pallas kernels vs XLA"): 0.47x at 4K tokens (slower; in the s3 step at 4 x 4096 it cost ~200 ms
 # more, issue 26), 1.46x at 16K, 2.9x at 32K.
@@ -149,6 +139,11 @@ def _mosaic_gpu(args, kwargs) -> str | None:
 # --- the registry ------------------------------------------------------------------------------
 
 _FQ = "measured 1.6-1.9x XLA on the H200, RESULTS.md 'Pallas kernels vs XLA'"
+_MHC_GATES = ("the Sinkhorn gates kernel 0.08 / 0.34 ms forward / forward+backward vs the "
+              "fori_loop's 0.41-0.67 / 0.77-0.87 at s3 on the H200, RESULTS.md 'mHC site and "
+              "routed experts'")
+_MHC_SITE = ("the site 1.85x / 1.21x the reference forward / forward+backward at s3 on the H200, "
+             "RESULTS.md 'mHC site and routed experts'")
 
 OPS: dict[str, Op] = {
     "fake_quant_fp4_main_kv": Op(
@@ -170,14 +165,12 @@ OPS: dict[str, Op] = {
         "pallas_kernels.ops.mhc:hc_coefficients",
         (Kernel("pallas_kernels.mhc:hc_coefficients",
                 _module_reason("pallas_kernels.mhc:unsupported_reason"),
-                _hc_coefficients_faster, batched=(True, False, False, False)),)),
+                _gpu_only(_MHC_GATES), batched=(True, False, False, False)),)),
     "hc_site": Op(
         "pallas_kernels.ops.mhc:hc_site",
-        (Kernel("pallas_kernels.mhc_site:hc_site",
-                _module_reason("pallas_kernels.mhc_site:unsupported_reason"),
-                _never("forward+backward not measured faster (RESULTS.md: forward 1.27x XLA, "
-                       "forward+backward unmeasured)"),
-                batched=(True,) * 5 + (False,) * 4),)),
+        (Kernel("pallas_kernels.mhc:hc_site",
+                _module_reason("pallas_kernels.mhc:unsupported_reason"),
+                _gpu_only(_MHC_SITE), batched=(True,) * 5 + (False,) * 4),)),
     "sparse_attention": Op(
         "pallas_kernels.ops.sparse_attention:attend",
         (Kernel("pallas_kernels.sparse_attention:sparse_attend",

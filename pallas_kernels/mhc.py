@@ -1,26 +1,30 @@
-"""Fused mHC coefficients + Sinkhorn projection (docs/design.md §3.2; §T5).
+"""The mHC kernels: coefficients and the single-pass site with the gates as Triton kernels (docs/design.md §3.2–3.3; §T5).
 
-Why this fusion: under V4.1's single-pass schedule (§3.3) a site's collapse uses the PREVIOUS
-site's `pre`, so coefficients and collapse do not meet in one pass; the expensive part of a site is
-reading X once for the RMS and the (2+n)n-column mix, and the cheap but launch-heavy part is the
-19 Sinkhorn alternations on tiny n×n matrices. One kernel does both (DeepSeek's `hc_pre` +
-`hc_split_sinkhorn`): each program takes `block_tokens` tokens, streams their n·d values in chunks
-of `block_k` (sum of squares and x̂·fnᵀ accumulated in float32), then applies the RMS factor,
-sigmoids and the Sinkhorn loop in registers, and writes one [tokens, P] row per token.
+The kernels of the ops `hc_coefficients` and `hc_site` (`pallas_kernels.ops.mhc`, whose
+docstring has the equations; the tests compare them). They compute the same functions as the
+references except for the gates:
 
-Layout of that row (P = R·n with R = next power of two ≥ 2+n; the wrapper pads fn/base with zeros):
+- `gates` (sigmoids + the Sinkhorn projection, logits z [.., (2+n)n] -> pre | post | comb) is one
+  Triton kernel with the iterations in registers (`gate_rows`), and its backward a second kernel
+  that recomputes the iterates in registers (no stored iterates). The reference's `fori_loop` of
+  [T, 4, 4] reductions is a device loop of small launches: on the H200 at s3's shapes
+  [16384, 24] it took 0.41–0.67 ms forward and 0.77–0.87 ms forward+backward against the kernels'
+  0.08 and 0.34 (benchmarks/RESULTS.md, issue 27). Unrolled as XLA code it is ~4,000 tiny ops
+  whose CPU compile alone took 3 minutes.
+- `hc_coefficients` is the op's mix GEMM and RMS (`hc_mix`), then `gates`; `hc_site` composes
+  the op's expand and collapse (broadcast multiply-adds with hand VJPs), the norm and these
+  coefficients like the reference. At s3's shapes the site is 1.85× the reference forward and
+  1.21× forward+backward (RESULTS.md, issue 27).
+
+Float32 math throughout, outputs in the references' dtypes. The dispatcher runs both kernels per
+batch shard under a mesh (`sharded.over_batch`). Token counts the blocks do not tile are padded
+(logged once). `interpret=None` interprets the kernels on the CPU and compiles them with Triton on
+the GPU (`gpu` backend).
+
+Layout of a gate row (P = R·n with R = the next power of two ≥ 2+n, zero padding columns):
 group 0 = pre, group 1 = post, groups 2 … n+1 = comb rows j (comb[j, k] at column (2+j)·n + k),
-further groups are padding. The wrapper splits it into (pre [.., n], post [.., n], comb [.., n, n]).
-
-The kernel restates the op `pallas_kernels.ops.mhc.hc_coefficients` (tests compare the two); its
-custom VJP is the op's own VJP.
-Backend: Triton via `pl.pallas_call` with explicit `CompilerParams` (power-of-two blocks). The mix
-is an IEEE-float32 `dot` for float32 streams and three bfloat16 tensor-core dots against fn split
-into hi + mid + lo (`split_bf16x3`) for bfloat16 streams; `interpret=True` runs it on CPU.
-Measured on the H200 (benchmarks/RESULTS.md): 2.5–3.1× the XLA reference for bfloat16 streams,
-outputs within 2.6e-4 of XLA's float32 path (the tensor cores' float32 accumulation over n·d
-terms); the IEEE float32 dot is within 1.3e-5 but runs on the FMA path, 8× slower than XLA.
-Under a multi-device mesh the dispatcher runs it per batch shard (`pallas_kernels.dispatch`).
+further groups are padding. Triton blocks are powers of two, so on the GPU n must be one (1, 2,
+4, 8).
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels.ops import mhc as ops_mhc
+from pallas_kernels.notices import log_once
+from pallas_kernels.ops.mhc import collapse, expand, hc_mix
+from pallas_kernels.ops.norm import rms_norm
 
-_HIGHEST = jax.lax.Precision.HIGHEST
+_F32 = jnp.float32
 
 
 def _triton_params(num_warps: int, num_stages: int):
@@ -46,13 +52,45 @@ def _next_pow2(v: int) -> int:
   return 1 << (v - 1).bit_length()
 
 
-def _coefficient_rows(acc, ss, scale_row, base_row, *, n: int, groups: int, k_total: int,
-                      iters: int, hc_eps: float, norm_eps: float):
-  """[bt, P] rows (pre | post | comb rows | padding) from the raw mix acc = x̂·fnᵀ and Σx̂²."""
-  rho = jax.lax.rsqrt(ss / k_total + norm_eps)
-  z = (acc * rho) * scale_row + base_row                     # [bt, P]
-  return gate_rows(z, n=n, groups=groups, iters=iters, hc_eps=hc_eps)
+def _col_norm(c, eps):  # c [bt, groups, n]: divide each column k by (Σ_j c[j, k] + eps)
+  return c / (jnp.sum(c, axis=1, keepdims=True) + eps)
 
+
+def _row_norm(c, eps):
+  return c / (jnp.sum(c, axis=2, keepdims=True) + eps)
+
+
+def _tokens_tiled(tokens: int, block_tokens: int, what: str) -> int:
+  padded = pl.cdiv(tokens, block_tokens) * block_tokens
+  if padded != tokens:
+    log_once((what, tokens, block_tokens),
+             f"{what}: {tokens} tokens are not tiled by {block_tokens}; padding to {padded}")
+  return padded
+
+
+def _gate_call(kernel, name, arrays, *, n, block_tokens, interpret):
+  """`kernel` on [tokens, P] rows of each array [.., (2+n)n] (padded), -> [.., (2+n)n] float32."""
+  lead, m = arrays[0].shape[:-1], arrays[0].shape[-1]
+  tokens = int(np.prod(lead))
+  p = _next_pow2(2 + n) * n
+  padded = _tokens_tiled(tokens, block_tokens, name)
+  rows = [jnp.pad(a.reshape(tokens, m).astype(_F32), ((0, padded - tokens), (0, p - m)))
+          for a in arrays]
+  row = pl.BlockSpec((block_tokens, p), lambda i: (i, 0))
+  out = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((padded, p), _F32),
+      grid=(padded // block_tokens,),
+      in_specs=[row] * len(rows),
+      out_specs=row,
+      compiler_params=None if interpret else _triton_params(4, 1),
+      interpret=interpret,
+      name=name,
+  )(*rows)
+  return out[:tokens, :m].reshape(*lead, m)
+
+
+# --- forward: the gates in registers -----------------------------------------------------------
 
 def gate_rows(z, *, n: int, groups: int, iters: int, hc_eps: float):
   """[bt, P] rows (pre | post | comb rows | padding) from the gate logits z [bt, P] (same layout):
@@ -74,146 +112,120 @@ def gate_rows(z, *, n: int, groups: int, iters: int, hc_eps: float):
   return out.reshape(bt, groups * n)
 
 
-def _col_norm(c, eps):  # c [bt, groups, n]: divide each column k by (Σ_j c[j, k] + eps)
-  return c / (jnp.sum(c, axis=1, keepdims=True) + eps)
+def _gates_kernel(z_ref, o_ref, *, n: int, groups: int, iters: int, hc_eps: float):
+  o_ref[...] = gate_rows(z_ref[...], n=n, groups=groups, iters=iters, hc_eps=hc_eps)
 
 
-def _row_norm(c, eps):
-  return c / (jnp.sum(c, axis=2, keepdims=True) + eps)
+# --- backward: the Sinkhorn iterates recomputed in registers -----------------------------------
+
+def _gates_bwd_kernel(z_ref, g_ref, o_ref, *, n: int, groups: int, iters: int, hc_eps: float):
+  bt = z_ref.shape[0]
+  z3 = z_ref[...].reshape(bt, groups, n)
+  g3 = g_ref[...].reshape(bt, groups, n)
+  group = jax.lax.broadcasted_iota(jnp.int32, (bt, groups, n), 1)
+  is_comb = (group >= 2) & (group < 2 + n)
+
+  sig = 1.0 / (1.0 + jnp.exp(-z3))
+  dsig = sig * (1.0 - sig)
+  g_gates = jnp.where(group == 0, g3 * dsig, jnp.where(group == 1, 2.0 * g3 * dsig, 0.0))
+
+  e = jnp.exp(z3 - jnp.max(z3, axis=2, keepdims=True))
+  prob = e / jnp.sum(e, axis=2, keepdims=True)
+  c0 = jnp.where(is_comb, prob + hc_eps, 0.0)
+  steps = 2 * iters - 1  # step t normalises columns (t even) or rows (t odd)
+
+  def pair(_, c):  # steps 2m and 2m + 1
+    return _row_norm(_col_norm(c, hc_eps), hc_eps)
+
+  def norm_bwd(c, gc, axis):  # c' = c / (Σ_axis c + eps): gc = (gc' − Σ_axis gc'·c') / (Σ + eps)
+    s = jnp.sum(c, axis=axis, keepdims=True) + hc_eps
+    return (gc - jnp.sum(gc * (c / s), axis=axis, keepdims=True)) / s
+
+  def back(i, gc):
+    t = steps - 1 - i
+    # The input of step t, rebuilt from the softmax: t // 2 pairs, then one column step if t is
+    # odd (O(iters²) tiny n×n work). Parity by bit operations: Triton's lowering of `%` rejects
+    # this loop index (seen on the H200).
+    odd = jax.lax.bitwise_and(t, 1) == 1
+    c = jax.lax.fori_loop(0, jax.lax.shift_right_logical(t, 1), pair, c0)
+    c = jnp.where(odd, _col_norm(c, hc_eps), c)
+    gc = jnp.where(odd, norm_bwd(c, gc, 2), norm_bwd(c, gc, 1))
+    return jnp.where(is_comb, gc, 0.0)  # padding groups carry nothing (their c is 0)
+
+  gc = jax.lax.fori_loop(0, steps, back, jnp.where(is_comb, g3, 0.0))
+  g_soft = prob * (gc - jnp.sum(gc * prob, axis=2, keepdims=True))
+  o_ref[...] = (g_gates + jnp.where(is_comb, g_soft, 0.0)).reshape(bt, groups * n)
 
 
-def _mhc_kernel(x_ref, *refs, n: int, groups: int, k_total: int, block_k: int, iters: int,
-                hc_eps: float, norm_eps: float):
-  *f_refs, scale_ref, base_ref, o_ref = refs
-  bt = x_ref.shape[0]
-  p = groups * n
-
-  def chunk(c, carry):
-    acc, ss = carry
-    xc = x_ref[:, pl.ds(c * block_k, block_k)]                      # [bt, block_k]
-    x32 = xc.astype(jnp.float32)
-    for f_ref in f_refs:  # one float32 fn, or its three bfloat16 pieces for bfloat16 streams
-      fc = f_ref[pl.ds(c * block_k, block_k), :]                    # [block_k, P]
-      lhs = xc if fc.dtype == xc.dtype else x32
-      acc = acc + jnp.dot(lhs, fc, precision=_HIGHEST, preferred_element_type=jnp.float32)
-    ss = ss + jnp.sum(x32 * x32, axis=1, keepdims=True)
-    return acc, ss
-
-  acc, ss = jax.lax.fori_loop(0, k_total // block_k, chunk,
-                              (jnp.zeros((bt, p), jnp.float32), jnp.zeros((bt, 1), jnp.float32)))
-  o_ref[...] = _coefficient_rows(acc, ss, scale_ref[...], base_ref[...], n=n, groups=groups,
-                                 k_total=k_total, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
+def gates_vjp(z, g, *, n: int, iters: int, hc_eps: float, block_tokens: int = 16,
+              interpret: bool = False):
+  """dL/dz for (pre, post, comb)(z) of §3.2, z and g packed as [.., pre n | post n | comb n·n]."""
+  kernel = functools.partial(_gates_bwd_kernel, n=n, groups=_next_pow2(2 + n), iters=iters,
+                             hc_eps=hc_eps)
+  return _gate_call(kernel, "mhc_gates_bwd", (z, g), n=n, block_tokens=block_tokens,
+                    interpret=interpret)
 
 
-def split_bf16x3(f: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """float32 f as hi + mid + lo, three bfloat16 arrays (8 significant bits each, 24 in all).
-
-  A bfloat16 x times each piece is exact in float32, so x·hi + x·mid + x·lo with float32
-  accumulation is the float32 product x·f on the bfloat16 tensor cores (the model's streams are
-  bfloat16; Triton's IEEE float32 dot runs on the slow FMA path). The pieces are cut from the bits
-  (truncation, exact), not by `f - f.astype(bf16).astype(f32)`: XLA on GPU folds that round trip.
-  """
-  def head(v):  # the top 8 significant bits, by truncation: exact in bfloat16
-    bits = jax.lax.bitcast_convert_type(v, jnp.int32) & np.int32(-65536)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
-  hi = head(f)
-  r1 = f - hi
-  mid = head(r1)
-  lo = r1 - mid
-  return hi.astype(jnp.bfloat16), mid.astype(jnp.bfloat16), lo.astype(jnp.bfloat16)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gates(z, static):
+  """(pre | post | comb rows) [.., (2+n)n] from the logits z of §3.2 (module doc), float32;
+  static = (n, iters, hc_eps, block_tokens, interpret)."""
+  n, iters, hc_eps, block_tokens, interpret = static
+  kernel = functools.partial(_gates_kernel, n=n, groups=_next_pow2(2 + n), iters=iters,
+                             hc_eps=hc_eps)
+  return _gate_call(kernel, "mhc_gates", (z,), n=n, block_tokens=block_tokens,
+                    interpret=interpret)
 
 
-def param_rows(fn, base, scale, n: int, stream_dtype):
-  """fn as [n·d, P] (float32, or its three bfloat16 pieces for bfloat16 streams), and the
-  [1, P] rows of per-column scale and base, P = next_pow2(2+n)·n (zero padding columns)."""
-  p = _next_pow2(2 + n) * n
-  f_kxp = jnp.pad(fn.astype(jnp.float32).T, ((0, 0), (0, p - fn.shape[0])))
-  f_parts = split_bf16x3(f_kxp) if stream_dtype == jnp.bfloat16 else (f_kxp,)
-  scale = scale.astype(jnp.float32)
-  scale_row = jnp.concatenate([jnp.full((n,), scale[0]), jnp.full((n,), scale[1]),
-                               jnp.full((p - 2 * n,), scale[2])])[None, :]
-  base_row = jnp.pad(base.astype(jnp.float32), (0, p - base.shape[0]))[None, :]
-  return f_parts, scale_row, base_row
+def _gates_fwd(z, static):
+  return gates(z, static), z
 
 
-@functools.partial(jax.jit, static_argnames=("iters", "hc_eps", "norm_eps", "block_tokens",
-                                             "block_k", "interpret", "num_warps", "num_stages"))
-def hc_coefficients_pallas(X_BxTxNxD, fn, base, scale, *, iters: int, hc_eps: float,
-                           norm_eps: float, block_tokens: int = 64, block_k: int = 64,
-                           interpret: bool = False, num_warps: int = 4, num_stages: int = 3):
-  """(pre, post, comb) of one mHC site from the fused kernel; float32, shapes as the reference."""
-  *lead, n, d = X_BxTxNxD.shape
-  k_total = n * d
-  if (2 + n) * n != fn.shape[0] or fn.shape[1] != k_total:
-    raise ValueError(f"fn has shape {fn.shape}, expected {((2 + n) * n, k_total)}")
-  block_k = min(block_k, k_total & -k_total)  # largest power of two dividing n·d, capped
-  groups = _next_pow2(2 + n)
-  p = groups * n
-  tokens = int(np.prod(lead)) if lead else 1
-  x = X_BxTxNxD.reshape(tokens, k_total)
-  padded = pl.cdiv(tokens, block_tokens) * block_tokens
-  if padded != tokens:
-    x = jnp.pad(x, ((0, padded - tokens), (0, 0)))
-  if X_BxTxNxD.dtype != jnp.bfloat16:
-    x = x.astype(jnp.float32)
-  f_parts, scale_row, base_row = param_rows(fn, base, scale, n, X_BxTxNxD.dtype)
-  kernel = functools.partial(_mhc_kernel, n=n, groups=groups, k_total=k_total, block_k=block_k,
-                             iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
-  out = pl.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct((padded, p), jnp.float32),
-      grid=(padded // block_tokens,),
-      in_specs=[pl.BlockSpec((block_tokens, k_total), lambda i: (i, 0))]
-               + [pl.BlockSpec((k_total, p), lambda i: (0, 0))] * len(f_parts)
-               + [pl.BlockSpec((1, p), lambda i: (0, 0)),
-                pl.BlockSpec((1, p), lambda i: (0, 0))],
-      out_specs=pl.BlockSpec((block_tokens, p), lambda i: (i, 0)),
-      compiler_params=None if interpret else _triton_params(num_warps, num_stages),
-      interpret=interpret,
-      name="mhc_coefficients",
-  )(x, *f_parts, scale_row, base_row)
-  out = out[:tokens].reshape(*lead, groups, n)
-  return out[..., 0, :], out[..., 1, :], out[..., 2:2 + n, :]
+def _gates_bwd(static, z, g):
+  n, iters, hc_eps, block_tokens, interpret = static
+  return (gates_vjp(z, g, n=n, iters=iters, hc_eps=hc_eps, block_tokens=block_tokens,
+                    interpret=interpret),)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _hc(X, fn, base, scale, iters, hc_eps, norm_eps, interpret):
-  return hc_coefficients_pallas(X, fn, base, scale, iters=iters, hc_eps=hc_eps,
-                                norm_eps=norm_eps, interpret=interpret)
+gates.defvjp(_gates_fwd, _gates_bwd)
 
 
-def _hc_fwd(X, fn, base, scale, iters, hc_eps, norm_eps, interpret):
-  out = hc_coefficients_pallas(X, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
-                               interpret=interpret)
-  return out, (X, fn, base, scale)
+# --- the ops' kernels --------------------------------------------------------------------------
 
-
-def _hc_bwd(iters, hc_eps, norm_eps, interpret, res, g):
-  del interpret
-  _, vjp = jax.vjp(lambda *a: ops_mhc.hc_coefficients(*a, iters=iters, hc_eps=hc_eps,
-                                                      norm_eps=norm_eps), *res)
-  return vjp(g)
-
-
-_hc.defvjp(_hc_fwd, _hc_bwd)
-
-
-def unsupported_reason(X_BxTxNxD, fn, base, scale, **_) -> str | None:
-  """Why the kernel cannot take these shapes (None if it can)."""
-  *_, n, d = X_BxTxNxD.shape
-  if fn.shape != ((2 + n) * n, n * d):
-    return f"fn has shape {fn.shape}, expected {((2 + n) * n, n * d)}"
-  if (n * d) & -(n * d) < 16:
-    return f"n·d = {n * d} has no power-of-two chunk ≥ 16 (Triton blocks)"
-  return None
+def _interpret(interpret):
+  return jax.default_backend() == "cpu" if interpret is None else interpret
 
 
 def hc_coefficients(X_BxTxNxD, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: float,
-                    interpret: bool | None = None):
-  """Kernel of the op `hc_coefficients`: fused forward, the op's backward.
+                    block_tokens: int = 16, interpret: bool | None = None):
+  """Kernel of the op `hc_coefficients`: (pre, post, comb) of one site, float32 (module doc)."""
+  *lead, n, _ = X_BxTxNxD.shape
+  mix = hc_mix(X_BxTxNxD, fn, norm_eps)
+  s = scale.astype(_F32)
+  scale_cols = jnp.concatenate([jnp.full((n,), s[0]), jnp.full((n,), s[1]),
+                                jnp.full((n * n,), s[2])])
+  out = gates(mix * scale_cols + base.astype(_F32),
+              (n, iters, hc_eps, block_tokens, _interpret(interpret)))
+  return out[..., :n], out[..., n:2 * n], out[..., 2 * n:].reshape(*lead, n, n)
 
-  `interpret=None` interprets on CPU and compiles (Triton) on GPU.
-  """
-  if interpret is None:
-    interpret = jax.default_backend() == "cpu"
-  return _hc(X_BxTxNxD, fn, base, scale, iters, hc_eps, norm_eps, interpret)
+
+def hc_site(X_BxTxNxD, F_BxTxD, post_BxTxN, comb_BxTxNxN, pre_BxTxN, fn, base, scale,
+            norm_weight, *, iters: int, hc_eps: float, norm_eps: float, block_tokens: int = 16,
+            interpret: bool | None = None):
+  """Kernel of the op `hc_site`: (X', x, pre', post', comb') of one single-pass site."""
+  X_new = expand(X_BxTxNxD, post_BxTxN, comb_BxTxNxN, F_BxTxD)
+  x = rms_norm(collapse(X_new, pre_BxTxN), norm_weight, norm_eps)
+  return (X_new, x, *hc_coefficients(X_new, fn, base, scale, iters=iters, hc_eps=hc_eps,
+                                     norm_eps=norm_eps, block_tokens=block_tokens,
+                                     interpret=interpret))
+
+
+def unsupported_reason(X_BxTxNxD, *_, **__) -> str | None:
+  """Why the kernels cannot take these streams here (None if they can): the rest is XLA code, and
+  compiled for the GPU the gate kernels' [tokens, next_pow2(2+n)·n] blocks must be powers of two,
+  so n must be one (interpreted on the CPU, any n runs)."""
+  n = X_BxTxNxD.shape[-2]
+  if jax.default_backend() == "gpu" and n & (n - 1):
+    return (f"hc_mult {n}: the gate rows ({_next_pow2(2 + n) * n} columns) are not a power of "
+            "two (Triton blocks)")
+  return None

@@ -22,7 +22,7 @@ forward+backward per s3 site that way against 0.366 / 0.946 ms; benchmarks/RESUL
 coefficients, collapse + sublayer norm) as one function.
 
 `hc_coefficients` and `hc_site` are ops of the dispatcher (`pallas_kernels.dispatch`), with the
-fused kernels `pallas_kernels/mhc.py` and `pallas_kernels/mhc_site.py`; the model's `MHCSite`
+kernels of `pallas_kernels/mhc.py` (the Sinkhorn gates in Triton); the model's `MHCSite`
 (`dsv41_jax/layers/mhc.py`) holds the parameters and the block (`dsv41_jax/block.py`) the wiring.
 """
 
@@ -152,7 +152,7 @@ def hc_site(X_BxTxNxD: jax.Array, F_BxTxD: jax.Array, post_BxTxN: jax.Array,
             comb_BxTxNxN: jax.Array, pre_BxTxN: jax.Array, fn: jax.Array, base: jax.Array,
             scale: jax.Array, norm_weight: jax.Array, *, iters: int, hc_eps: float,
             norm_eps: float) -> tuple[jax.Array, ...]:
-  """One single-pass site (§3.3) in one function: the op's reference (kernel: `mhc_site.hc_site`).
+  """One single-pass site (§3.3) in one function: the op's reference (kernel: `pallas_kernels.mhc.hc_site`).
 
   X [B,T,n,d] are the streams entering the PREVIOUS site, F [B,T,d] that site's sublayer output
   and (post, comb, pre) its coefficients; fn/base/scale are THIS site's parameters and

@@ -47,14 +47,14 @@ from tests.pallas_kernels.ops.test_sparse_attention import np_attend
 N_LAYERS, B, T = 4, 2, 12
 
 
-def _cfg() -> ModelConfig:
+def _cfg(**ops) -> ModelConfig:
   return ModelConfig(
       vocab_size=32, hidden_size=16, num_hidden_layers=N_LAYERS, num_attention_heads=2,
       head_dim=16, qk_rope_head_dim=8, q_lora_rank=12, o_groups=1, o_lora_rank=8,
       sliding_window=4, compress_ratios=(0,) * N_LAYERS, kv_source_layer_ids=(),
       index_source_layer_ids=(), engram_layer_ids=(), n_routed_experts=4, num_experts_per_tok=2,
       moe_intermediate_size=8, swiglu_limit=3.0, hc_mult=3, hc_sinkhorn_iters=6, seq_len=T,
-      dtype="float32", remat=False)
+      dtype="float32", remat=False, ops=ops)
 
 
 def layer_path(plan, layer: int, name: str) -> tuple[str, int | None]:
@@ -153,8 +153,12 @@ def reference_logits(flat, cfg, tokens, pos, seg):
   return h @ flat["head"]
 
 
-def test_model_logits_equal_the_single_pass_restatement():
-  cfg = _cfg()
+@pytest.mark.parametrize("ops", [{}, {"hc_coefficients": "kernel", "hc_site": "kernel"}],
+                         ids=["default", "mhc_kernels"])
+def test_model_logits_equal_the_single_pass_restatement(ops):
+  # Also with the mHC kernels (pallas_kernels/mhc.py, interpreted): the fused site and the
+  # coefficients in the model against the same float64 schedule, at the same tolerance.
+  cfg = _cfg(**ops)
   rng = np.random.default_rng(0)
   model = Transformer(cfg, nnx.Rngs(1))
   _randomize(model, rng)
