@@ -26,10 +26,11 @@ Diagonal form. Every step above only scales rows or columns, so the iterate is a
 diag(r) · X₀ · diag(c_b) with X₀ the direction (padding rows zeroed) and c_b the column scales of
 row i's block b = b(i): the loop carries r [R] and c [B, C] and never rewrites the table. With
 S = X₀² (formed once), a row step reads S once (Σ_j S_ij c²_bj, c gathered per row from the small
-[B, C]) and a column step reads it once (Σ_{i∈b} r_i² S_ij, a one-hot block matmul [B, R] × [R, C]);
-the result is written once at the end. No scatter: on a row-sharded table (the `engram` axis) the
-block matmul leaves each device a partial [B, C] and one all-reduce of that size, and every other
-statistic is per row. Rows (columns) with zero RMS get scale 0, so they stay exactly zero and their
+[B, C]) and a column step reads it once (Σ_{i∈b} r_i² S_ij: one streaming reduction to per-chunk
+partials and a small one-hot product, `_Blocks`, whose layout is built once outside the loop); the
+result is written once at the end. No scatter: on a row-sharded table (the `engram` axis) each
+device reduces its own chunks to a partial [B, C] and one all-reduce of that size follows, and
+every other statistic is per row. Rows (columns) with zero RMS get scale 0, so they stay exactly zero and their
 scale never overflows. X₀ is first scaled by a power of two (exact) so that its largest entry is
 near 1 and S neither overflows nor underflows for ordinary gradient magnitudes; the balancing is
 invariant to that scale.
@@ -52,41 +53,66 @@ Blocks = tuple[tuple[int, int], ...]    # (offset, rows) of each sub-table along
 _HI = jax.lax.Precision.HIGHEST
 
 
+_MAX_CHUNK = 64    # rows per chunk of a block sum: its partials are 2/64 of the table
+
+
 class _Blocks:
   """Which rows (axis −2) form each block: the whole matrix, or each (offset, rows) of `blocks`.
-  Membership is built from iota inside the traced program (no table-sized constant)."""
+
+  Block sums go through chunks of `chunk` consecutive rows (a power of two dividing the rows, at
+  most the smallest block and `_MAX_CHUNK`), so a chunk meets at most two blocks: that of its first
+  row and the next. A sum over the rows of each block is one streaming reduction of the table to
+  per-chunk, per-side partials [R/chunk, 2, C], then a small one-hot product [B, R/chunk · 2] ×
+  [R/chunk · 2, C], exact in float32. The layout (each row's side, each (chunk, side)'s block) is
+  built once from iota, outside the balancing loop, at 1 byte per row (no table-sized constant, no
+  [R, B] operand). On a row-sharded table the chunks stay on their device, so the only collective
+  is the all-reduce of the [B, C] result. Must be built inside the traced function that uses it."""
 
   def __init__(self, n_rows: int, blocks: Blocks | None):
-    self.whole = blocks is None        # one block of every row: plain reductions, no matmul
+    self.whole = blocks is None        # one block of every row: plain reductions
     self.blocks = ((0, n_rows),) if blocks is None else tuple(blocks)
     self.n_rows = n_rows
     self.sizes = np.asarray([n for _, n in self.blocks], np.float32)           # [B]
+    smallest = min(n for _, n in self.blocks)
+    self.chunk = next(k for k in (_MAX_CHUNK >> i for i in range(_MAX_CHUNK.bit_length()))
+                      if k <= smallest and n_rows % k == 0)
+    b = len(self.blocks)
+    # Block of each row: how many later blocks start at or before it (rows in no block get a
+    # neighbour's). One never-reached start keeps the shape non-empty.
+    starts = jnp.asarray([o for o, _ in self.blocks[1:]] + [n_rows], jnp.int32)
+    block_of = lambda r: jnp.sum((r >= starts).astype(jnp.int32), axis=-1)
+    r_RxB = jax.lax.broadcasted_iota(jnp.int32, (n_rows, b), 0)
+    self.index = block_of(r_RxB)                                              # [R] int32
+    lo = jnp.asarray([o for o, _ in self.blocks], jnp.int32)
+    hi = jnp.asarray([o + n for o, n in self.blocks], jnp.int32)
+    self.inside = jnp.any((r_RxB >= lo) & (r_RxB < hi), axis=-1)             # [R] bool
+    if self.whole:
+      return
+    n, k = n_rows // self.chunk, self.chunk
+    first_N = block_of(jax.lax.broadcasted_iota(jnp.int32, (n, b), 0) * k)   # block of row c·k
+    side_NxK = self.index.reshape(n, k) - first_N[:, None]                    # 0 or 1
+    self.side = jnp.where(self.inside.reshape(n, k), side_NxK, -1).astype(jnp.int8)
+    two = jnp.arange(2, dtype=jnp.int32)
+    self.owner = ((first_N[:, None, None] + two[:, None]) == jnp.arange(b, dtype=jnp.int32)
+                  ).astype(jnp.float32)                                       # [n, 2, B]
 
-  def onehot(self) -> jax.Array:
-    """[R, B] float32: 1 where row r lies in block b (a row in no block: all zero)."""
-    r = jax.lax.broadcasted_iota(jnp.int32, (self.n_rows, len(self.blocks)), 0)
-    starts = jnp.asarray([o for o, _ in self.blocks], jnp.int32)
-    ends = jnp.asarray([o + n for o, n in self.blocks], jnp.int32)
-    return ((r >= starts) & (r < ends)).astype(jnp.float32)
-
-  def index(self) -> jax.Array:
-    """[R] int32: the block of each row, i.e. how many later blocks start at or before it (rows in
-    no block get a neighbour's; they are zero). One never-reached start keeps the shape non-empty."""
-    r = jax.lax.broadcasted_iota(jnp.int32, (self.n_rows, len(self.blocks)), 0)
-    starts = jnp.asarray([o for o, _ in self.blocks[1:]] + [self.n_rows], jnp.int32)
-    return jnp.sum((r >= starts).astype(jnp.int32), axis=-1)
+  def weighted_column_sums(self, w_R: jax.Array, s_RxC: jax.Array) -> jax.Array:
+    """Σ_{i∈b} w_i s_ij for each block b: [..., B, C] (`w_R` [..., R], `s_RxC` [..., R, C])."""
+    if self.whole:
+      return jnp.sum(w_R[..., None] * s_RxC, axis=-2, keepdims=True)
+    n, k = self.n_rows // self.chunk, self.chunk
+    on_side = (self.side[..., None] == jnp.arange(2, dtype=jnp.int8)).astype(jnp.float32)
+    w = w_R.reshape(*w_R.shape[:-1], n, k, 1) * on_side                        # [..., n, k, 2]
+    s = s_RxC.reshape(*s_RxC.shape[:-2], n, k, 1, s_RxC.shape[-1])
+    partial = jnp.sum(w[..., None] * s, axis=-3)                               # [..., n, 2, C]
+    return jnp.einsum("...nsc,nsb->...bc", partial, self.owner, precision=_HI)
 
   def mean_of_rows(self, v_R: jax.Array) -> jax.Array:
     """Mean of `v` [..., R] over the rows of each block: [..., B]."""
     if self.whole:
       return jnp.mean(v_R, axis=-1, keepdims=True)
-    return jnp.sum(v_R[..., None] * self.onehot(), axis=-2) / self.sizes
-
-  def weighted_column_sums(self, w_R: jax.Array, s_RxC: jax.Array) -> jax.Array:
-    """Σ_{i∈b} w_i s_ij for each block b: [..., B, C], the one-hot block matmul."""
-    if self.whole:
-      return jnp.sum(w_R[..., None] * s_RxC, axis=-2, keepdims=True)
-    return jnp.einsum("...rb,...rc->...bc", w_R[..., None] * self.onehot(), s_RxC, precision=_HI)
+    return self.weighted_column_sums(v_R, jnp.ones(v_R.shape[-1:] + (1,), v_R.dtype))[..., 0] / (
+        self.sizes)
 
 
 class _Balanced(NamedTuple):
@@ -116,13 +142,12 @@ def _scale_where_nonzero(ms: jax.Array, floor: jax.Array) -> jax.Array:
 def _balance(d_RxC: jax.Array, iters: int, tau: float, eps: float, blk: _Blocks
              ) -> tuple[_Balanced, jax.Array]:
   """The balanced direction in diagonal form, and S = X₀²."""
-  inside_R = jnp.sum(blk.onehot(), axis=-1) > 0
-  x0 = jnp.where(inside_R[:, None], d_RxC.astype(jnp.float32), 0.0)
+  x0 = jnp.where(blk.inside[:, None], d_RxC.astype(jnp.float32), 0.0)
   peak = jnp.max(jnp.abs(x0), axis=(-2, -1), keepdims=True)
   _, exponent = jnp.frexp(jnp.where(peak > 0, peak, 1.0))
   x0 = jnp.ldexp(x0, -exponent)                        # exact: max |X₀| in [0.5, 1)
   s = jnp.square(x0)
-  index = blk.index()
+  index = blk.index
 
   def row_ms(r, c):
     return _Balanced(x0, r, c, index).row_ms(s)
