@@ -7,6 +7,7 @@ import pytest
 
 from pallas_kernels.ops import sparse_attention as sa
 from pallas_kernels import csa2_attention as ca
+from tests.pallas_kernels.cuda_lowering import lower_for_cuda, triton_calls
 from tests.pallas_kernels.test_sparse_attention import W, _inputs
 
 # Small tiles so that T = 37 and N are off every tile, and contributions capped at 10 tokens per
@@ -77,9 +78,8 @@ def test_bfloat16_window_only_and_bad_input():
 
 
 def test_lowers_for_cuda():
-  # Triton lowering of every backward kernel on the CPU host via jax.export for CUDA, with the
+  # Triton lowering of every backward kernel on the CPU host for CUDA (cuda_lowering), with the
   # GPU layout (16 heads, D a power of two) and pieces.
-  from jax import export
   x = _inputs(31, 2, D=64, dtype=jnp.bfloat16)
   q = jnp.tile(x["q"], (1, 1, 6, 1))[:, :, :16]
 
@@ -88,9 +88,9 @@ def test_lowers_for_cuda():
                             interpret=False, max_contrib_elems=2 * 64 * 64 * 9)
     return jnp.sum(o.astype(jnp.float32)) + jnp.sum(p)
 
-  export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), platforms=["cuda"],
-                disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-                    q, x["kv"], x["g"], jnp.zeros((16,), jnp.float32))
+  lowered = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2, 3)), q, x["kv"], x["g"],
+                           jnp.zeros((16,), jnp.float32))
+  assert triton_calls(lowered) > 0   # the kernels, not a fallback to the reference
 
 
 def test_slot_order():

@@ -12,6 +12,7 @@ from dsv41_jax.layers import indexer as ix
 from dsv41_jax.layers.types import CompressedKV, entry_visible
 from pallas_kernels import dispatch
 from pallas_kernels import indexer as kx
+from tests.pallas_kernels.cuda_lowering import lower_for_cuda, triton_calls
 
 B, T, H, I, K = 2, 45, 3, 32, 8   # T = 45: no block divides it; K = 8 > entries visible early on
 BLOCKS = dict(block_t=16, block_n=16)
@@ -112,15 +113,13 @@ def test_model_switch_and_fallback(caplog):
 
 
 def test_lowers_for_cuda():
-  # Triton lowering on the CPU host (jax.export for the CUDA platform): catches what interpret mode
-  # cannot, e.g. a loop carry the lowering rejects (seen on the H200 before the fix).
-  from jax import export
+  # Triton lowering on the CPU host for CUDA (cuda_lowering): catches what interpret mode cannot,
+  # e.g. a loop carry the lowering rejects (seen on the H200 before the fix).
   q, w, kv, seg = _inputs(30, 2)
   q, k = q.astype(jnp.bfloat16), kv.index_k_BxNxI.astype(jnp.bfloat16)
   r = jnp.ones((B, T, K), jnp.float32)
   sel = lambda q, w, k: kx.score_and_select(q, w, k, kv.entry_segment_BxN, kv.entry_last_BxN, seg,
                                             k=K, interpret=False)[1]
-  grad = jax.jit(jax.grad(lambda q, w, k: jnp.sum(sel(q, w, k) * r), argnums=(0, 1, 2)))
-  export.export(grad, platforms=["cuda"],
-                disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-                    q, w, k)
+  lowered = lower_for_cuda(jax.grad(lambda q, w, k: jnp.sum(sel(q, w, k) * r), argnums=(0, 1, 2)),
+                           q, w, k)
+  assert triton_calls(lowered) > 0   # the kernel, not a fallback to the reference

@@ -22,6 +22,7 @@ from dsv41_jax.layers import mhc
 from pallas_kernels import dispatch
 from pallas_kernels import mhc as mhc_kernel
 from tests.dsv41_jax.layers.test_mhc import ref_hc
+from tests.pallas_kernels.cuda_lowering import lower_for_cuda, triton_calls
 
 KW = dict(iters=20, hc_eps=1e-6, norm_eps=1e-20)
 SITE = ("X", "F", "post", "comb", "pre", "fn", "base", "scale", "norm_weight")
@@ -141,8 +142,8 @@ def test_gates_kernels_lower_for_cuda():
   fwd = lambda z: mhc_kernel.gates(z, (4, 20, 1e-6, 16, False))  # noqa: E731
   bwd = lambda z, g: jax.vjp(fwd, z)[1](g)[0]  # noqa: E731
   for f, args in ((fwd, (z,)), (bwd, (z, jnp.ones((2, 64, 24), jnp.float32)))):
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mhc_gates" in text
+    lowered = lower_for_cuda(f, *args)
+    assert "mhc_gates" in lowered.as_text() and triton_calls(lowered) == 1
 
 
 # --- the ops' expand and collapse --------------------------------------------------------------

@@ -12,6 +12,7 @@ from dsv41_jax.layers.types import CompressedKV, entry_visible
 from pallas_kernels import dispatch
 from pallas_kernels import sparse_attention as ks
 from pallas_kernels.ops import sparse_attention as sa
+from tests.pallas_kernels.cuda_lowering import lower_for_cuda, triton_calls
 
 B, T, H, W, K = 2, 37, 3, 8, 8   # T = 37: no block divides it; K = 8 > entries visible early on
 
@@ -123,9 +124,8 @@ def test_model_switch_and_fallback(caplog):
 
 
 def test_lowers_for_cuda():
-  # Triton lowering (forward, probs, backward) on the CPU host via jax.export for CUDA, with the
+  # Triton lowering (forward, probs, backward) on the CPU host for CUDA (cuda_lowering), with the
   # GPU layout: 16 heads, D a power of two.
-  from jax import export
   x = _inputs(6, 2, D=64, dtype=jnp.bfloat16)
   x["q"] = jnp.tile(x["q"], (1, 1, 6, 1))[:, :, :16]
   x["sink"] = jnp.zeros((16,), jnp.float32)
@@ -135,6 +135,6 @@ def test_lowers_for_cuda():
                             topk_BxTxK=x["topk"], interpret=False)
     return jnp.sum(o.astype(jnp.float32)) + jnp.sum(p)
 
-  export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), platforms=["cuda"],
-                disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-                    x["q"], x["kv"], x["g"], x["sink"])
+  lowered = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2, 3)), x["q"], x["kv"], x["g"],
+                           x["sink"])
+  assert triton_calls(lowered) == 3   # forward, probs, backward: no fallback to the reference
