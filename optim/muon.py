@@ -16,9 +16,10 @@ Newton–Schulz body per distinct matrix shape, however many parameters share it
 
 Precision (`ns_dtype`): "float32" runs the products in float32 at HIGHEST precision with a float32
 iterate; "bfloat16" keeps the iterate X and the Gram matrices in bfloat16 between products, every
-product accumulating in float32 and each polynomial combined in float32 before its one rounding
-to bfloat16 (so no product is preceded by a separate cast pass); the last step is written in
-float32. That is the tensor-core path of accelerators: singular values within 1 ± 5e-3 of one and
+product accumulating in float32 and each polynomial combined in float32 before its rounding to
+bfloat16 (so no product is preceded by a separate cast pass); before the last step the products
+Aₛ² and BX are written in bfloat16 (they are combined with a bfloat16 term: half the bytes of the
+two largest temporaries), and the last step is written in float32. That is the tensor-core path of accelerators: singular values within 1 ± 5e-3 of one and
 the update RMS within 1 % of 0.18 on real gradients (`benchmarks/muon_precision.py`). The two are
 the reference and the kernel of the dispatcher's op `newton_schulz` (`pallas_kernels.dispatch`,
 registered below), so `ns_dtype` may also be an op policy (`OptimConfig.newton_schulz`): "auto"
@@ -90,16 +91,21 @@ def _iterate(x_BxMxN: jax.Array, coeffs, ns_dtype: str) -> jax.Array:
   # bfloat16 is small once X is near orthogonal (A ≈ I, the Gram matrices' rounding would
   # otherwise move the singular values by up to 4e-3):
   #   aX + bAX + cA²X = (a + b + c)·X + ((b + 2c)·Aₛ + c·Aₛ²)·X.
-  bf16 = jnp.bfloat16
-  mm = lambda eq, u, v: jnp.einsum(eq, u, v, preferred_element_type=jnp.float32)
+  # Every product accumulates in float32. XXᵀ stays float32 until I is taken off; in every step
+  # but the last, the products Aₛ² and BX are rounded to bfloat16 as they are written (half the
+  # bytes of the two largest temporaries: BX is m×n) and then combined in float32 with their
+  # bfloat16 partner. The last step, which lands the singular values (its polynomial has zero
+  # slope at 1, so the earlier steps' roundings are squared away), keeps them in float32.
+  bf16, f32 = jnp.bfloat16, jnp.float32
+  mm = lambda eq, u, v, out: jnp.einsum(eq, u, v, preferred_element_type=out)
   m = x_BxMxN.shape[-2]
-  eye = jnp.eye(m, dtype=jnp.float32)
+  eye = jnp.eye(m, dtype=f32)
 
   def bf16_step(x, a, b, c, out_dtype):
-    as_MxM = (mm("...mn,...kn->...mk", x, x) - eye).astype(bf16)
-    b_MxM = ((b + 2 * c) * as_MxM.astype(jnp.float32)
-             + c * mm("...mk,...kl->...ml", as_MxM, as_MxM)).astype(bf16)
-    return ((a + b + c) * x.astype(jnp.float32) + mm("...mk,...kn->...mn", b_MxM, x)
+    as_MxM = (mm("...mn,...kn->...mk", x, x, f32) - eye).astype(bf16)
+    b_MxM = ((b + 2 * c) * as_MxM.astype(f32)
+             + c * mm("...mk,...kl->...ml", as_MxM, as_MxM, out_dtype).astype(f32)).astype(bf16)
+    return ((a + b + c) * x.astype(f32) + mm("...mk,...kn->...mn", b_MxM, x, out_dtype).astype(f32)
             ).astype(out_dtype)
 
   x = jax.lax.fori_loop(

@@ -127,3 +127,20 @@ def test_frozen_matrices_are_skipped_while_zero_and_equal_otherwise():
   assert np.all(np.asarray(out[1]) == 0)
   text = frozen.lower(gs).as_text()
   assert text.count("stablehlo.case") + text.count("stablehlo.if") == 1
+
+
+def test_equal_shapes_share_one_batched_newton_schulz_chain():
+  """Every matrix of one shape (head-wise, stacked, tall or wide, from any parameter) is one item
+  of one batch: the lowered Newton–Schulz is three batched products per step (XXᵀ, Aₛ², BX, in the
+  loop and in the last step) over all 13 items on the short side, and in the bfloat16 loop the
+  two products combined with a bfloat16 term are written in bfloat16 (the last step's in float32)."""
+  rng = np.random.default_rng(7)
+  gs = [jnp.asarray(rng.standard_normal(s), jnp.float32)
+        for s in ((2, 40, 3, 16), (2, 3, 16, 40), (40, 16))]    # 6 heads + 6 + 1 of (16, 40)
+  text = jax.jit(lambda gs: muon.orthogonalize_many(gs, [True, False, False], "bfloat16")
+                 ).lower(gs).as_text()
+  dots = [line.split("->")[-1].strip() for line in text.splitlines() if "dot_general" in line]
+  assert sorted(dots) == sorted(
+      ["tensor<13x16x16xf32>"] * 3 + ["tensor<13x16x16xbf16>"] + ["tensor<13x16x40xbf16>"]
+      + ["tensor<13x16x40xf32>"]), dots
+  assert text.count("stablehlo.while") == 1
