@@ -110,7 +110,7 @@ class SharedExpert(nnx.Module):
 
   def __call__(self, x_BxTxD):
     dt = x_BxTxD.dtype
-    mm = lambda x, w, eq: jnp.einsum(eq, x, w[...].astype(dt), preferred_element_type=jnp.float32)
+    mm = lambda x, w, eq: moe_dispatch.expert_einsum(eq, x, w[...].astype(dt))
     a = mm(x_BxTxD, self.w1, "btd,df->btf")
     u = mm(x_BxTxD, self.w3, "btd,df->btf")
     h = moe_dispatch.clamped_swiglu(a, u, self.limit).astype(dt)

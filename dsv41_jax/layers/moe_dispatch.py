@@ -42,6 +42,7 @@ past the row count make the whole grouped product NaN (concrete: ValueError).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -60,6 +61,32 @@ def clamped_swiglu(a, u, limit: float):
   a = jnp.minimum(a.astype(jnp.float32), limit)
   u = jnp.clip(u.astype(jnp.float32), -limit, limit)
   return jax.nn.silu(a) * u
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def expert_einsum(equation: str, x, w):
+  """`einsum(equation, x, w)` of compute-dtype operands (w already cast to x's dtype), float32
+  accumulation and result; its backward rounds the float32 cotangent to x's dtype once and runs
+  both transposed products on operands of that dtype, as the grouped matmul kernel does and as
+  `jax.grad` of a product with x's dtype out would (docs/design.md §8.2). Without it a bf16
+  model's expert backward multiplied float32 cotangents with bf16 weights: float32 GEMMs off the
+  tensor cores' bf16 rate. With float32 operands it is autodiff of the einsum, bit for bit."""
+  return jnp.einsum(equation, x, w, preferred_element_type=jnp.float32)
+
+
+def _expert_einsum_fwd(equation, x, w):
+  return expert_einsum(equation, x, w), (x, w)
+
+
+def _expert_einsum_bwd(equation, res, g):
+  x, w = res
+  g = g.astype(x.dtype)
+  (gx,) = jax.linear_transpose(lambda a: jnp.einsum(equation, a, w), x)(g)
+  (gw,) = jax.linear_transpose(lambda b: jnp.einsum(equation, x, b), w)(g)
+  return gx, gw
+
+
+expert_einsum.defvjp(_expert_einsum_fwd, _expert_einsum_bwd)
 
 
 def expert_capacity(n_tokens: int, k: int, n_experts: int, capacity_factor: float) -> int:
@@ -105,10 +132,10 @@ def batched_ffn(x_ExCxD, weight_ExC, w1, w3, w2, limit: float):
   """Clamped SwiGLU experts over a capacity buffer (batched matmuls), each slot's activation times
   its routing weight before W2; float32 [E, C, D]."""
   dt = x_ExCxD.dtype
-  a = jnp.einsum("ecd,edf->ecf", x_ExCxD, w1.astype(dt), preferred_element_type=jnp.float32)
-  u = jnp.einsum("ecd,edf->ecf", x_ExCxD, w3.astype(dt), preferred_element_type=jnp.float32)
+  a = expert_einsum("ecd,edf->ecf", x_ExCxD, w1.astype(dt))
+  u = expert_einsum("ecd,edf->ecf", x_ExCxD, w3.astype(dt))
   h = (clamped_swiglu(a, u, limit) * weight_ExC[..., None]).astype(dt)
-  return jnp.einsum("ecf,efd->ecd", h, w2.astype(dt), preferred_element_type=jnp.float32)
+  return expert_einsum("ecf,efd->ecd", h, w2.astype(dt))
 
 
 # --- pair bookkeeping ---------------------------------------------------------------------------

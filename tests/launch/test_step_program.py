@@ -47,14 +47,9 @@ ALLOWED = {
     # Float32 GEMMs.
     ("f32_dot", "compress"): "CSA2 compressor softmax pooling over m = 2 groups",
     ("f32_dot", "indexer_scores"): "indexer logits (issue 26: fused scoring)",
-    ("f32_dot", "expand"): "mHC stream mixing at HIGHEST (issue 27: multiply-adds, hand VJP)",
-    ("f32_dot", "collapse"): "mHC's weighted sum of the float32 streams (issue 27)",
     ("f32_dot", "engram_gate"): "Engram's gate reads the float32 mHC streams (issue 28)",
     ("f32_dot", "hc_mix"): "mHC coefficient projections, hc_coefficients' mix (issue 27)",
     ("f32_dot", "MoE.__call__"): "the float32 router (docs/design.md §6)",
-    ("f32_dot", "SharedExpert.__call__.<locals>.<lambda>"): "the shared expert sees the float32 "
-                                                             "mHC sublayer input (issue 28)",
-    ("f32_dot", "batched_ffn"): "capacity MoE experts on float32 buffers (issue 27)",
     ("f32_dot", "grouped_matmul"): "lowered on the CPU the grouped product is ragged_dot, whose "
                                    "backward takes the float32 cotangent; the GPU runs the "
                                    "Mosaic kernel with its own backward (issue 27)",

@@ -274,3 +274,71 @@ def test_nan_input_gives_nan_output_not_finite_numbers():
   y = np.asarray(y[0])
   assert np.isnan(y[3]).any()
   assert np.isfinite(np.delete(y, 3, axis=0)).all()   # NaN stays with its token
+
+
+def _dots(jaxpr):
+  """Every dot_general of a jaxpr and of the jaxprs nested in its equations (scan, custom VJP)."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      yield eqn
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _dots(inner)
+
+
+def _within_bf16_ulp_of(got, want64):
+  got = np.asarray(got, np.float64)
+  ulp = np.exp2(np.floor(np.log2(np.abs(want64))) - 7)
+  assert (np.abs(got - want64) <= ulp).all()
+  return (np.abs(got - want64) > ulp / 2).mean()
+
+
+def test_expert_einsum_forward_unchanged_backward_in_bf16_once_rounded():
+  rng = np.random.default_rng(24)
+  eq = "btd,df->btf"
+  x = jnp.asarray(rng.standard_normal((3, 5, 64)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((64, 48)) / 8, jnp.bfloat16)
+  g = jnp.asarray(rng.standard_normal((3, 5, 48)), jnp.float32)
+  y, vjp = jax.vjp(lambda a, b: moe_dispatch.expert_einsum(eq, a, b), x, w)
+  assert y.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(
+      jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)))
+  gx, gw = vjp(g)
+  assert gx.dtype == gw.dtype == jnp.bfloat16
+  # The cotangent rounded to bf16 once, both products accumulated in float32 and rounded once:
+  # within one bf16 ulp of the float64 products of the rounded cotangent (half an ulp when the
+  # rounding is exact; the float32 sums of 15 and 48 terms can move a value across a midpoint).
+  G = np.asarray(g.astype(jnp.bfloat16), np.float64)
+  X, W = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  assert _within_bf16_ulp_of(gx, G @ W.T) < 0.02
+  assert _within_bf16_ulp_of(gw, np.einsum("btd,btf->df", X, G)) < 0.02
+  # float32 operands: autodiff of the einsum, bit for bit.
+  loss = lambda f: jax.grad(lambda a, b: jnp.sum(f(a, b) * g), argnums=(0, 1))  # noqa: E731
+  x32, w32 = x.astype(jnp.float32), w.astype(jnp.float32)
+  got = loss(lambda a, b: moe_dispatch.expert_einsum(eq, a, b))(x32, w32)
+  want = loss(lambda a, b: jnp.einsum(eq, a, b, preferred_element_type=jnp.float32))(x32, w32)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("mode", ["dropless", "capacity"])
+def test_bf16_moe_backward_has_no_float32_by_bf16_product(mode):
+  # The bf16 layer's gradient: every dot multiplies operands of one dtype (bf16 experts, the
+  # float32 router); a float32 cotangent times a bf16 weight was the shared and capacity experts'
+  # backward before expert_einsum (this test failed then). Dropless: the shared expert's dots (its
+  # grouped products are the ragged_dot primitive here, the Mosaic kernel's VJP on the GPU).
+  cfg = moe_cfg(moe_dispatch=mode, dtype="bfloat16", moe_capacity_factor=E / K)
+  graphdef, params = nnx.split(MoE(cfg, nnx.Rngs(3)))
+  x, seg, image, bias = moe_inputs(3)
+
+  def loss(p, x):
+    y, _ = nnx.merge(graphdef, p)(x, segment_ids_BxT=jnp.asarray(seg),
+                                  image_mask_BxT=jnp.asarray(image), bias_2xE=jnp.asarray(bias))
+    return jnp.sum(y.astype(jnp.float32))
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, jnp.asarray(x, jnp.bfloat16))
+  dots = list(_dots(jaxpr.jaxpr))
+  kinds = {tuple(str(v.aval.dtype) for v in e.invars) for e in dots}
+  assert len(dots) >= 12 and ("bfloat16", "bfloat16") in kinds, kinds
+  assert kinds <= {("bfloat16", "bfloat16"), ("float32", "float32")}, kinds
