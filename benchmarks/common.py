@@ -74,3 +74,32 @@ def header() -> str:
 def md_header(*columns: str) -> str:
   """A markdown table's header row and separator."""
   return "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns)
+
+
+def set_overrides(cfg, items) -> None:
+  """Apply "a.b.c=value" items to a ConfigDict `cfg` in place (`--set` of the step benchmarks):
+  the value is parsed as the type of the value it replaces (bool: true / false; a None field
+  takes the string). An unknown key or a bad value is a one-line SystemExit naming the item."""
+  for item in items:
+    key, sep, text = item.partition("=")
+    *path, leaf = key.split(".")
+    node = cfg
+    try:
+      for part in path:
+        node = node[part]
+      old = node[leaf]
+    except (KeyError, AttributeError, TypeError):
+      raise SystemExit(f"error: --set {item}: no config key {key!r}") from None
+    if not sep:
+      raise SystemExit(f"error: --set {item}: expected key=value")
+    try:
+      if isinstance(old, bool):
+        if text.lower() not in ("true", "false"):
+          raise ValueError(text)
+        value = text.lower() == "true"
+      else:
+        value = text if old is None else type(old)(text)
+    except ValueError:
+      raise SystemExit(f"error: --set {item}: {text!r} does not parse as "
+                       f"{type(old).__name__}") from None
+    node[leaf] = value

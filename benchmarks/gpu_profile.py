@@ -1,7 +1,7 @@
 """Where a config's train step spends its GPU time, by source: one command (issue 28).
 
   PYTHONUNBUFFERED=1 python benchmarks/gpu_profile.py --size s3 --batch 4 --seq 4096 [--top 30]
-      [--out DIR] [--json PATH] [--set model.remat=false ...]
+      [--out DIR] [--json PATH] [--set model.remat=false model.ops.hc_site=reference ...]
 
 Runs `benchmarks/gpu_step.py`'s step for the size (`bench`: the real train step, compiled ahead of
 time, timed over `--steps`), profiles two more steps, and attributes every GPU kernel to its
@@ -192,6 +192,8 @@ def main(argv=None) -> int:
   ap.add_argument("--top", type=int, default=25)
   ap.add_argument("--out", default="/tmp/dsv41_profile", help="trace and HLO text directory")
   ap.add_argument("--json", default=None, help="write the groups and step figures here")
+  ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                  help="config keys, e.g. model.ops.hc_site=reference (gpu_step.bench)")
   args = ap.parse_args(argv)
 
   import jax
@@ -200,7 +202,8 @@ def main(argv=None) -> int:
     return 2
   from benchmarks import gpu_step
   from benchmarks.common import header
-  out = gpu_step.bench(args.size, args.batch, args.seq, args.steps, False, args.out)
+  out = gpu_step.bench(args.size, args.batch, args.seq, args.steps, False, args.out,
+                       overrides=tuple(args.set))
   name = args.size.replace("/", "_")
   with open(os.path.join(args.out, name + ".hlo.txt")) as f:
     hlo = HloSources(f.read())

@@ -4,6 +4,8 @@ step goes (model forward+backward, optimizer, host batch preparation).
   PYTHONUNBUFFERED=1 python benchmarks/gpu_step.py --sizes s1 s3 --seq 4096 --batch 8 4
   python benchmarks/gpu_step.py --sizes s1 s1/noremat --batch 8   # remat on vs off
   python benchmarks/gpu_step.py --sizes s3 s3 --batch 4 --grad_accum 1 8 --sinkhorn --muon_precision
+  python benchmarks/gpu_step.py --sizes s3 --batch 4 --set model.ops.hc_site=reference \
+      model.ops.hc_coefficients=reference            # one config key changed for every size
 
 Per size: the model and optimizer state are created with their shardings (`launch.setup.init_state`,
 timed to ready), the jitted donated train step (`launch.setup.train_step_jit`) is lowered and
@@ -47,7 +49,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks import muon_precision  # noqa: E402
-from benchmarks.common import header, md_header, median_seconds  # noqa: E402
+from benchmarks.common import header, md_header, median_seconds, set_overrides  # noqa: E402
 from configs import small  # noqa: E402
 from configs.common import MeshConfig  # noqa: E402
 from dsv41_jax import flops, model as model_lib  # noqa: E402
@@ -77,11 +79,14 @@ def packed_rows(mcfg, B: int, T: int, seed: int) -> dict[str, np.ndarray]:
 
 
 def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str | None = None,
-          accum: int = 1, sinkhorn: bool = False, precision: bool = False) -> dict:
+          accum: int = 1, sinkhorn: bool = False, precision: bool = False,
+          overrides: tuple[str, ...] = ()) -> dict:
   """`spec` is a size of configs/small.py, optionally "/noremat" (no layer rematerialisation);
-  `B` rows per micro-batch, `accum` micro-batches per step."""
+  `B` rows per micro-batch, `accum` micro-batches per step; `overrides` "key=value" items of the
+  config (`benchmarks.common.set_overrides`), applied before the benchmark's own settings."""
   size, _, variant = spec.partition("/")
   cfg = small.get_config(size)
+  set_overrides(cfg, overrides)
   if variant == "noremat":
     cfg.model.remat = False
   cfg.data.seq_len, cfg.data.batch_size = T, B * accum
@@ -95,7 +100,7 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str |
   mesh = setup.build_mesh(MeshConfig(data=1), [dev])
   out: dict = dict(size=spec, batch=B * accum, accum=accum, seq=T, device=dev.device_kind,
                    jax=jax.__version__, dispatch=mcfg.moe_dispatch, remat=mcfg.remat,
-                   dtype=mcfg.dtype)
+                   dtype=mcfg.dtype, overrides=list(overrides))
 
   t0 = time.perf_counter()
   train_state = setup.init_state(run, mesh)
@@ -210,12 +215,14 @@ def main():
   ap.add_argument("--sinkhorn", action="store_true", help="time the Engram tables' Sinkhorn")
   ap.add_argument("--muon_precision", action="store_true",
                   help="Newton-Schulz singular values on the split's real gradients")
+  ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                  help="config keys for every size, e.g. model.ops.hc_site=reference")
   args = ap.parse_args()
   per_size = lambda v: v if len(v) == len(args.sizes) else v[:1] * len(args.sizes)
   rows = []
   for size, B, k in zip(args.sizes, per_size(args.batch), per_size(args.grad_accum)):
     rows.append(bench(size, B, args.seq, args.steps, not args.no_split, args.profile, k,
-                      args.sinkhorn, args.muon_precision))
+                      args.sinkhorn, args.muon_precision, tuple(args.set)))
     opt = [r["optimizer_s"] for r in rows if r["size"] == size and "optimizer_s" in r]
     if opt:
       rows[-1]["optimizer_share"] = opt[0] / rows[-1]["step_s"]
