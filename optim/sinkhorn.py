@@ -25,15 +25,15 @@ if it were a separate matrix; rows in no block (the padding) come out zero.
 Diagonal form. Every step above only scales rows or columns, so the iterate is always
 diag(r) · X₀ · diag(c_b) with X₀ the direction (padding rows zeroed) and c_b the column scales of
 row i's block b = b(i): the loop carries r [R] and c [B, C] and never rewrites the table. With
-S = X₀² (formed once), a row step reads S once (Σ_j S_ij c²_bj, c gathered per row from the small
-[B, C]) and a column step reads it once (Σ_{i∈b} r_i² S_ij: one streaming reduction to per-chunk
-partials and a small one-hot product, `_Blocks`, whose layout is built once outside the loop); the
-result is written once at the end. No scatter: on a row-sharded table (the `engram` axis) each
-device reduces its own chunks to a partial [B, C] and one all-reduce of that size follows, and
-every other statistic is per row. Rows (columns) with zero RMS get scale 0, so they stay exactly zero and their
-scale never overflows. X₀ is first scaled by a power of two (exact) so that its largest entry is
-near 1 and S neither overflows nor underflows for ordinary gradient magnitudes; the balancing is
-invariant to that scale.
+S = X₀² (squared where it is read, never stored), a row step reads X₀ once (Σ_j S_ij c²_bj, c
+gathered per row from the small [B, C]) and a column step reads it once (Σ_{i∈b} r_i² S_ij: one
+streaming reduction to per-chunk partials and a small one-hot product, `_Blocks`, whose layout is
+built once outside the loop); the result is written once at the end. No scatter: on a row-sharded
+table (the `engram` axis) each device reduces its own chunks to a partial [B, C] and one
+all-reduce of that size follows, and every other statistic is per row. Rows (columns) with zero
+RMS get scale 0, so they stay exactly zero and their scale never overflows. X₀ is first scaled by
+a power of two (exact) so that its largest entry is near 1 and S neither overflows nor underflows
+for ordinary gradient magnitudes; the balancing is invariant to that scale.
 """
 
 from __future__ import annotations
@@ -122,10 +122,10 @@ class _Balanced(NamedTuple):
   c: jax.Array        # [..., B, C]
   index: jax.Array    # [R] block of each row
 
-  def row_ms(self, s_RxC: jax.Array) -> jax.Array:
-    """Mean square of each row [..., R] (`s_RxC` = X₀²)."""
+  def row_ms(self) -> jax.Array:
+    """Mean square of each row [..., R]."""
     c2_RxC = jnp.take(jnp.square(self.c), self.index, axis=-2)
-    return jnp.square(self.r) * jnp.mean(s_RxC * c2_RxC, axis=-1)
+    return jnp.square(self.r) * jnp.mean(jnp.square(self.x0) * c2_RxC, axis=-1)
 
   def value(self, row_factor_B: jax.Array | None = None) -> jax.Array:
     """The matrix itself (each row further × its block's `row_factor_B`, if given)."""
@@ -140,20 +140,20 @@ def _scale_where_nonzero(ms: jax.Array, floor: jax.Array) -> jax.Array:
 
 
 def _balance(d_RxC: jax.Array, iters: int, tau: float, eps: float, blk: _Blocks
-             ) -> tuple[_Balanced, jax.Array]:
-  """The balanced direction in diagonal form, and S = X₀²."""
+             ) -> _Balanced:
+  """The balanced direction in diagonal form."""
   x0 = jnp.where(blk.inside[:, None], d_RxC.astype(jnp.float32), 0.0)
   peak = jnp.max(jnp.abs(x0), axis=(-2, -1), keepdims=True)
   _, exponent = jnp.frexp(jnp.where(peak > 0, peak, 1.0))
   x0 = jnp.ldexp(x0, -exponent)                        # exact: max |X₀| in [0.5, 1)
-  s = jnp.square(x0)
   index = blk.index
 
   def row_ms(r, c):
-    return _Balanced(x0, r, c, index).row_ms(s)
+    return _Balanced(x0, r, c, index).row_ms()
 
   def col_ms(r, c):      # mean square of each column of each block  [..., B, C]
-    return jnp.square(c) * blk.weighted_column_sums(jnp.square(r), s) / blk.sizes[:, None]
+    return (jnp.square(c) * blk.weighted_column_sums(jnp.square(r), jnp.square(x0))
+            / blk.sizes[:, None])
 
   def row_floor(rms_R):  # τ × the mean row RMS of the row's block  [..., R]
     return jnp.take(tau * blk.mean_of_rows(rms_R), index, axis=-1)
@@ -163,8 +163,8 @@ def _balance(d_RxC: jax.Array, iters: int, tau: float, eps: float, blk: _Blocks
 
   # The lift: rows, then columns, raised to the floor (scale ≥ 1; zero rows / columns get 0,
   # which keeps them zero through the loop).
-  ones_BxC = jnp.ones(s.shape[:-2] + (len(blk.blocks), s.shape[-1]), jnp.float32)
-  ms = row_ms(jnp.ones(s.shape[:-1], jnp.float32), ones_BxC)
+  ones_BxC = jnp.ones(x0.shape[:-2] + (len(blk.blocks), x0.shape[-1]), jnp.float32)
+  ms = row_ms(jnp.ones(x0.shape[:-1], jnp.float32), ones_BxC)
   lift_r = _scale_where_nonzero(ms, row_floor(jnp.sqrt(ms)))
   ms = col_ms(lift_r, ones_BxC)
   lift_c = _scale_where_nonzero(ms, col_floor(jnp.sqrt(ms)))
@@ -180,7 +180,7 @@ def _balance(d_RxC: jax.Array, iters: int, tau: float, eps: float, blk: _Blocks
   # A loop, not unrolled: the compiled update keeps one alternation body per parameter.
   r, c = jax.lax.fori_loop(0, iters, alternation, (lift_r, lift_c))
   unlift = lambda v, lift: v / jnp.where(lift > 0, lift, 1.0)      # divide the lift out
-  return _Balanced(x0, unlift(r, lift_r), unlift(c, lift_c), index), s
+  return _Balanced(x0, unlift(r, lift_r), unlift(c, lift_c), index)
 
 
 def sinkhorn_balance(d_RxC: jax.Array, iters: int, tau: float, eps: float,
@@ -188,8 +188,7 @@ def sinkhorn_balance(d_RxC: jax.Array, iters: int, tau: float, eps: float,
   """K alternations of row then column RMS normalization (float32), batched over leading axes,
   with starved rows / columns kept at their floored relative size; each block of rows on its own
   when `blocks` is given (module docstring)."""
-  balanced, _ = _balance(d_RxC, iters, tau, eps, _Blocks(d_RxC.shape[-2], blocks))
-  return balanced.value()
+  return _balance(d_RxC, iters, tau, eps, _Blocks(d_RxC.shape[-2], blocks)).value()
 
 
 def sinkhorn_direction(d: jax.Array, iters: int, tau: float, eps: float, update_rms: float,
@@ -197,8 +196,8 @@ def sinkhorn_direction(d: jax.Array, iters: int, tau: float, eps: float, update_
   """`sinkhorn_balance`, then each matrix (each block of rows, if given) scaled to RMS
   `update_rms`; an all-zero matrix stays zero. The table is written once, in `d`'s dtype."""
   blk = _Blocks(d.shape[-2], blocks)
-  balanced, s = _balance(d, iters, tau, eps, blk)
-  rms_B = jnp.sqrt(blk.mean_of_rows(balanced.row_ms(s)))
+  balanced = _balance(d, iters, tau, eps, blk)
+  rms_B = jnp.sqrt(blk.mean_of_rows(balanced.row_ms()))
   return balanced.value(update_rms / jnp.maximum(rms_B, eps)).astype(d.dtype)
 
 
