@@ -9,8 +9,8 @@
    `indexer_scores` + `entry_visible`, and the kernel's top-k sets vs XLA's.
 2. Sparse attention at s3's shapes (H 16, D 128, window 128, top-256 distinct causal entries,
    ratios 2 and 1, sink; loss Σ o², global_probs computed and detached): the XLA forms ("masked",
-   query-chunked where its [rows, H, N] scores would not fit, and "gather"), the issue-13 kernel
-   (float32 atomics in its backward) and the deterministic kernel (`pallas_kernels.csa2_attention`)
+   query-chunked where its [rows, H, N] scores would not fit, and "gather") and the op's kernel
+   with its deterministic backward (`pallas_kernels.csa2_attention`)
    at T = 4K (B 4), 16K, 32K, 64K (B 1), forward and forward + backward, and the ratio of the
    deterministic kernel over the best XLA form. Useful FLOPs: 4·B·T·H·D·(W + K) forward (QK + PV at
    the keys attended), ×3 with the backward.
@@ -43,7 +43,6 @@ from pallas_kernels.ops import sparse_attention as sa
 from dsv41_jax.layers.types import CompressedKV, entry_visible
 from pallas_kernels import indexer as kx
 from pallas_kernels import csa2_attention as ca
-from pallas_kernels import sparse_attention as ks
 from pallas_kernels import topk_select as tsel
 
 CEILING = 790e12
@@ -134,9 +133,9 @@ def attn_check(interp):
          bwd_bitwise_repeatable=same)
 
 
-# The kernels compared: the issue-13 kernel (float32 atomics in its backward) and the
-# deterministic one (pallas_kernels/csa2_attention.py).
-KERNELS = {"pallas atomic": ks.sparse_attend, "pallas csa2": ca.sparse_attend}
+# The op's kernel (pallas_kernels/csa2_attention.py; the issue-13 kernel with float32 atomics in
+# its backward is retired).
+KERNELS = {"pallas csa2": ca.sparse_attend}
 # Tile variants of the deterministic kernel, timed at 4K only.
 VARIANTS = {"csa2 flat sort": partial(ca.sparse_attend, sort="flat"),
             "csa2 f32c search": partial(ca.sparse_attend, contrib_dtype=jnp.float32,

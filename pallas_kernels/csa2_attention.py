@@ -1,8 +1,9 @@
 """Sparse attention (window ∪ selected entries ∪ sink) with a deterministic backward (docs/design.md §4.3, §14).
 
-The same function as `pallas_kernels.sparse_attention.sparse_attend` (whose forward and
-global_probs kernels it runs), with a backward that has no atomic adds, so two runs are bitwise
-equal and no float32 atomic sits on a popular row. For query t, head h (s = (q·k)·scale, K = V):
+The kernel of the op `sparse_attention` (`pallas_kernels.ops.sparse_attention.attend`; tests
+compare the two): the forward and global_probs kernels of `pallas_kernels.sparse_attention`,
+and a backward that has no atomic adds, so two runs are bitwise equal and no float32 atomic sits
+on a popular row. For query t, head h (s = (q·k)·scale, K = V):
 
   p_{t,h,j} = exp(s_{t,h,j} − lse_{t,h})      lse: log of the softmax denominator, sink included
   Δ_{t,h}   = Σ_d dO_{t,h,d} · O_{t,h,d}        ds = p · (dO·k_j − Δ)
@@ -53,9 +54,11 @@ def _band_rows(T, hp, window, bkw):
   return bt, n_q, -(-T // bkw) * bkw + n_q * bt
 
 
-def unsupported_reason(q_BxTxHxD, swa_kv_BxTxD, window: int, block_kw: int = 64) -> str | None:
-  """Why the kernel cannot take these shapes (None if it can): the forward kernel's reasons, and
-  the window band kernel's padded [B, T', H_pad, D] query rows past 32-bit offsets."""
+def unsupported_reason(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT=None, sink_H=None,
+                       global_kv_BxNxD=None, topk_BxTxK=None, *, window: int, block_kw: int = 64,
+                       **_) -> str | None:
+  """Why the kernel cannot take the op's arguments (None if it can): the forward kernel's
+  reasons, and the window band kernel's padded [B, T', H_pad, D] query rows past 32-bit offsets."""
   if (reason := _sa.unsupported_reason(q_BxTxHxD, swa_kv_BxTxD, None, None,
                                        window=window)) is not None:
     return reason
@@ -351,7 +354,8 @@ def sparse_attend(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, global_kv_Bx
   del impl, query_chunk
   if (global_kv_BxNxD is None) != (topk_BxTxK is None):
     raise ValueError("global_kv_BxNxD and topk_BxTxK must be given together")
-  if (reason := unsupported_reason(q_BxTxHxD, swa_kv_BxTxD, window, block_kw)) is not None:
+  if (reason := unsupported_reason(q_BxTxHxD, swa_kv_BxTxD, window=window,
+                                   block_kw=block_kw)) is not None:
     raise ValueError(f"csa2_attention kernel: {reason}")
   if interpret is None:
     interpret = jax.default_backend() == "cpu"

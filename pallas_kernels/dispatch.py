@@ -109,25 +109,41 @@ def _gpu_only(measured: str) -> Rule:
   return rule
 
 
+def _runs_anywhere(args, kwargs) -> str | None:
+  """Pure jax: runs wherever the reference does."""
+  return None
+
+
 def _never(why: str) -> Rule:
   def rule(args, kwargs):
     return why
   return rule
 
 
-# Sparse attention forward+backward, kernel over the best XLA form on the H200 (RESULTS.md, "CSA2
-# Pallas kernels vs XLA"): 0.47x at 4K tokens (slower; in the s3 step at 4 x 4096 it cost ~200 ms
-# more, issue 26), 1.46x at 16K, 2.9x at 32K.
-SPARSE_ATTENTION_MIN_TOKENS = 16384
+# Sparse attention (`pallas_kernels.csa2_attention`, deterministic backward), forward + backward
+# over the best XLA form on the H200 (RESULTS.md, "CSA2 global attention at s3's shapes"): 1.75x
+# to 5.6x at every measured shape (16 heads x 128, window 128, top-256, ratios 1 and 2, 4K to 64K
+# tokens), forward 2.7-4.4x. Outside that envelope it is not measured, so "auto" keeps the XLA form.
+SPARSE_ATTENTION_MEASURED = dict(head_dim=128, max_heads=16, max_window=128, max_topk=256,
+                                 min_tokens=4096)
 
 
 def _sparse_attention_faster(args, kwargs) -> str | None:
   if jax.default_backend() != "gpu":
     return f"measured faster on the GPU only; {jax.default_backend()} runs the reference"
-  t = args[0].shape[1]
-  if t < SPARSE_ATTENTION_MIN_TOKENS:
-    return (f"{t} tokens per row: forward+backward measured slower than XLA below "
-            f"{SPARSE_ATTENTION_MIN_TOKENS} (0.47x at 4K; RESULTS.md)")
+  q, topk = args[0], args[5] if len(args) > 5 else None
+  _, t, h, d = q.shape
+  m = SPARSE_ATTENTION_MEASURED
+  where = ("measured faster at 16 heads x 128, window 128, top-256, 4K-64K tokens (RESULTS.md, "
+           "'CSA2 global attention at s3's shapes')")
+  if topk is None:
+    return f"window-only attention is not measured ({where})"
+  for bad, what in ((d != m["head_dim"], f"head_dim {d}"), (h > m["max_heads"], f"{h} heads"),
+                    (kwargs["window"] > m["max_window"], f"window {kwargs['window']}"),
+                    (topk.shape[-1] > m["max_topk"], f"top-{topk.shape[-1]}"),
+                    (t < m["min_tokens"], f"{t} tokens per row")):
+    if bad:
+      return f"{what} is outside the measured envelope ({where})"
   return None
 
 
@@ -173,16 +189,20 @@ OPS: dict[str, Op] = {
                 _gpu_only(_MHC_SITE), batched=(True,) * 5 + (False,) * 4),)),
     "sparse_attention": Op(
         "pallas_kernels.ops.sparse_attention:attend",
-        (Kernel("pallas_kernels.sparse_attention:sparse_attend",
-                _module_reason("pallas_kernels.sparse_attention:unsupported_reason"),
+        (Kernel("pallas_kernels.csa2_attention:sparse_attend",
+                _module_reason("pallas_kernels.csa2_attention:unsupported_reason"),
                 _sparse_attention_faster, batched=(True, True, True, False, True, True)),)),
     "indexer_topk": Op(
         "pallas_kernels.ops.indexer:score_and_select",
         (Kernel("pallas_kernels.indexer:indexer_topk",
                 _module_reason("pallas_kernels.indexer:unsupported_reason"),
-                _never("not timed on the GPU yet (RESULTS.md, 'CSA2 Pallas kernels vs XLA': "
-                       "the kernel's lowering failed in the only device call)"),
-                batched=(True,) * 7),)),
+                _never("forward + backward 6x slower than XLA on the H200 (its scores_at "
+                       "gather's backward; RESULTS.md, 'CSA2 global attention at s3's shapes')"),
+                batched=(True,) * 7),
+         # Pure XLA, under GSPMD like the reference: not run per batch shard.
+         Kernel("pallas_kernels.topk_select:score_and_select", _runs_anywhere,
+                _never("the radix select is not timed on the GPU yet (benchmarks/"
+                       "csa2_kernels_gpu.py --cases topk-4k)")))),
     # Not per batch shard: the MoE calls it inside its own shard_map, on expert-sorted rows.
     "grouped_matmul": Op(
         "pallas_kernels.ops.grouped_matmul:grouped_matmul",

@@ -15,7 +15,9 @@ last one complete by the query block's last row (entries are in order, `entry_la
 non-decreasing, as the compressor emits them) are written −∞ without a dot. So memory sees I
 [T, N] float32 once, never the logits [T, H_I, N].
 
-Selection is `lax.top_k` over I, in chunks of rows that keep I under `max_score_bytes`.
+Selection is the exact radix threshold select (`pallas_kernels.topk_select.radix_topk`: the set
+`lax.top_k` picks, ties to the lowest index, in ascending index order) over I, in chunks of rows
+that keep I under `max_score_bytes`.
 `scores_at_topk` is recomputed in XLA from the k selected entries (a [rows, K, D_I] gather, in
 chunks of `query_chunk` rows, rematerialised in the backward pass): that is the indexer KL loss's
 gradient path to q, w and the index keys; the kernel itself is forward only.
@@ -30,6 +32,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+from pallas_kernels.topk_select import radix_topk
 
 _F32 = jnp.float32
 
@@ -190,8 +194,7 @@ def score_and_select(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry
     s = masked_scores(q, w, ks, entry_segment_BxN, entry_last_BxN, seg, rows, block_t=block_t,
                       block_n=block_n, interpret=interpret, num_warps=num_warps,
                       num_stages=num_stages)
-    vals, idx = jax.lax.top_k(s, k_eff)
-    return jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
+    return radix_topk(s, s > -jnp.inf, k_eff)
 
   rows_per_chunk = max(block_t, (max_score_bytes // (4 * B * N)) // block_t * block_t)
   topk = _row_chunks(select, T, rows_per_chunk,

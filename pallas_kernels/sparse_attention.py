@@ -1,8 +1,9 @@
-"""Sparse attention over the SWA window ∪ the top-k compressed entries, with sink (docs/design.md §4.3, §14).
+"""Sparse attention's forward kernels: window ∪ selected entries ∪ sink, online softmax (docs/design.md §4.3, §14).
 
-The kernel of the op `sparse_attention`: restates `pallas_kernels.ops.sparse_attention.attend`
-(tests compare the two) as Pallas kernels that
-never build the [B, T, K, D] gather nor score all N entries. For query t, head h:
+The forward half of the op `sparse_attention`'s kernel (`pallas_kernels.csa2_attention`, which
+adds the deterministic backward and is what the dispatcher registers): restates
+`pallas_kernels.ops.sparse_attention.attend` as Pallas kernels that never build the [B, T, K, D]
+gather nor score all N entries. For query t, head h:
 
   keys   = window rows j ∈ [t − W + 1, t] with segment[j] == segment[t] > 0
          ∪ the entries topk[t, s] ≥ 0 (read by index straight from global_kv; K = V, one head)
@@ -20,13 +21,11 @@ Kernels:
   `_probs`  global_probs [B, T, K]: Σ_h exp(s − lse) at each selected slot, recomputed from lse
             (a separate call, so a consumer that drops it costs nothing). Its inputs are
             stop_gradient'ed: the model uses it only as the detached indexer-loss target.
-  `_bwd`    recomputes p from lse; dq per program; dkv of window and selected entries scattered
-            with float32 atomic adds (rows shared by many queries); dsink in XLA from lse and
-            Δ = Σ_d dO·O. Selected slots of one row must be distinct, as `lax.top_k` makes them
-            (the same assumption as `attend`'s "gather" form; "masked" counts a repeat once).
+A repeated slot in a row counts twice (as `attend`'s "gather" form; `lax.top_k` makes them
+distinct).
 
 Backend: Triton via `pl.pallas_call` with explicit `plt.CompilerParams`; `interpret=True` on CPU.
-Shapes the kernel cannot take are named by `unsupported_reason` (the dispatcher's rule).
+Shapes the kernels cannot take are named by `unsupported_reason`.
 """
 
 from __future__ import annotations
@@ -140,53 +139,6 @@ def _probs_kernel(q_ref, gkv_ref, topk_ref, lse_ref, p_ref, *, scale, bk, n_chun
   jax.lax.fori_loop(0, n_chunks, chunk, lse)
 
 
-def _bwd_kernel(q_ref, do_ref, lse_ref, delta_ref, kv_ref, seg_ref, *rest, scale, window, wb, bkw,
-                bk, n_chunks, trash_row, has_global):
-  from jax.experimental.pallas import triton as plt
-  if has_global:
-    gkv_ref, topk_ref, _, _, dq_ref, dkv_ref, dg_ref = rest
-  else:
-    _, dq_ref, dkv_ref = rest
-  t = pl.program_id(1)
-  q = q_ref[...]
-  do = do_ref[...]
-  lse = lse_ref[...]
-  delta = delta_ref[...]
-  seg_t = seg_ref[pl.ds(t + wb, 1)]
-
-  def grads(dq, k, ok):
-    s = _dot(q, k, _NT) * scale
-    p = jnp.where(ok[None, :], jnp.exp(s - lse[:, None]), 0.0)     # [Hb, bk]
-    dp = _dot(do, k, _NT)
-    ds = p * (dp - delta[:, None])
-    dq = dq + _dot(ds.astype(k.dtype), k, (((1,), (0,)), ((), ()))) * scale
-    dk = (_dot(ds.astype(q.dtype), q, _TN) * scale
-          + _dot(p.astype(do.dtype), do, _TN))                      # [bk, D]: dK + dV (K = V)
-    return dq, dk
-
-  D = q.shape[-1]
-  cols = jax.lax.broadcasted_iota(jnp.int32, (1, D), 1)
-
-  def window_chunk(c, dq):
-    start, ok = _window_rows(t, c, wb, bkw, window, seg_ref, seg_t)
-    dq, dk = grads(dq, kv_ref[pl.ds(start, bkw), :], ok)
-    rows = start + jax.lax.broadcasted_iota(jnp.int32, (bkw, 1), 0)
-    plt.atomic_add(dkv_ref, (rows, cols), dk)
-    return dq
-
-  dq = jax.lax.fori_loop(0, wb // bkw, window_chunk, jnp.zeros(q.shape, _F32))
-  if has_global:
-    def global_chunk(c, dq):
-      idx = topk_ref[pl.ds(c * bk, bk)]
-      ok = idx >= 0
-      dq, dk = grads(dq, gkv_ref[jnp.maximum(idx, 0), :], ok)
-      rows = jnp.where(ok, idx, trash_row)[:, None]                 # empty slots add 0 to a spare row
-      plt.atomic_add(dg_ref, (rows, cols), dk)
-      return dq
-    dq = jax.lax.fori_loop(0, n_chunks, global_chunk, dq)
-  dq_ref[...] = dq.astype(dq_ref.dtype)
-
-
 # --- wrappers --------------------------------------------------------------------------------------
 
 class _Plan:
@@ -217,10 +169,9 @@ def _specs(plan, B, T, D, N, has_global):
 
 
 def _call(kernel, *, grid, in_specs, out_specs, out_shape, interpret, num_warps, num_stages,
-          name, aliases=None):
+          name):
   return pl.pallas_call(
       kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      input_output_aliases=aliases or {},
       compiler_params=None if interpret else _triton_params(num_warps, num_stages),
       interpret=interpret, name=name)
 
@@ -281,107 +232,3 @@ def _global_probs(q, gkv, topk, lse, *, scale, block_h, block_k, interpret, num_
       interpret=interpret, num_warps=num_warps, num_stages=num_stages,
       name="sparse_attention_probs")(qp, gkvp, topkp, lse)
   return jnp.sum(p, axis=2)[..., :K]
-
-
-def _backward(q, kv, seg, sink, gkv, topk, o, lse, do, *, window, scale, block_h, block_k, interpret,
-              num_warps, num_stages):
-  B, T, H, D = q.shape
-  has_global = gkv is not None
-  K = topk.shape[-1] if has_global else 0
-  N = gkv.shape[1] if has_global else 0
-  plan = _Plan(H, D, K, window, block_h, block_k)
-  qp, kvp, segp, _, glob = _prepare(q, kv, seg, sink, gkv, topk, plan)
-  dop = jnp.pad(do.astype(q.dtype), ((0, 0), (0, 0), (0, plan.hp - H), (0, 0)))
-  delta = jnp.sum(do.astype(_F32) * o.astype(_F32), axis=-1)       # [B, T, H]
-  deltap = jnp.pad(delta, ((0, 0), (0, 0), (0, plan.hp - H)))
-  q_spec, kv_spec, seg_spec, h_spec, glob_specs = _specs(plan, B, T, D, N, has_global)
-  acc_kv = jax.ShapeDtypeStruct((B, T + plan.wb, D), _F32)
-  in_specs = [q_spec, q_spec, h_spec, h_spec, kv_spec, seg_spec] + glob_specs
-  args = [qp, dop, lse, deltap, kvp, segp, *glob]
-  out_specs = [q_spec, pl.BlockSpec((None, T + plan.wb, D), lambda b, t, g: (b, 0, 0))]
-  out_shape = [jax.ShapeDtypeStruct(qp.shape, q.dtype), acc_kv]
-  # The dkv accumulators come in as zeros and are updated in place (aliased to the outputs).
-  in_specs.append(out_specs[1])
-  args.append(jnp.zeros(acc_kv.shape, _F32))
-  aliases = {len(args) - 1: 1}
-  if has_global:
-    g_spec = pl.BlockSpec((None, N + 1, D), lambda b, t, g: (b, 0, 0))
-    in_specs.append(g_spec)
-    args.append(jnp.zeros((B, N + 1, D), _F32))
-    aliases[len(args) - 1] = 2
-    out_specs.append(g_spec)
-    out_shape.append(jax.ShapeDtypeStruct((B, N + 1, D), _F32))
-  kernel = functools.partial(_bwd_kernel, scale=scale, window=window, wb=plan.wb, bkw=plan.bkw,
-                             bk=plan.bk, n_chunks=plan.n_chunks, trash_row=N, has_global=has_global)
-  outs = _call(kernel, grid=(B, T, plan.g), in_specs=in_specs, out_specs=out_specs,
-               out_shape=out_shape, interpret=interpret, num_warps=num_warps,
-               num_stages=num_stages, name="sparse_attention_bwd", aliases=aliases)(*args)
-  dq = outs[0][:, :, :H]
-  dkv = outs[1][:, plan.wb:].astype(kv.dtype)
-  dg = outs[2][:, :N].astype(gkv.dtype) if has_global else None
-  # dsink_h = −Σ_t p_sink(t, h) · Δ(t, h), p_sink = exp(sink_h − lse).
-  p_sink = jnp.exp(sink.astype(_F32)[None, None, :] - lse[..., :H])
-  dsink = -jnp.sum(p_sink * delta, axis=(0, 1)).astype(sink.dtype)
-  return dq, dkv, dsink, dg
-
-
-_STATIC = ("window", "scale", "block_h", "block_k", "interpret", "num_warps", "num_stages")
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attn(q, kv, seg, sink, gkv, topk, static):
-  return _attn_fwd(q, kv, seg, sink, gkv, topk, static)[0]
-
-
-def _attn_fwd(q, kv, seg, sink, gkv, topk, static):
-  kw = {k: v for k, v in static if k != "block_k_bwd"}
-  o, lse, _ = _forward(q, kv, seg, sink, gkv, topk, **kw)
-  return (o, lse), (q, kv, seg, sink, gkv, topk, o, lse)
-
-
-def _attn_bwd(static, res, cts):
-  q, kv, seg, sink, gkv, topk, o, lse = res
-  do, _ = cts   # lse is used only under stop_gradient (global_probs): its cotangent is zero
-  static = dict(static)
-  static["block_k"] = static.pop("block_k_bwd")
-  dq, dkv, dsink, dg = _backward(q, kv, seg, sink, gkv, topk, o, lse, do, **static)
-  return dq, dkv, None, dsink, dg, None
-
-
-_attn.defvjp(_attn_fwd, _attn_bwd)
-
-
-def sparse_attend(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, global_kv_BxNxD=None,
-                  topk_BxTxK=None, *, window: int, scale: float, impl: str | None = None,
-                  query_chunk: int | None = None, interpret: bool | None = None,
-                  block_h: int | None = None, block_k: int | None = None,
-                  block_k_bwd: int | None = 32, num_warps: int = 4, num_stages: int = 2):
-  """The op's kernel (the arguments and results of `attend`): (o, global_probs).
-
-  `impl` and `query_chunk` choose the reference's XLA form and chunking; the kernel has neither
-  intermediate, so it takes them and ignores them.
-  `global_probs_BxTxK` carries no gradient (the model stops it; `attend`'s would flow to q and
-  the entries). `interpret=None` interprets on CPU and compiles (Triton) on GPU.
-  Key chunks: `block_k` rows in the forward (None: 64 for D ≤ 256, else 32), `block_k_bwd` in the
-  backward. On the H200 at 1 × 32K, H 16, D 256 (benchmarks/RESULTS.md), 64 gave the faster
-  forward (3.9 vs 4.8 ms) and 32 the faster forward + backward (34 vs 55 ms).
-  """
-  del impl, query_chunk
-  if (global_kv_BxNxD is None) != (topk_BxTxK is None):
-    raise ValueError("global_kv_BxNxD and topk_BxTxK must be given together")
-  if interpret is None:
-    interpret = jax.default_backend() == "cpu"
-  static = (("window", int(window)), ("scale", float(scale)), ("block_h", block_h),
-            ("block_k", block_k), ("block_k_bwd", block_k_bwd), ("interpret", bool(interpret)),
-            ("num_warps", num_warps),
-            ("num_stages", num_stages))
-  o, lse = _attn(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, global_kv_BxNxD, topk_BxTxK,
-                 static)
-  if global_kv_BxNxD is None:
-    return o, None
-  sg = jax.lax.stop_gradient
-  probs = _global_probs(sg(q_BxTxHxD), sg(global_kv_BxNxD), topk_BxTxK, sg(lse), scale=scale,
-                        block_h=block_h, block_k=block_k, interpret=bool(interpret),
-                        num_warps=num_warps, num_stages=num_stages)
-  return o, probs
-

@@ -17,12 +17,18 @@ selected indices are written in ascending index order (not by score): every cons
 
 Pure jax (XLA): the passes read the scores 8 times instead of sorting them. Not yet timed on the
 GPU (`benchmarks/csa2_kernels_gpu.py --cases topk-4k` compares it with `lax.top_k`).
+
+`score_and_select` is a kernel of the op `indexer_topk`: the op's XLA scores, visibility and pool
+with this selection in place of `lax.top_k` (the Triton indexer kernel, `pallas_kernels.indexer`,
+selects with `radix_topk` too).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.ops import indexer as _ops
 
 _U32 = jnp.uint32
 
@@ -66,3 +72,18 @@ def radix_topk(scores_BxTxN: jax.Array, visible_BxTxN: jax.Array, k: int) -> jax
   # Unselected entries all land in the spare slot k_eff, which is cut off.
   out = jnp.full(slot.shape[:2] + (k_eff + 1,), -1, jnp.int32).at[b, t, slot].set(entry)
   return out[..., :k_eff]
+
+
+def select_topk(scores_BxTxN, visible_BxTxN, k: int, candidate_mask_BxTxN=None):
+  """`pallas_kernels.ops.indexer.select_topk` (its signature, results and selected sets) through
+  `radix_topk`: the slots hold the set in ascending index order, not by score."""
+  mask = visible_BxTxN if candidate_mask_BxTxN is None else visible_BxTxN & candidate_mask_BxTxN
+  topk = radix_topk(scores_BxTxN, mask, k)
+  picked = jnp.take_along_axis(scores_BxTxN.astype(jnp.float32), jnp.maximum(topk, 0), axis=-1)
+  return topk, jnp.where(topk >= 0, picked, 0.0)
+
+
+def score_and_select(*args, **kwargs):
+  """The op `indexer_topk` (`pallas_kernels.ops.indexer.score_and_select`, its arguments and
+  results) selecting with `radix_topk`."""
+  return _ops.score_and_select(*args, **kwargs, select=select_topk)

@@ -96,12 +96,14 @@ def candidate_mask(block_ids_BxTxK: jax.Array, n: int, block_size: int) -> jax.A
 
 def score_and_select(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry_last_BxN,
                      segment_ids_BxT, candidate=None, *, k: int, make_pool: bool = False,
-                     block_size: int = 8, topk_blocks: int = 1, query_chunk: int | None = None):
+                     block_size: int = 8, topk_blocks: int = 1, query_chunk: int | None = None,
+                     select=select_topk):
   """Scores, visibility, optional pool, top-k for all queries, `query_chunk` rows at a time.
 
   `candidate`: a consumer's pool block ids [B, T, n_blocks] (−1 = none), or None; `make_pool`:
   this layer is the pool's source. Returns (topk_BxTxK, scores_at_topk_BxTxK, pool block ids or
-  None). Chunking changes memory, never results.
+  None). Chunking changes memory, never results. `select`: the selection, `select_topk`'s
+  signature and selected sets (a kernel passes its own exact form, `pallas_kernels.topk_select`).
   """
   b, t = segment_ids_BxT.shape
   n = index_k_BxNxI.shape[1]
@@ -111,7 +113,7 @@ def score_and_select(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry
     vis = entry_visible(entry_segment_BxN, entry_last_BxN, seg, rows)
     pool = candidate_pool(scores, vis, block_size, topk_blocks) if make_pool else None
     cmask = None if cand is None else candidate_mask(cand, n, block_size)
-    topk, picked = select_topk(scores, vis, k, cmask)
+    topk, picked = select(scores, vis, k, cmask)
     return topk, picked, pool
 
   rows = jnp.arange(t, dtype=jnp.int32)

@@ -16,9 +16,10 @@ the selected set (fast at moderate T), "gather" gathers the k selected entries p
 distinct (as `lax.top_k` produces them): "masked" counts a repeated entry once, "gather" twice.
 Either form holds a [B, T, H, N] or [B, T, K, D] intermediate; `query_chunk` bounds that at long T by
 scanning over chunks of query rows (rematerialised in the backward pass). `attend` is the reference
-of the dispatcher's op `sparse_attention`; its kernel `pallas_kernels.sparse_attention.sparse_attend`
+of the dispatcher's op `sparse_attention`; its kernel `pallas_kernels.csa2_attention.sparse_attend`
 runs one online softmax per query over the window and the selected entries read by index, neither
-intermediate in memory (it counts a repeated slot twice, like "gather").
+intermediate in memory (it counts a repeated slot twice, like "gather"), with a deterministic
+backward.
 
 `attend_reference` is the same function written densely over all T + N keys, for tests.
 """

@@ -67,12 +67,15 @@ def _trace_model_grad(cfg):
 
 def test_every_registered_kernel_is_reached_from_a_model_or_optimizer_path(reached):
   # Two Full layers (the encoder's at m = 2, the decoder's at m = 1): compressor (FP4), indexer
-  # (MXFP4, scores + top-k), sparse attention with its global branch, SWA keys (FP8), the
+  # (MXFP4, scores + top-k; the pool), sparse attention with its global branch, SWA keys (FP8), the
   # attention site's coefficients and the MoE site's single-pass site. index_head_dim 32: MXFP4.
+  # The decoder's layer is the candidate pool's source, which the Triton indexer kernel does not
+  # take: its selection runs the op's second kernel (the radix select).
   cfg = testing.tiny_config(
       num_hidden_layers=2, compress_ratios=(2, 1), kv_source_layer_ids=(0, 1),
       index_source_layer_ids=(0, 1), engram_layer_ids=(), seq_len=16, index_head_dim=32,
       fp4_main_kv=True, fp4_indexer=True, fp8_swa_kv=True, moe_dispatch="dropless",
+      use_candidate_pool=True, candidate_source_layer_id=1,
       ops=dict(ALL_KERNEL, grouped_matmul="auto"))  # float32 experts: the reference
   assert "pallas_call" in str(_trace_model_grad(cfg))
   # The MoE layer at the Mosaic kernels' tiles (bf16 operands, d and f multiples of 128).

@@ -1,14 +1,45 @@
 """pallas_kernels/csa2_attention.py (interpret mode) against pallas_kernels.ops.sparse_attention.attend_reference."""
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ops import sparse_attention as sa
+from dsv41_jax.layers.indexer import select_topk
+from dsv41_jax.layers.types import CompressedKV, entry_visible
 from pallas_kernels import csa2_attention as ca
+from pallas_kernels import dispatch, notices
+from pallas_kernels.ops import sparse_attention as sa
 from tests.pallas_kernels.cuda_lowering import lower_for_cuda, triton_calls
-from tests.pallas_kernels.test_sparse_attention import W, _inputs
+
+B, T, H, W, K = 2, 37, 3, 8, 8   # T = 37: no block divides it; K = 8 > entries visible early on
+
+
+def _inputs(seed, m, D=32, dtype=jnp.float32):
+  """Random q/kv/entries/sink, two ragged documents per row (row 1 ends in padding), and a top-k
+  from random scores over the visible entries (−1 where fewer than K are visible)."""
+  rng = np.random.default_rng(seed)
+  seg = np.ones((B, T), np.int32)
+  seg[0, 13:] = 2
+  seg[1, 22:] = 3
+  seg[1, 33:] = 0
+  N = -(-T // m)
+  last = (np.arange(N) + 1) * m - 1
+  eseg = np.full((B, N), -1, np.int32)
+  for b in range(B):
+    for g in range(N):
+      toks = seg[b, g * m:(g + 1) * m]
+      if last[g] < T and len(set(toks)) == 1 and toks[0] > 0:
+        eseg[b, g] = toks[0]
+  kv = CompressedKV(None, None, jnp.asarray(eseg), jnp.asarray(np.broadcast_to(last, (B, N))),
+                    None)
+  vis = entry_visible(kv, jnp.asarray(seg))
+  topk, _ = select_topk(jnp.asarray(rng.standard_normal((B, T, N)), jnp.float32), vis, K)
+  f = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)
+  return dict(q=f(B, T, H, D), kv=f(B, T, D), seg=jnp.asarray(seg),
+              sink=jnp.asarray(rng.standard_normal(H), jnp.float32), g=f(B, N, D), topk=topk)
 
 # Small tiles so that T = 37 and N are off every tile, and contributions capped at 10 tokens per
 # piece (B · G · Kp · D = 2 · 1 · 8 · 32 elements per token), so the backward runs 4 pieces.
@@ -74,7 +105,7 @@ def test_bfloat16_window_only_and_bad_input():
                      scale=0.2, interpret=True)
   big = jax.ShapeDtypeStruct((1, 1 << 16, 64, 512), jnp.bfloat16)   # Flash heads at 64K tokens
   assert "2^31" in ca.unsupported_reason(big, jax.ShapeDtypeStruct((1, 1 << 16, 512),
-                                                                   jnp.bfloat16), 128)
+                                                                   jnp.bfloat16), window=128)
 
 
 def test_lowers_for_cuda():
@@ -109,3 +140,55 @@ def test_slot_order():
       rows = order[b, lo[b, n, 0]:hi[b, n, 0]]
       assert (ids[b, rows] == n).all() and (np.diff(rows) > 0).all()
       assert len(rows) == (ids[b] == n).sum()
+
+
+def _op(policy, x, D=32):
+  return dispatch.call("sparse_attention", x["q"], x["kv"], x["seg"], x["sink"], x["g"], x["topk"],
+                       policy=policy, window=W, scale=D ** -0.5)
+
+
+def test_dispatcher_runs_the_kernel_and_falls_back(caplog):
+  x = _inputs(4, 2)
+  assert dispatch.choose("sparse_attention", "kernel", x["q"], x["kv"], x["seg"], x["sink"],
+                         x["g"], x["topk"], window=W, scale=0.125)[0] == (
+      "pallas_kernels.csa2_attention:sparse_attend")
+  o, _ = _op("kernel", x)
+  ro, _ = _run(sa.attend_reference, x)
+  np.testing.assert_allclose(np.asarray(o), np.asarray(ro), rtol=1e-5, atol=1e-5)
+  # head_dim 24 is no power of two: under "auto" the XLA "masked" form runs and says so once;
+  # under "kernel" it is one error naming the op, the policy and the reason.
+  rng = np.random.default_rng(5)
+  y = dict(x, q=jnp.asarray(rng.standard_normal((B, T, H, 24)), jnp.float32),
+           kv=jnp.asarray(rng.standard_normal((B, T, 24)), jnp.float32),
+           g=jnp.asarray(rng.standard_normal(x["g"].shape[:2] + (24,)), jnp.float32))
+  notices._NOTED.clear()
+  with caplog.at_level(logging.INFO):
+    for _ in range(2):
+      o, _ = _op("auto", y, D=24)
+  assert sum("runs the reference" in r.message and "head_dim 24" in r.message
+             for r in caplog.records) == 1
+  np.testing.assert_array_equal(np.asarray(o), np.asarray(_run(sa.attend, y, D=24)[0]))
+  with pytest.raises(dispatch.PolicyError, match="op sparse_attention: policy 'kernel'.*head_dim 24"):
+    _op("kernel", y, D=24)
+
+
+@pytest.mark.parametrize("shape, why", [
+    (dict(), None), (dict(D=64), "head_dim 64"), (dict(H=32), "32 heads"),
+    (dict(W=256), "window 256"), (dict(K=512), "top-512"), (dict(T=2048), "2048 tokens"),
+    (dict(window_only=True), "window-only")])
+def test_auto_takes_the_kernel_on_the_gpu_inside_the_measured_envelope(monkeypatch, shape, why):
+  # The shape policy on abstract arguments (a GPU backend pretended): s3's shapes take the kernel.
+  s = {**dict(T=4096, H=16, D=128, W=128, K=256, window_only=False), **shape}
+  sd = lambda *a, dt=jnp.bfloat16: jax.ShapeDtypeStruct(a, dt)
+  args = (sd(4, s["T"], s["H"], s["D"]), sd(4, s["T"], s["D"]), sd(4, s["T"], dt=jnp.int32),
+          sd(s["H"], dt=jnp.float32))
+  args += ((None, None) if s["window_only"] else
+           (sd(4, s["T"], s["D"]), sd(4, s["T"], s["K"], dt=jnp.int32)))
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  path, _ = dispatch.choose("sparse_attention", "auto", *args, window=s["W"], scale=0.1)
+  if why is None:
+    assert path == "pallas_kernels.csa2_attention:sparse_attend"
+  else:
+    assert path == "pallas_kernels.ops.sparse_attention:attend"
+    (kernel,) = dispatch.OPS["sparse_attention"].kernels
+    assert why in kernel.faster(args, dict(window=s["W"]))

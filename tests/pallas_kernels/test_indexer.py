@@ -96,20 +96,24 @@ def test_model_switch_and_fallback(caplog):
   want = ix.score_and_select(q, w, kv, seg, k=K)
   assert got[2] is None
   np.testing.assert_array_equal(np.sort(np.asarray(got[0]), -1), np.sort(np.asarray(want[0]), -1))
-  # The candidate pool has no kernel: "auto" runs the reference (equal results) and logs once;
-  # "kernel" is an error naming the reason.
+  # The candidate pool has no Triton kernel: "auto" runs the reference (equal results) and logs
+  # once, naming the reason; "kernel" runs the op's second kernel, the radix select (the same
+  # sets and pool; tests/pallas_kernels/test_topk_select.py compares it in full).
+  pool = dict(k=K, make_pool=True, block_size=4, topk_blocks=2)
   with caplog.at_level(logging.INFO):
     for _ in range(2):
-      pooled = ix.score_and_select(q, w, kv, seg, k=K, make_pool=True, block_size=4,
-                                   topk_blocks=2, policy="auto")
+      pooled = ix.score_and_select(q, w, kv, seg, **pool, policy="auto")
   assert sum("runs the reference" in r.message and "candidate pool" in r.message
              for r in caplog.records) == 1
-  with pytest.raises(dispatch.PolicyError, match="op indexer_topk: policy 'kernel'.*candidate pool"):
-    ix.score_and_select(q, w, kv, seg, k=K, make_pool=True, block_size=4, topk_blocks=2,
-                        policy="kernel")
-  ref = ix.score_and_select(q, w, kv, seg, k=K, make_pool=True, block_size=4, topk_blocks=2)
+  assert dispatch.choose("indexer_topk", "kernel", q, w, kv.index_k_BxNxI, kv.entry_segment_BxN,
+                         kv.entry_last_BxN, seg, None, **pool)[0] == (
+      "pallas_kernels.topk_select:score_and_select")
+  radix = ix.score_and_select(q, w, kv, seg, **pool, policy="kernel")
+  ref = ix.score_and_select(q, w, kv, seg, **pool)
   for a, b in zip(pooled, ref):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_array_equal(np.sort(np.asarray(radix[0]), -1), np.sort(np.asarray(ref[0]), -1))
+  np.testing.assert_array_equal(np.asarray(radix[2]), np.asarray(ref[2]))
 
 
 def test_lowers_for_cuda():
