@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import re
 
+import jax
 import ml_collections
 
 from configs import common
@@ -53,8 +54,10 @@ FAST_CPU = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_pass
 # compiles in ~10 s instead of ~22 s (loaded 2-core box), numbers again equal to float rounding
 # (3e-7 in the parameters after 3 steps). Their steps are slower, so the cpu grid keeps FAST_CPU:
 # at L10d96 compilation takes 13 s less but a step 2.14 s instead of 1.73 s (idle box), a loss
-# from ~30 steps on.
-FASTER_CPU = FAST_CPU + " --xla_cpu_use_fusion_emitters=false"
+# from ~30 steps on. jax 0.11's XLA has only the fusion emitters: the flag is gone there, and an
+# unknown XLA flag stops the process, so on jax 0.11 FASTER_CPU is FAST_CPU.
+FASTER_CPU = FAST_CPU + (" --xla_cpu_use_fusion_emitters=false"
+                         if jax.__version_info__ < (0, 11) else "")
 
 # Each grid: sizes (name -> layers, width), budgets in steps, the batch and sequence of every point,
 # the peak learning rate and warm-up, and the ablation size, budget and seeds.
