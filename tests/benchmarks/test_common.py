@@ -22,3 +22,4 @@ def test_set_overrides_parse_by_the_replaced_type_and_name_bad_items():
   d = ml_collections.ConfigDict({"a": None})
   set_overrides(d, ["a=x"])
   assert d.a == "x"
+
