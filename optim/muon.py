@@ -10,9 +10,11 @@ axes: a vanilla weight orthogonalizes its last two axes `(in, out)`; a head-wise
 `(..., in, heads, head_dim)` orthogonalizes each `(in, head_dim)` head on its own.
 
 Batched: every matrix of every Muon parameter is one item of a batch. Items of the same (rows,
-cols), after turning tall matrices wide, are concatenated and go through ONE Newton–Schulz call
-whose iterations are a `lax.fori_loop` over the coefficient table, so the compiled update holds one
-Newton–Schulz body per distinct matrix shape, however many parameters share it.
+cols) are concatenated and go through ONE Newton–Schulz call whose iterations are a
+`lax.fori_loop` over the coefficient table, so the compiled update holds one Newton–Schulz body
+per distinct matrix shape, however many parameters share it: each step is three batched products
+over all its items, on the short side of the matrices (a tall batch iterates on XᵀX, so no
+transposed copy of a matrix is written on the way in or out).
 
 Precision (`ns_dtype`): "float32" runs the products in float32 at HIGHEST precision with a float32
 iterate; "bfloat16" keeps the iterate X and the Gram matrices in bfloat16 between products, every
@@ -71,19 +73,29 @@ def _normalized(x: jax.Array) -> jax.Array:
   return x / jnp.maximum(norm, 1e-30)
 
 
+def _short_side(tall: bool):
+  """(Gram, apply) equations on the short side of [..., m, n] matrices: for m ≤ n, A = XXᵀ (m×m)
+  and BX; for tall ones, A = XᵀX (n×n) and XB, the same map of singular values, and no
+  transpose of X is ever written (the products take their operands in either orientation)."""
+  if tall:
+    return "...km,...kn->...mn", lambda mm, b, x, *out: mm("...mk,...kn->...mn", x, b, *out)
+  return "...mn,...kn->...mk", lambda mm, b, x, *out: mm("...mk,...kn->...mn", b, x, *out)
+
+
 def _iterate(x_BxMxN: jax.Array, coeffs, ns_dtype: str) -> jax.Array:
-  """The Newton–Schulz steps on wide, normalized matrices (already in the iterate's dtype);
-  float32 out. Each step maps X ← aX + (bA + cA²)X with A = XXᵀ, i.e. each singular value
-  s ← as + bs³ + cs⁵."""
+  """The Newton–Schulz steps on normalized matrices (already in the iterate's dtype), on their
+  short side (`_short_side`); float32 out. Each step maps X ← aX + (bA + cA²)X with A = XXᵀ
+  (for m ≤ n), i.e. each singular value s ← as + bs³ + cs⁵."""
   table = jnp.asarray(np.asarray(coeffs, np.float32))
+  gram, apply = _short_side(x_BxMxN.shape[-2] > x_BxMxN.shape[-1])
   if ns_dtype == "float32":
     mm = lambda eq, u, v: jnp.einsum(eq, u, v, precision=_HI)
 
     def step(i, x):
       a, b, c = table[i, 0], table[i, 1], table[i, 2]
-      a_MxM = mm("...mn,...kn->...mk", x, x)
+      a_MxM = mm(gram, x, x)
       b_MxM = b * a_MxM + c * mm("...mk,...kl->...ml", a_MxM, a_MxM)
-      return a * x + mm("...mk,...kn->...mn", b_MxM, x)
+      return a * x + apply(mm, b_MxM, x)
 
     return jax.lax.fori_loop(0, len(coeffs), step, x_BxMxN)
 
@@ -98,14 +110,13 @@ def _iterate(x_BxMxN: jax.Array, coeffs, ns_dtype: str) -> jax.Array:
   # slope at 1, so the earlier steps' roundings are squared away), keeps them in float32.
   bf16, f32 = jnp.bfloat16, jnp.float32
   mm = lambda eq, u, v, out: jnp.einsum(eq, u, v, preferred_element_type=out)
-  m = x_BxMxN.shape[-2]
-  eye = jnp.eye(m, dtype=f32)
+  eye = jnp.eye(min(x_BxMxN.shape[-2:]), dtype=f32)
 
   def bf16_step(x, a, b, c, out_dtype):
-    as_MxM = (mm("...mn,...kn->...mk", x, x, f32) - eye).astype(bf16)
+    as_MxM = (mm(gram, x, x, f32) - eye).astype(bf16)
     b_MxM = ((b + 2 * c) * as_MxM.astype(f32)
              + c * mm("...mk,...kl->...ml", as_MxM, as_MxM, out_dtype).astype(f32)).astype(bf16)
-    return ((a + b + c) * x.astype(f32) + mm("...mk,...kn->...mn", b_MxM, x, out_dtype).astype(f32)
+    return ((a + b + c) * x.astype(f32) + apply(mm, b_MxM, x, out_dtype).astype(f32)
             ).astype(out_dtype)
 
   x = jax.lax.fori_loop(
@@ -145,13 +156,10 @@ dispatch.register("newton_schulz", _NEWTON_SCHULZ)
 
 def newton_schulz(x_BxMxN: jax.Array, coeffs=NS_COEFFS, ns_dtype: str = "float32") -> jax.Array:
   """Approximate U Vᵀ of each matrix in the batch (float32 out; precision `ns_dtype`, module
-  docstring). The matrix is normalized by its Frobenius norm, then iterated in the wide
-  orientation (A is min(m, n)²)."""
+  docstring). The matrix is normalized by its Frobenius norm, then iterated on its short side
+  (A is min(m, n)²)."""
   ns_dtype, iterate = _iterator(ns_dtype)
-  tall = x_BxMxN.shape[-2] > x_BxMxN.shape[-1]
-  x = _normalized(jnp.swapaxes(x_BxMxN, -1, -2) if tall else x_BxMxN)
-  x = iterate(x.astype(_iterate_dtype(ns_dtype)), coeffs)
-  return jnp.swapaxes(x, -1, -2) if tall else x
+  return iterate(_normalized(x_BxMxN).astype(_iterate_dtype(ns_dtype)), coeffs)
 
 
 def _as_matrices(g: jax.Array, headwise: bool) -> jax.Array:
@@ -177,14 +185,13 @@ def orthogonalize_many(gs: Sequence[jax.Array], headwise: Sequence[bool],
   mats = [_as_matrices(g, h) for g, h in zip(gs, headwise)]
   by_key: dict[tuple[int, int, bool], list[int]] = {}
   for i, x in enumerate(mats):
-    by_key.setdefault(tuple(sorted(x.shape[-2:])) + (frozen[i],), []).append(i)
+    by_key.setdefault(tuple(x.shape[-2:]) + (frozen[i],), []).append(i)
   out: list[jax.Array | None] = [None] * len(mats)
-  for (small, _, skippable), idx in by_key.items():
-    # Each item normalized and turned wide, then rounded once to the iterate's dtype.
-    wide = [_normalized(mats[i] if mats[i].shape[-2] == small else jnp.swapaxes(mats[i], -1, -2)
-                        ).astype(_iterate_dtype(ns_dtype)) for i in idx]
-    sizes = np.cumsum([w.shape[0] for w in wide])[:-1]
-    x = jnp.concatenate(wide, axis=0)
+  for (_, _, skippable), idx in by_key.items():
+    # Each item normalized, then rounded once to the iterate's dtype.
+    items = [_normalized(mats[i]).astype(_iterate_dtype(ns_dtype)) for i in idx]
+    sizes = np.cumsum([w.shape[0] for w in items])[:-1]
+    x = jnp.concatenate(items, axis=0)
     run = lambda x: iterate(x, NS_COEFFS)
     if skippable:
       x = jax.lax.cond(jnp.any(x != 0), run,
@@ -192,7 +199,6 @@ def orthogonalize_many(gs: Sequence[jax.Array], headwise: Sequence[bool],
     else:
       x = run(x)
     for i, y in zip(idx, jnp.split(x, sizes)):
-      y = y if mats[i].shape[-2] == small else jnp.swapaxes(y, -1, -2)
       out[i] = _from_matrices(y, gs[i], headwise[i])
   return out
 

@@ -130,17 +130,20 @@ def test_frozen_matrices_are_skipped_while_zero_and_equal_otherwise():
 
 
 def test_equal_shapes_share_one_batched_newton_schulz_chain():
-  """Every matrix of one shape (head-wise, stacked, tall or wide, from any parameter) is one item
-  of one batch: the lowered Newton–Schulz is three batched products per step (XXᵀ, Aₛ², BX, in the
-  loop and in the last step) over all 13 items on the short side, and in the bfloat16 loop the
-  two products combined with a bfloat16 term are written in bfloat16 (the last step's in float32)."""
+  """Every matrix of one shape (head-wise, stacked, from any parameter) is one item of one batch:
+  the lowered Newton–Schulz of a shape is three batched products per step (Gram, Aₛ², BX, in the
+  loop and in the last step) over all its items, on the short side, a tall batch in its own
+  orientation (XᵀX); in the bfloat16 loop the two products combined with a bfloat16 term are
+  written in bfloat16 (the last step's in float32)."""
   rng = np.random.default_rng(7)
   gs = [jnp.asarray(rng.standard_normal(s), jnp.float32)
-        for s in ((2, 40, 3, 16), (2, 3, 16, 40), (40, 16))]    # 6 heads + 6 + 1 of (16, 40)
-  text = jax.jit(lambda gs: muon.orthogonalize_many(gs, [True, False, False], "bfloat16")
+        for s in ((2, 40, 3, 16), (2, 3, 40, 16), (40, 16), (2, 16, 40))]  # 13 tall, 2 wide
+  text = jax.jit(lambda gs: muon.orthogonalize_many(gs, [True, False, False, False], "bfloat16")
                  ).lower(gs).as_text()
   dots = [line.split("->")[-1].strip() for line in text.splitlines() if "dot_general" in line]
-  assert sorted(dots) == sorted(
-      ["tensor<13x16x16xf32>"] * 3 + ["tensor<13x16x16xbf16>"] + ["tensor<13x16x40xbf16>"]
-      + ["tensor<13x16x40xf32>"]), dots
-  assert text.count("stablehlo.while") == 1
+  per_batch = lambda n, m, k: ([f"tensor<{n}x{k}x{k}xf32>"] * 3 + [f"tensor<{n}x{k}x{k}xbf16>"]
+                               + [f"tensor<{n}x{m}xbf16>", f"tensor<{n}x{m}xf32>"])
+  assert sorted(dots) == sorted(per_batch(13, "40x16", 16) + per_batch(2, "16x40", 16)), dots
+  assert text.count("stablehlo.while") == 2
+  # the only transposes move the head-wise weight's heads next to the batch axes, and back
+  assert text.count("stablehlo.transpose") == 2, text.count("stablehlo.transpose")
