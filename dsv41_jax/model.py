@@ -303,9 +303,16 @@ def init_model(cfg: ModelConfig, seed: int = 0, mesh: jax.sharding.Mesh | None =
     return Transformer(cfg, nnx.Rngs(seed))
   gdef, abs_state = nnx.split(abstract_model(cfg))
   shardings = sharding.state_shardings(abs_state, mesh)
-  state = jax.jit(lambda: nnx.split(Transformer(cfg, nnx.Rngs(seed)))[1],
-                  out_shardings=shardings)()
-  return nnx.merge(gdef, state)
+  init = jax.jit(lambda: nnx.split(Transformer(cfg, nnx.Rngs(seed)))[1], out_shardings=shardings)
+  options = _CPU_INIT_OPTIONS if mesh.devices.flat[0].platform == "cpu" else {}
+  return nnx.merge(gdef, init.trace().lower().compile(compiler_options=options)())
+
+
+# The init program runs once per run. On the CPU, LLVM's optimisation of its random-number code is
+# most of a cold start (configs/tiny.py: 51 s of compile on 2 busy cores, 9.6 s without it) and buys
+# nothing at run time (the program runs in milliseconds). The draws stay exact integer threefry; the
+# float transforms after them may round differently from an optimised build (another valid draw).
+_CPU_INIT_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
 def param_count(state: nnx.State) -> int:
