@@ -1,0 +1,186 @@
+"""The optimizer update of a small config from several source trees, side by side in one GPU call
+(issue 25: before and after a change). Each tree runs in its own process, which imports that
+tree's optim/, launch/, configs/ and dsv41_jax/ and times its programs on the same random inputs.
+
+  # the base revision's packages into an ignored folder of this checkout (a device call carries it)
+  mkdir -p build/optim_base && git archive BASE optim launch configs dsv41_jax pallas_kernels data \
+      | tar -x -C build/optim_base
+  python benchmarks/optim_update.py --roots build/optim_base .     # on the GPU, ~2 minutes
+
+Programs, for `--size` (s3) at `--batch` × `--seq` (4 × 4096) as `benchmarks/gpu_step.py` builds
+it (text rows, nothing frozen, Newton–Schulz policy "kernel": the bfloat16 iterate that "auto"
+takes on a GPU):
+  update         `tx.update` + `optax.apply_updates` on (gradients, optimizer state, parameters):
+                 gpu_step's split "optimizer" program
+  sinkhorn       the Sinkhorn direction of every Engram table with its sub-table layout
+                 (gpu_step's `--sinkhorn`)
+  newton_schulz  `optim.muon.orthogonalize_many` of every Muon-group parameter, as the update calls
+                 it (`--programs` adds it; its compile takes about as long as the update's)
+Inputs: normal × 0.02 for every float, zeros for integers, from one key, so trees whose programs
+take the same leaves get the same values. Timing: one first call (compile and warm-up) timed
+apart, then the median of `--reps` calls, each waited on (as `benchmarks.common.time_calls`, which
+a base tree need not have).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+PROGRAMS = ("update", "sinkhorn", "newton_schulz")
+
+
+def _args():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--roots", nargs="+", default=["."],
+                  help="source trees to time, in order (the last is compared with the first)")
+  ap.add_argument("--programs", nargs="+", default=["update", "sinkhorn"], choices=PROGRAMS)
+  ap.add_argument("--size", default="s3")
+  ap.add_argument("--batch", type=int, default=4)
+  ap.add_argument("--seq", type=int, default=4096)
+  ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--json", default=None)
+  ap.add_argument("--child", default=None, help=argparse.SUPPRESS)   # JSON path of one tree's run
+  return ap.parse_args()
+
+
+ARGS = _args()
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ARGS.child:
+  sys.path.insert(0, os.path.abspath(ARGS.roots[0]))
+  from launch import xla_flags  # noqa: E402
+  xla_flags.apply_defaults()   # as launch.train does, before jax starts
+else:
+  sys.path.insert(0, _HERE)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def _flat(fn, tree):
+  """`fn` on the tree as a jitted function of its flat leaves, and the leaves' abstract values."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return (jax.jit(lambda *xs: jax.tree.leaves(fn(jax.tree.unflatten(treedef, list(xs))))),
+          [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves])
+
+
+def programs(names) -> dict:
+  """name -> (jitted flat function, abstract inputs) of the tree on sys.path (module docstring)."""
+  import optax
+  from configs import small
+  from configs.common import MeshConfig
+  from dsv41_jax import model as model_lib
+  from launch import setup
+  from launch.step import engram_sub_tables
+  from optim import muon, sinkhorn, table
+
+  cfg = small.get_config(ARGS.size)
+  cfg.data.seq_len, cfg.data.batch_size, cfg.model.seq_len = ARGS.seq, ARGS.batch, ARGS.seq
+  if "grad_accum_steps" in cfg.train:
+    cfg.train.grad_accum_steps = 1
+  cfg.model.vision = None
+  cfg.optim.frozen, cfg.optim.unfreeze_at = (), "never"
+  cfg.optim.newton_schulz = "kernel"
+  run = setup.run_config(cfg, process_count=1)
+  ts = setup.abstract_state(run, setup.build_mesh(MeshConfig(data=1), jax.devices()[:1]))
+  plain = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
+  params, opt_state = plain(ts.state.params), plain(ts.state.opt_state)
+  tx, o = ts.tx, run.optim
+  flat = dict(table.flatten_params(params))
+  rows = table.label_params(params)
+
+  def update(tree):
+    g, s, p = tree
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  def sinkhorn_program():
+    layouts = engram_sub_tables(model_lib.abstract_model(run.model))
+    return _flat(lambda gs: [sinkhorn.sinkhorn_direction(
+        g, o.sinkhorn_iters, o.sinkhorn_tau, o.sinkhorn_eps, o.update_rms, layouts[p])
+        for p, g in gs.items()], {p: flat[p] for p in sorted(layouts)})
+
+  def newton_schulz_program():
+    mats = sorted(p for p, r in rows.items() if r.group == "muon")
+    return _flat(lambda gs: muon.orthogonalize_many(
+        [gs[p] for p in mats], [rows[p].headwise for p in mats], "kernel"),
+        {p: flat[p] for p in mats})
+
+  build = {"update": lambda: _flat(update, (params, opt_state, params)),
+           "sinkhorn": sinkhorn_program, "newton_schulz": newton_schulz_program}
+  return {n: build[n]() for n in names}
+
+
+def _inputs(avals, seed: int = 0) -> list:
+  """Normal × 0.02 for floats, zeros for the rest, made on the device by one program."""
+  def make(key):
+    keys = jax.random.split(key, len(avals))
+    return [0.02 * jax.random.normal(k, a.shape, a.dtype)
+            if jnp.issubdtype(a.dtype, jnp.floating) else jnp.zeros(a.shape, a.dtype)
+            for k, a in zip(keys, avals)]
+  return jax.block_until_ready(jax.jit(make)(jax.random.key(seed)))
+
+
+def _time(fn, args, reps: int) -> tuple[float, float]:
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  first = time.perf_counter() - t0
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times)), first
+
+
+def child(path: str) -> None:
+  """Time the programs of the tree `ARGS.roots[0]`; write their figures to `path`."""
+  out = []
+  for name, (fn, avals) in programs(ARGS.programs).items():
+    args = _inputs(avals)
+    median, first = _time(fn, args, ARGS.reps)
+    del args
+    out.append(dict(program=name, root=ARGS.roots[0], median_s=median, first_s=first))
+    print(f"[{ARGS.roots[0]}] {name}: {median * 1e3:.1f} ms (first call {first:.1f} s)",
+          flush=True)
+  with open(path, "w") as f:
+    json.dump(out, f)
+
+
+def main() -> None:
+  from benchmarks.common import header, md_header
+  rows = []
+  for root in ARGS.roots:
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+      cmd = [sys.executable, os.path.abspath(__file__), "--child", tmp.name, "--roots", root,
+             "--programs", *ARGS.programs, "--size", ARGS.size, "--batch", str(ARGS.batch),
+             "--seq", str(ARGS.seq), "--reps", str(ARGS.reps)]
+      subprocess.run(cmd, check=True, cwd=os.path.abspath(root))
+      with open(tmp.name) as f:
+        rows += json.load(f)
+  print("\n" + header())
+  print(f"{ARGS.size}, optimizer of a {ARGS.batch} × {ARGS.seq} step; median of {ARGS.reps} calls "
+        "(first call, with the compile, in parentheses)")
+  cols = [f"`{r}`" for r in ARGS.roots]
+  print(md_header("program", *cols, *(["last / first"] if len(ARGS.roots) > 1 else [])))
+  for name in ARGS.programs:
+    got = [r for r in rows if r["program"] == name]
+    cells = [f"{r['median_s'] * 1e3:,.1f} ms ({r['first_s']:.0f} s)" for r in got]
+    ratio = [f"{got[-1]['median_s'] / got[0]['median_s']:.2f}"] if len(got) > 1 else []
+    print(f"| {name} | " + " | ".join(cells + ratio) + " |")
+  if ARGS.json:
+    with open(ARGS.json, "w") as f:
+      json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+  if ARGS.child:
+    child(ARGS.child)
+  else:
+    main()
