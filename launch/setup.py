@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable, Mapping
 
 import jax
@@ -306,10 +306,11 @@ def schedule_input(run: RunConfig, ts: TrainSetup) -> Schedule:
   return Schedule(*(replicate(v, ts.replicated) for v in schedule_of(run.optim)))
 
 
-def compile_train_steps(jitted, mesh, phases, args, schedule: Schedule | None = None
-                        ) -> dict[bool, Any]:
+def compile_train_steps(jitted, mesh, phases, args, schedule: Schedule | None = None, *,
+                        poll: Callable[[], None] | None = None) -> dict[bool, Any]:
   """AOT-compile the train step for each `train_vit` phase, concurrently (XLA compiles outside the
-  GIL; the main thread only waits, so a signal handler runs at once); with the persistent cache a
+  GIL; the main thread only waits, so a signal handler runs at once, and `poll` is called every
+  0.2 s of the wait: it may raise to abandon the compilation); with the persistent cache a
   rerun loads them instead. With `schedule`, each program takes it after `args`: called as
   `compiled(*args, schedule)`. The pool is not joined on the way out of an exception: an
   interrupted compilation is abandoned, not awaited."""
@@ -322,6 +323,11 @@ def compile_train_steps(jitted, mesh, phases, args, schedule: Schedule | None = 
   pool = ThreadPoolExecutor(len(phases))
   try:
     futures = {tv: pool.submit(one, tv) for tv in phases}
+    pending = set(futures.values())
+    while pending:
+      pending = wait(pending, timeout=0.2).not_done
+      if poll is not None:
+        poll()
     return {tv: f.result() for tv, f in futures.items()}
   finally:
     pool.shutdown(wait=False, cancel_futures=True)

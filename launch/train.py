@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import re
@@ -157,7 +158,10 @@ class _Stop:
   """SIGTERM and SIGINT (Ctrl-C), both ways a run is asked to stop.
 
   Before the loop (`in_loop` False) a signal raises `Interrupted` where the main thread is (the
-  compilation runs in worker threads, so the main thread is waiting and reacts at once). In the
+  compilation runs in worker threads, so the main thread is waiting and reacts at once), unless
+  the main thread is in a gc callback (jax runs one at every collection), where Python would
+  print the exception as "Exception ignored in gc callback" and drop it: there it is only noted,
+  and `check()` raises it at the next start-up point (the compilation's wait polls it). In the
   loop it sets a flag read after the step in flight: save, then exit 0. A second SIGINT exits at
   once. With several processes they must stop after the same step (the save is collective), so
   `agreed()` asks every process and stops all of them when any one was signalled."""
@@ -176,8 +180,13 @@ class _Stop:
       sys.stderr.flush()
       os._exit(130)
     self.requested = name
-    if not self.in_loop:
+    if not self.in_loop and not _in_gc_callback(frame):
       raise Interrupted(name)
+
+  def check(self) -> None:
+    """Raise `Interrupted` if a signal came before the loop (one noted in a gc callback)."""
+    if self.requested is not None and not self.in_loop:
+      raise Interrupted(self.requested)
 
   def agreed(self) -> bool:
     if jax.process_count() == 1:
@@ -189,6 +198,17 @@ class _Stop:
   def restore(self):
     for s, old in self._old.items():
       signal.signal(s, old)
+
+
+def _in_gc_callback(frame) -> bool:
+  """Whether `frame` (a signal handler's) is inside one of `gc.callbacks`, which swallow what
+  they raise."""
+  codes = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+  while frame is not None:
+    if frame.f_code in codes:
+      return True
+    frame = frame.f_back
+  return False
 
 
 def run(cfg: ml_collections.ConfigDict, workdir: str, profile_steps: str | None = None
@@ -365,7 +385,7 @@ def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
       if run.model.vision is not None else "text only")
   lr_schedule = setup.schedule_input(run, ts)  # data: a new train.steps compiles nothing new
   train_steps = compile_train_steps(setup.train_step_jit(run, ts), mesh, phases,
-                                    (ts.state, batch), lr_schedule)
+                                    (ts.state, batch), lr_schedule, poll=stop.check)
   compile_s = time.perf_counter() - t0
   log.info("train step compiled in %.1f s (compilation cache: %s)", compile_s,
            ctx.cache_dir or "off")
@@ -380,6 +400,7 @@ def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
                            tokenizer=ctx.tokenizer, token_features=ctx.features),
         tcfg.eval_batches)
 
+  stop.check()
   _commit(ctx, start)
   progress = Progress(run, ctx.workdir, start, ctx.primary, ctx.cfg.to_dict(), train_it)
   cleanup.callback(progress.close)
