@@ -19,10 +19,11 @@ transposed copy of a matrix is written on the way in or out).
 Precision (`ns_dtype`): "float32" runs the products in float32 at HIGHEST precision with a float32
 iterate; "bfloat16" keeps the iterate X and the Gram matrices in bfloat16 between products, every
 product accumulating in float32 and each polynomial combined in float32 before its rounding to
-bfloat16 (so no product is preceded by a separate cast pass); before the last step the products
-Aₛ² and BX are written in bfloat16 (they are combined with a bfloat16 term: half the bytes of the
-two largest temporaries), and the last step is written in float32. That is the tensor-core path of accelerators: singular values within 1 ± 5e-3 of one and
-the update RMS within 1 % of 0.18 on real gradients (`benchmarks/muon_precision.py`). The two are
+bfloat16 (so no product is preceded by a separate cast pass); before the last step each step is
+X ← PX, one bfloat16 product with P the step's polynomial in the Gram matrix (no elementwise pass
+over the m×n iterate), and the last step is written in float32 (`_iterate`). That is the
+tensor-core path of accelerators: singular values within 1 ± 5e-3 of one and the update RMS
+within 1 % of 0.18 on real gradients (`benchmarks/muon_precision.py`). The two are
 the reference and the kernel of the dispatcher's op `newton_schulz` (`pallas_kernels.dispatch`,
 registered below), so `ns_dtype` may also be an op policy (`OptimConfig.newton_schulz`): "auto"
 takes bfloat16 off the CPU (unchanged from before the policy; its speed against float32 is not
@@ -99,31 +100,35 @@ def _iterate(x_BxMxN: jax.Array, coeffs, ns_dtype: str) -> jax.Array:
 
     return jax.lax.fori_loop(0, len(coeffs), step, x_BxMxN)
 
-  # bfloat16: the same polynomial about the identity, A = I + Aₛ, so that what is rounded to
-  # bfloat16 is small once X is near orthogonal (A ≈ I, the Gram matrices' rounding would
-  # otherwise move the singular values by up to 4e-3):
-  #   aX + bAX + cA²X = (a + b + c)·X + ((b + 2c)·Aₛ + c·Aₛ²)·X.
-  # Every product accumulates in float32. XXᵀ stays float32 until I is taken off; in every step
-  # but the last, the products Aₛ² and BX are rounded to bfloat16 as they are written (half the
-  # bytes of the two largest temporaries: BX is m×n) and then combined in float32 with their
-  # bfloat16 partner. The last step, which lands the singular values (its polynomial has zero
-  # slope at 1, so the earlier steps' roundings are squared away), keeps them in float32.
+  # bfloat16: the Gram matrix is taken about the identity, A = I + Aₛ, so that what is rounded to
+  # bfloat16 is small once X is near orthogonal (A ≈ I; rounding A itself would move the singular
+  # values by up to 4e-3). Every product accumulates in float32; XXᵀ stays float32 until I is
+  # taken off.
+  #   The loop's steps write X ← PX in one product, P = (a + b + c)·I + (b + 2c)·Aₛ + c·Aₛ²
+  # combined in float32 and rounded to bfloat16 once, and Aₛ² and PX written in bfloat16: no
+  # elementwise pass over the m×n iterate. These steps only carry the singular values into the
+  # last step's basin (their rounding of P is that of X itself, 2⁻⁹ relative).
+  #   The last step, which lands the singular values (its polynomial has zero slope at 1, so the
+  # earlier roundings are squared away), is written about the identity in float32:
+  # X ← (a + b + c)·X + BX, B = (b + 2c)·Aₛ + c·Aₛ², the products Aₛ² and BX in float32.
   bf16, f32 = jnp.bfloat16, jnp.float32
   mm = lambda eq, u, v, out: jnp.einsum(eq, u, v, preferred_element_type=out)
   eye = jnp.eye(min(x_BxMxN.shape[-2:]), dtype=f32)
+  a_s = lambda x: (mm(gram, x, x, f32) - eye).astype(bf16)
+  square = lambda y, out: mm("...mk,...kl->...ml", y, y, out).astype(f32)
 
-  def bf16_step(x, a, b, c, out_dtype):
-    as_MxM = (mm(gram, x, x, f32) - eye).astype(bf16)
-    b_MxM = ((b + 2 * c) * as_MxM.astype(f32)
-             + c * mm("...mk,...kl->...ml", as_MxM, as_MxM, out_dtype).astype(f32)).astype(bf16)
-    return ((a + b + c) * x.astype(f32) + apply(mm, b_MxM, x, out_dtype).astype(f32)
-            ).astype(out_dtype)
+  def step(i, x):
+    a, b, c = table[i, 0], table[i, 1], table[i, 2]
+    as_MxM = a_s(x)
+    p_MxM = ((a + b + c) * eye + (b + 2 * c) * as_MxM.astype(f32) + c * square(as_MxM, bf16)
+             ).astype(bf16)
+    return apply(mm, p_MxM, x, bf16)
 
-  x = jax.lax.fori_loop(
-      0, len(coeffs) - 1,
-      lambda i, x: bf16_step(x, table[i, 0], table[i, 1], table[i, 2], bf16), x_BxMxN)
+  x = jax.lax.fori_loop(0, len(coeffs) - 1, step, x_BxMxN)
   a, b, c = coeffs[-1]
-  return bf16_step(x, a, b, c, jnp.float32)
+  as_MxM = a_s(x)
+  b_MxM = ((b + 2 * c) * as_MxM.astype(f32) + c * square(as_MxM, f32)).astype(bf16)
+  return (a + b + c) * x.astype(f32) + apply(mm, b_MxM, x, f32)
 
 
 def _iterate_dtype(ns_dtype: str):

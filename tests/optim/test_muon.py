@@ -133,8 +133,8 @@ def test_equal_shapes_share_one_batched_newton_schulz_chain():
   """Every matrix of one shape (head-wise, stacked, from any parameter) is one item of one batch:
   the lowered Newton–Schulz of a shape is three batched products per step (Gram, Aₛ², BX, in the
   loop and in the last step) over all its items, on the short side, a tall batch in its own
-  orientation (XᵀX); in the bfloat16 loop the two products combined with a bfloat16 term are
-  written in bfloat16 (the last step's in float32)."""
+  orientation (XᵀX); in the bfloat16 loop Aₛ² and PX are written in bfloat16 (the last step's
+  products in float32)."""
   rng = np.random.default_rng(7)
   gs = [jnp.asarray(rng.standard_normal(s), jnp.float32)
         for s in ((2, 40, 3, 16), (2, 3, 40, 16), (40, 16), (2, 16, 40))]  # 13 tall, 2 wide
