@@ -239,3 +239,14 @@ def test_lowered_optimizer_update_has_no_scatter():
   text = jax.jit(tx.update).lower(params, tx.init(params), params).as_text()
   assert "sinkhorn" in text or "while" in text   # the lowered program is the real update
   assert "scatter" not in text
+
+
+def test_block_sums_stream_the_table_into_chunk_partials():
+  """A column step's per-sub-table sums reduce the table once to per-chunk partials ([rows/8, 2,
+  cols] here: chunks of 8 rows, the smallest sub-table has 11) and contract those with a small
+  one-hot: the lowered direction holds no float [rows, sub-tables] array, the one-hot matmul's
+  operand that was rewritten at every column step."""
+  text = jax.jit(lambda x: sinkhorn.sinkhorn_direction(x, K, TAU, EPS, 0.18, BLOCKS)).lower(
+      jax.ShapeDtypeStruct((ROWS, 12), jnp.float32)).as_text()
+  assert f"tensor<{ROWS}x{len(BLOCKS)}xf32>" not in text
+  assert f"tensor<{ROWS // 8}x2x12xf32>" in text
