@@ -11,13 +11,18 @@
    ratios 2 and 1, sink; loss Σ o², global_probs computed and detached): the XLA forms ("masked",
    query-chunked where its [rows, H, N] scores would not fit, and "gather") and the op's kernel
    with its deterministic backward (`pallas_kernels.csa2_attention`)
-   at T = 4K (B 4), 16K, 32K, 64K (B 1), forward and forward + backward, and the ratio of the
-   deterministic kernel over the best XLA form. Useful FLOPs: 4·B·T·H·D·(W + K) forward (QK + PV at
+   at T = 4K (B 4), 16K, 32K, 64K (B 1), forward and forward + backward, the kernel both making
+   its slot plan in the call ("pallas csa2", a selecting layer) and handed it ("csa2 planned", a
+   Reuse layer; the plan's own time is the "slot plan" row), and the ratios of each over the best
+   XLA form and over "masked", flagged where any XLA form is faster. Useful FLOPs: 4·B·T·H·D·(W + K) forward (QK + PV at
    the keys attended), ×3 with the backward.
-3. Indexer (s3: H_I 16, D_I 128, top-256, m 1, one document, 4 × 4096): the kernel's scores alone,
-   scores + top-k (the forward `score_and_select`), and forward + backward of Σ r·scores_at_topk,
-   vs the XLA `score_and_select` (query_chunk 512). FLOPs: 2·B·T·N·H_I·D_I (all pairs; the causal
-   half is the useful part, which the kernel skips block-wise).
+3. Indexer (s3: H_I 16, D_I 128, top-256, m 1, one document, 4 × 4096): the Triton kernel's
+   scores alone, scores + selection (the forward `score_and_select`, radix select), and forward +
+   backward of Σ_n r_n · (scores_at_topk summed at entry n), against the op's reference (XLA
+   scores, `lax.top_k`, query_chunk 512) and its XLA kernel (the same scores, the radix select,
+   `pallas_kernels.topk_select.score_and_select`); the speedup of each forward over the
+   reference's. FLOPs: 2·B·T·N·H_I·D_I (all pairs; the causal half is the useful part, which the
+   Triton kernel skips block-wise).
 4. Selection alone (`--cases topk-4k`): `lax.top_k` against the radix threshold select of
    `pallas_kernels.topk_select` over [4, 4096, 4096] causal scores, and whether the sets agree.
 Rates are against the 790 TFLOP/s bf16 matmul ceiling measured on this H200. Median of `--reps`.
@@ -44,6 +49,7 @@ from dsv41_jax.layers.types import CompressedKV, entry_visible
 from pallas_kernels import indexer as kx
 from pallas_kernels import csa2_attention as ca
 from pallas_kernels import topk_select as tsel
+from pallas_kernels.ops import indexer as ops_indexer
 
 CEILING = 790e12
 ROWS: list[dict] = []
@@ -102,14 +108,25 @@ def attn_inputs(B, T, H, D, m, K, dtype, seed=0):
 
 
 def attn_fns(fn, W, D):
-  def fwd(q, kv, g, sink, seg, topk):
-    return fn(q, kv, seg, sink, window=W, scale=D ** -0.5, global_kv_BxNxD=g, topk_BxTxK=topk)
+  """Jitted forward and value-and-grad of `fn` (the op's signature); both take the kernel's slot
+  plan as a last argument where one is given (`csa2 planned`)."""
+  def fwd(q, kv, g, sink, seg, topk, *plan):
+    kw = dict(plan=plan[0]) if plan else {}
+    return fn(q, kv, seg, sink, window=W, scale=D ** -0.5, global_kv_BxNxD=g, topk_BxTxK=topk,
+              **kw)
 
-  def loss(q, kv, g, sink, seg, topk):
-    o, p = fwd(q, kv, g, sink, seg, topk)
+  def loss(q, kv, g, sink, seg, topk, *plan):
+    o, p = fwd(q, kv, g, sink, seg, topk, *plan)
     return jnp.sum(o.astype(jnp.float32) ** 2), jax.lax.stop_gradient(p)
 
   return jax.jit(fwd), jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+
+
+def slot_plan_fn(W, D):
+  """The kernel's slot plan of the benchmark's arguments, jitted (what a selecting layer makes
+  once for itself and its Reuse layers)."""
+  return jax.jit(lambda q, kv, g, sink, seg, topk: ca.slot_plan(q, kv, seg, sink, g, topk,
+                                                                window=W, scale=D ** -0.5))
 
 
 def attn_check(interp):
@@ -120,22 +137,28 @@ def attn_check(interp):
   rf, rg = attn_fns(sa.attend_reference, W, D)
   ro, rp = rf(*x32)
   (_, _), gr = rg(*x32)
-  for name, fn in {**KERNELS, "csa2 f32c": partial(ca.sparse_attend,
-                                                    contrib_dtype=jnp.float32)}.items():
+  plan = (slot_plan_fn(W, D)(*x),)
+  for name, fn in {"pallas csa2": ca.sparse_attend,
+                   "csa2 f32c": partial(ca.sparse_attend, contrib_dtype=jnp.float32)}.items():
     kf, kg = attn_fns(partial(fn, interpret=interp), W, D)
     o, p = kf(*x)
     (_, _), gk = kg(*x)
     (_, _), gk2 = kg(*x)
-    same = all(bool(jnp.all(a == b)) for a, b in zip(gk, gk2))
+    bits = lambda g: all(bool(jnp.all(a == b)) for a, b in zip(gk, g))
+    row = dict(bwd_bitwise_repeatable=bits(gk2))
+    if name == "pallas csa2":    # the plan made apart gives the same bits
+      row["planned_bitwise_equal"] = bits(kg(*x, *plan)[1])
     emit(kind="check", what=f"{name} bf16 vs f32 reference", shape=f"B{B} T{T} H{H} D{D} K{K}",
          rel_o=rel(o, ro), rel_probs=rel(p, rp), rel_dq=rel(gk[0], gr[0]),
          rel_dkv=rel(gk[1], gr[1]), rel_dglobal=rel(gk[2], gr[2]), rel_dsink=rel(gk[3], gr[3]),
-         bwd_bitwise_repeatable=same)
+         **row)
 
 
 # The op's kernel (pallas_kernels/csa2_attention.py; the issue-13 kernel with float32 atomics in
-# its backward is retired).
-KERNELS = {"pallas csa2": ca.sparse_attend}
+# its backward is retired), timed twice: making its slot plan inside the call ("pallas csa2", a
+# layer alone) and handed the plan made apart ("csa2 planned": a Reuse layer of the selection; the
+# plan's own time is a row of its own, "slot plan").
+KERNELS = {"pallas csa2": ca.sparse_attend, "csa2 planned": ca.sparse_attend}
 # Tile variants of the deterministic kernel, timed at 4K only.
 VARIANTS = {"csa2 flat sort": partial(ca.sparse_attend, sort="flat"),
             "csa2 f32c search": partial(ca.sparse_attend, contrib_dtype=jnp.float32,
@@ -155,19 +178,34 @@ def attn_bench(B, T, m, interp, reps, xla_impls=(("masked", None),), kernels=tup
   forms = [(f"xla {i}" + (f" qc{c}" if c else ""), partial(sa.attend, impl=i, query_chunk=c))
            for i, c in xla_impls]
   forms += [(k, partial({**KERNELS, **VARIANTS}[k], interpret=interp)) for k in kernels]
+  plan = ()
+  if "csa2 planned" in kernels:
+    make = slot_plan_fn(W, D)
+    r = guarded(f"attn {shape} slot plan", lambda: time_calls(make, *x, reps=reps))
+    if r:
+      emit(kind="attn", shape=shape, impl="slot plan", mode="once per selection",
+           ms=1e3 * r[0], first_s=r[1], tflops=0.0, of_ceiling=0.0)
+      plan = (make(*x),)
   for name, fn in forms:
+    if name == "csa2 planned" and not plan:
+      continue
+    args = x + plan if name == "csa2 planned" else x
     fwd, grad = attn_fns(fn, W, D)
     for mode, f, mult in (("fwd", fwd, 1), ("fwd+bwd", grad, 3)):
-      r = guarded(f"attn {shape} {name} {mode}", lambda: time_calls(f, *x, reps=reps))
+      r = guarded(f"attn {shape} {name} {mode}", lambda: time_calls(f, *args, reps=reps))
       if r:
         res[(name, mode)] = r[0]
         emit(kind="attn", shape=shape, impl=name, mode=mode, ms=1e3 * r[0], first_s=r[1],
              tflops=mult * fl / r[0] / 1e12, of_ceiling=mult * fl / r[0] / CEILING)
   for mode in ("fwd", "fwd+bwd"):
-    xla = [v for (n, md), v in res.items() if md == mode and n.startswith("xla")]
-    if xla and ("pallas csa2", mode) in res:
-      emit(kind="ratio", shape=shape, mode=mode,
-           csa2_over_best_xla=min(xla) / res[("pallas csa2", mode)])
+    xla = {n: v for (n, md), v in res.items() if md == mode and n.startswith("xla")}
+    for k in ("pallas csa2", "csa2 planned"):
+      if xla and (k, mode) in res:
+        emit(kind="ratio", shape=shape, mode=mode, kernel=k,
+             over_best_xla=min(xla.values()) / res[(k, mode)],
+             over_masked=(min(v for n, v in xla.items() if "masked" in n) / res[(k, mode)]
+                          if any("masked" in n for n in xla) else None),
+             slower_than_an_xla_form=any(v < res[(k, mode)] for v in xla.values()))
   return res
 
 
@@ -266,24 +304,45 @@ def idx_bench(T, interp, reps, xla=True, H=32, I=128, K=512, variants=((64, 64, 
                 lambda: time_calls(f, q, w, idx_k, seg, pos, seg, jnp.arange(T), reps=reps))
     if t:
       rate(name, "scores only", t)
+  N = idx_k.shape[1]
+
+  def by_entry(topk, picked):                                        # [B, N]
+    return jnp.zeros((B, N), jnp.float32).at[jnp.arange(B)[:, None, None],
+                                            jnp.maximum(topk, 0)].add(
+        jnp.where(topk >= 0, picked, 0.0))
+
+  r = jax.random.normal(jax.random.PRNGKey(9), (B, N), jnp.float32)   # a weight per entry
+  times = {}
   bt, bn, nw = variants[0]
   sel = partial(kx.score_and_select, k=K, interpret=interp, block_t=bt, block_n=bn, num_warps=nw)
   f = jax.jit(lambda q, w, k: sel(q, w, k, seg, pos, seg))
-  g = jax.jit(jax.grad(lambda q, w, k: jnp.sum(sel(q, w, k, seg, pos, seg)[1] * r),
+  g = jax.jit(jax.grad(lambda q, w, k: jnp.sum(by_entry(*sel(q, w, k, seg, pos, seg)) * r),
                        argnums=(0, 1, 2)))
   for mode, fn in (("fwd (scores+top-k)", f), ("fwd+bwd", g)):
     t = guarded(f"idx {shape} pallas {mode}", lambda: time_calls(fn, q, w, idx_k, reps=reps))
     if t:
       rate(f"pallas t{bt} n{bn} w{nw}", mode, t)
+      times[(f"pallas t{bt} n{bn} w{nw}", mode)] = t[0]
   if xla:
-    kv = lambda k: CompressedKV(None, k, seg, pos, pos)
-    f = jax.jit(lambda q, w, k: ix.score_and_select(q, w, kv(k), seg, k=K, query_chunk=512)[:2])
-    g = jax.jit(jax.grad(lambda q, w, k: jnp.sum(
-        ix.score_and_select(q, w, kv(k), seg, k=K, query_chunk=512)[1] * r), argnums=(0, 1, 2)))
-    for mode, fn in (("fwd (scores+top-k)", f), ("fwd+bwd", g)):
-      t = guarded(f"idx {shape} xla {mode}", lambda: time_calls(fn, q, w, idx_k, reps=reps))
-      if t:
-        rate("xla chunk512", mode, t)
+    # The op's reference (XLA scores, lax.top_k) and its XLA kernel (the same scores, the radix
+    # select), both query_chunk 512 as the model runs them; r·scores_at_topk summed by entry, so
+    # the slot order is free.
+    for name, op in (("xla chunk512", ops_indexer.score_and_select),
+                     ("xla + radix select", tsel.score_and_select)):
+      sel = lambda q, w, k, op=op: op(q, w, k, seg, pos, seg, None, k=K, query_chunk=512)[:2]
+      f = jax.jit(sel)
+      g = jax.jit(jax.grad(lambda q, w, k, sel=sel: jnp.sum(by_entry(*sel(q, w, k)) * r),
+                           argnums=(0, 1, 2)))
+      for mode, fn in (("fwd (scores+top-k)", f), ("fwd+bwd", g)):
+        t = guarded(f"idx {shape} {name} {mode}", lambda: time_calls(fn, q, w, idx_k, reps=reps))
+        if t:
+          rate(name, mode, t)
+          times[(name, mode)] = t[0]
+  base = times.get(("xla chunk512", "fwd (scores+top-k)"))
+  for (name, mode), t in times.items():
+    if base and mode == "fwd (scores+top-k)" and name != "xla chunk512":
+      emit(kind="check", what="indexer scores + selection over the XLA reference's",
+           shape=shape, impl=name, speedup=base / t)
 
 
 def topk_bench(B, T, K, interp, reps):
@@ -310,7 +369,10 @@ def table():
     if r["kind"] == "stage":
       print(f"stage   {r['shape']:32s} {r['stage']:32s} {r['ms']:9.2f} ms")
     elif r["kind"] == "ratio":
-      print(f"ratio   {r['shape']:32s} {r['mode']:8s} csa2 / best XLA = {r['csa2_over_best_xla']:.2f}x")
+      masked = "" if r["over_masked"] is None else f", over masked {r['over_masked']:.2f}x"
+      print(f"ratio   {r['shape']:32s} {r['mode']:8s} {r['kernel']}: over best XLA "
+            f"{r['over_best_xla']:.2f}x{masked}"
+            + (" (SLOWER than an XLA form)" if r["slower_than_an_xla_form"] else ""))
     elif r["kind"] in ("attn", "indexer"):
       print(f"{r['kind']:7s} {r['shape']:32s} {r['impl']:22s} {r['mode']:19s} {r['ms']:9.2f} ms "
             f"{r['tflops']:7.1f} TF/s {100 * r['of_ceiling']:5.1f}%")
@@ -337,8 +399,9 @@ def main():
   # rest).
   both = (("masked", None), ("gather", None))
   cases = {
-      "4k-m1": lambda: attn_bench(4, 4096, 1, interp, reps, both,
-                                  kernels=tuple(KERNELS) + tuple(VARIANTS)),
+      "4k-m1": lambda: attn_bench(4, 4096, 1, interp, reps, both),
+      "4k-m1-variants": lambda: attn_bench(4, 4096, 1, interp, reps, (),
+                                           kernels=("pallas csa2",) + tuple(VARIANTS)),
       "4k-m1-stages": lambda: attn_breakdown(4, 4096, 1, interp, reps),
       "4k-m2": lambda: attn_bench(4, 4096, 2, interp, reps, both),
       "topk-4k": lambda: topk_bench(4, 4096, 256, interp, reps),
@@ -348,9 +411,9 @@ def main():
       "16k-m1": lambda: attn_bench(1, 16384, 1, interp, reps, both),
       "16k-m2": lambda: attn_bench(1, 16384, 2, interp, reps, both),
       "64k-m2": lambda: attn_bench(1, 65536, 2, interp, 3, (("masked", 2048), ("gather", None)),
-                                   kernels=("pallas csa2",)),
+                                   kernels=tuple(KERNELS)),
       "64k-m1": lambda: attn_bench(1, 65536, 1, interp, 3, (("masked", 1024), ("gather", None)),
-                                   kernels=("pallas csa2",)),
+                                   kernels=tuple(KERNELS)),
   }
   for name in (ARGS.cases.split(",") if ARGS.cases else cases):
     if name == "check":

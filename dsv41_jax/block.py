@@ -30,11 +30,12 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layer_plan import LayerSpec
 from dsv41_jax.layers import mhc
-from dsv41_jax.layers.attention import Attention
+from dsv41_jax.layers.attention import Attention, selection_plan
 from dsv41_jax.layers.compressor import Compressor
 from dsv41_jax.layers.indexer import Indexer, indexer_kl_loss
 from dsv41_jax.layers.moe import MoE
@@ -50,6 +51,7 @@ class StreamState(NamedTuple):
   kv: CompressedKV | None = None        # the latest Full layer's compressed KV
   topk_BxTxK: jax.Array | None = None   # the latest Full/Reindex layer's selection
   candidate: Any = None                 # the hierarchical candidate pool, when enabled
+  attn_plan: Any = None                 # the attention op's plan of that selection, or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,10 +161,16 @@ def prefill_kv(cfg: ModelConfig, core: LayerCore, pub: Publisher, enc: StreamSta
   return _compressed_kv(core, pub, encoder_final_input(cfg, core, enc), ctx)
 
 
+# Remat names (`dsv41_jax.model.remat_policy` keeps them): the attention op's plan of a selection.
+ATTENTION_PLAN = "attention_plan"
+
+
 def _publish(cfg: ModelConfig, spec: LayerSpec, core: LayerCore, pub: Publisher | None,
              x, c_q, state: StreamState, ctx: Context):
-  """The CSA2 step of one kind: (kv, topk, candidate, scores_at_topk or zeros)."""
-  kv, topk, candidate = state.kv, state.topk_BxTxK, state.candidate
+  """The CSA2 step of one kind: (kv, topk, candidate, scores_at_topk or zeros, attention plan).
+  A layer that selects makes the attention op's plan of its selection (`selection_plan`), which
+  its attention and the Reuse layers after it share."""
+  kv, topk, candidate, plan = state.kv, state.topk_BxTxK, state.candidate, state.attn_plan
   scores = jnp.zeros(topk.shape, jnp.float32)
   if spec.owns_compressor:
     src = x
@@ -175,7 +183,8 @@ def _publish(cfg: ModelConfig, spec: LayerSpec, core: LayerCore, pub: Publisher 
         candidate=candidate if spec.candidate_role == "consumer" else None)
     if spec.candidate_role == "source":
       candidate = cand_out
-  return kv, topk, candidate, scores
+    plan = checkpoint_name(selection_plan(cfg, kv, topk, ctx.segment_ids_BxT), ATTENTION_PLAN)
+  return kv, topk, candidate, scores, plan
 
 
 def layer_forward(cfg: ModelConfig, kinds: Sequence[LayerSpec], core: LayerCore,
@@ -199,17 +208,19 @@ def layer_forward(cfg: ModelConfig, kinds: Sequence[LayerSpec], core: LayerCore,
   x = core.attn_norm(mhc.collapse(X, state.pre_mix_BxTxN)).astype(cfg.dtype)
   c_q = core.attn.q_latent(x)
   kv, topk, candidate, scores = state.kv, state.topk_BxTxK, state.candidate, None
+  plan = state.attn_plan
   if global_branch:
     branches = [
         (lambda x, c_q, state, spec=spec, pub=pub: _publish(cfg, spec, core, pub, x, c_q, state, ctx))
         for spec, pub in zip(kinds, pubs)]
     if len(branches) == 1:
-      kv, topk, candidate, scores = branches[0](x, c_q, state)
+      kv, topk, candidate, scores, plan = branches[0](x, c_q, state)
     else:
-      kv, topk, candidate, scores = jax.lax.switch(kind_index, branches, x, c_q, state)
+      kv, topk, candidate, scores, plan = jax.lax.switch(kind_index, branches, x, c_q, state)
   y, _, global_probs = core.attn(
       x, positions_BxT=ctx.positions_BxT, segment_ids_BxT=ctx.segment_ids_BxT,
-      kv=kv if global_branch else None, topk_BxTxK=topk if global_branch else None, c_q_BxTxQ=c_q)
+      kv=kv if global_branch else None, topk_BxTxK=topk if global_branch else None, c_q_BxTxQ=c_q,
+      plan=plan if global_branch else None)
   idx_loss = jnp.zeros((), jnp.float32)
   if global_branch:
     owns = [spec.owns_indexer for spec in kinds]
@@ -227,7 +238,7 @@ def layer_forward(cfg: ModelConfig, kinds: Sequence[LayerSpec], core: LayerCore,
                         image_mask_BxT=ctx.image_mask_BxT, bias_2xE=moe_bias_2xE)
   X = site_output(X, f_post, f_comb, y)
 
-  new_state = StreamState(X.astype(state.X_BxTxNxD.dtype), f_pre, kv, topk, candidate)
+  new_state = StreamState(X.astype(state.X_BxTxNxD.dtype), f_pre, kv, topk, candidate, plan)
   aux = LayerAux(moe_aux["balance_loss"], idx_loss, moe_aux["load_2xE"],
                  moe_aux["dropped_fraction"], gate, jnp.zeros((), jnp.float32))
   return new_state, aux

@@ -22,21 +22,28 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax import sharding
-from dsv41_jax.block import (Context, LayerAux, LayerCore, Publisher, StreamState, layer_forward,
-                             prefill_kv)
+from dsv41_jax.block import (ATTENTION_PLAN, Context, LayerAux, LayerCore, Publisher, StreamState,
+                             layer_forward, prefill_kv)
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layer_plan import LayerPlan, Run, build_layer_plan
 from dsv41_jax.layers import mhc
+from dsv41_jax.layers.attention import selection_plan
 from dsv41_jax.layers.engram import Engram
 from dsv41_jax.layers.norm import RMSNorm
 from dsv41_jax.layers.types import CompressedKV
+from pallas_kernels.ops.indexer import SELECTION
 
 
-def remat_policy(prim, *_, **__) -> bool:
+def remat_policy(prim, *_, **params) -> bool:
   """Layer remat (cfg.remat) recomputes a layer's forward in its backward except the outputs of
-  `top_k`: the indexer's selection and candidate pool (a sort of [T, N] scores per indexing layer)
-  and the MoE routing are kept, not recomputed (docs/design.md §5.4)."""
-  return prim.name == "top_k"
+  `top_k` and the values named `SAVED_NAMES`: the indexer's selection and candidate pool (a sort
+  of [T, N] scores per indexing layer, or the radix select), the attention op's plan of the
+  selection (a sort of its slots) and the MoE routing are kept, not recomputed (docs/design.md
+  §5.4)."""
+  return prim.name == "top_k" or (prim.name == "name" and params.get("name") in SAVED_NAMES)
+
+
+SAVED_NAMES = (ATTENTION_PLAN, SELECTION)
 
 
 def _stacked(make, n: int, rngs: nnx.Rngs):
@@ -196,7 +203,7 @@ class Transformer(nnx.Module):
       return StreamState(state.X_BxTxNxD, state.pre_mix_BxTxN)
     B, T = ctx.segment_ids_BxT.shape
     n_entries = first.entries(T)
-    kv, topk, cand = state.kv, state.topk_BxTxK, state.candidate
+    kv, topk, cand, plan = state.kv, state.topk_BxTxK, state.candidate, state.attn_plan
     if kv is None or kv.main_kv_BxNxD.shape[1] != n_entries:
       if not first.owns_compressor:
         raise ValueError(f"layer {first.index} ({first.mode}) has no compressed KV to read")
@@ -206,13 +213,17 @@ class Transformer(nnx.Module):
           jnp.zeros((B, n_entries, cfg.index_head_dim), dt),
           jnp.full((B, n_entries), -1, jnp.int32), jnp.zeros((B, n_entries), jnp.int32),
           jnp.zeros((B, n_entries), jnp.int32))
-      topk = cand = None
+      topk = cand = plan = None
     if topk is None:
       topk = jnp.full((B, T, min(cfg.index_topk, n_entries)), -1, jnp.int32)
+      # Zeros are the plan of the empty selection (no entry has a slot); the run's first layer
+      # publishes its own before its attention reads one.
+      shapes = jax.eval_shape(lambda t: selection_plan(cfg, kv, t, ctx.segment_ids_BxT), topk)
+      plan = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     if cand is None and any(l.candidate_role == "source" for l in run.layers):
       from dsv41_jax.layers.indexer import empty_candidate
       cand = empty_candidate(cfg, B, T, n_entries)
-    return StreamState(state.X_BxTxNxD, state.pre_mix_BxTxN, kv, topk, cand)
+    return StreamState(state.X_BxTxNxD, state.pre_mix_BxTxN, kv, topk, cand, plan)
 
   # --- forward ------------------------------------------------------------------------------
 

@@ -23,6 +23,8 @@ Kernels of the backward:
                     indices) and one program per entry adds its contributions in that order.
 The query rows are processed in pieces that keep C under `max_contrib_elems` (each piece's
 d(entries) added in piece order), which also keeps every Triton address below 2^31.
+The slot order is a function of top-k alone: `slot_plan` computes it apart, so the layers that
+share one selection sort once (the dispatcher's `plan`, docs/design.md §T5).
 
 Backend: Triton via `pl.pallas_call`; `interpret=True` on the CPU.
 """
@@ -242,9 +244,44 @@ def _entry_sums(contrib, order, lo, hi, *, be, interpret, num_warps, num_stages)
       name="csa2_entry_sums")(lo, hi, order, contrib)
 
 
-def _backward(q, kv, seg, sink, gkv, topk, o, lse, do, *, window, scale, block_h, block_k,
-              block_kw, block_e, sum_warps, bounds, sort, max_contrib_elems, contrib_dtype,
-              interpret, num_warps, num_stages):
+def _piece_rows(B, T, plan, D, max_contrib_elems):
+  """Query rows per piece: the slot contributions [B, P, G, Kp, D] stay under max_contrib_elems."""
+  per_token = B * plan.g * plan.kp * D
+  return max(1, min(T, max_contrib_elems // max(per_token, 1)))
+
+
+def _piece_ids(topkp, g_n, t0, P):
+  """The slot ids [B, P·G·Kp] of query rows t0 … t0 + P − 1, one copy per head group."""
+  B, _, kp = topkp.shape
+  return jnp.broadcast_to(topkp[:, t0:t0 + P, None, :], (B, P, g_n, kp)).reshape(B, -1)
+
+
+def slot_plan(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, global_kv_BxNxD=None,
+              topk_BxTxK=None, *, block_h: int | None = None, block_k_bwd: int | None = 64,
+              bounds: str = "count", sort: str = "rows", max_contrib_elems: int = 1 << 29,
+              **_) -> tuple | None:
+  """The backward's slot order for this selection (the op's arguments; only the shapes of all
+  but `topk_BxTxK` are read): per piece of query rows, `_slot_order` of its slots, (order
+  [B, R], lo, hi [B, N, 16]); None without a global branch. A function of top-k alone, so the
+  layers that read one selection (a Full or Reindex layer and its Reuse layers) compute it
+  once and pass it to `sparse_attend(plan=...)` (the dispatcher's `plan`); the results are the
+  bits of the kernel's own ordering. The pieces are those of the plan's batch size, which a
+  batch shard keeps."""
+  if global_kv_BxNxD is None:
+    return None
+  B, T, H, D = q_BxTxHxD.shape
+  K, N = topk_BxTxK.shape[-1], global_kv_BxNxD.shape[1]
+  plan = _sa._Plan(H, D, K, 1, block_h, block_k_bwd)
+  topkp = jnp.pad(topk_BxTxK.astype(jnp.int32), ((0, 0), (0, 0), (0, plan.kp - K)),
+                  constant_values=-1)
+  piece = _piece_rows(B, T, plan, D, max_contrib_elems)
+  return tuple(_slot_order(_piece_ids(topkp, plan.g, t0, min(piece, T - t0)), N, bounds, sort)
+               for t0 in range(0, T, piece))
+
+
+def _backward(q, kv, seg, sink, gkv, topk, o, lse, do, slots=None, *, window, scale, block_h,
+              block_k, block_kw, block_e, sum_warps, bounds, sort, max_contrib_elems,
+              contrib_dtype, interpret, num_warps, num_stages):
   B, T, H, D = q.shape
   has_global = gkv is not None
   K = topk.shape[-1] if has_global else 0
@@ -257,11 +294,18 @@ def _backward(q, kv, seg, sink, gkv, topk, o, lse, do, *, window, scale, block_h
   hb, g_n = plan.hb, plan.g
   if contrib_dtype is None:
     contrib_dtype = jnp.bfloat16 if q.dtype == jnp.bfloat16 else _F32
-  # Query rows per piece: the slot contributions [B, P, G, Kp, D] stay under max_contrib_elems.
-  per_token = B * g_n * plan.kp * D
-  piece = T if not has_global else max(1, min(T, max_contrib_elems // max(per_token, 1)))
+  if not has_global:
+    piece = T
+  elif slots is not None:       # the plan's pieces (made for a batch at least this one's)
+    piece = slots[0][0].shape[1] // (g_n * plan.kp)
+    if len(slots) != -(-T // piece) or slots[0][1].shape[1] != N:
+      raise ValueError(f"the slot plan ({len(slots)} pieces of {piece} rows, "
+                       f"{slots[0][1].shape[1]} entries) was not made for {T} rows and {N} "
+                       "entries")
+  else:
+    piece = _piece_rows(B, T, plan, D, max_contrib_elems)
   dq_parts, dg = [], None
-  for t0 in range(0, T, piece):
+  for i, t0 in enumerate(range(0, T, piece)):
     P = min(piece, T - t0)
     sl = lambda a: a[:, t0:t0 + P]
     tok = lambda *s: pl.BlockSpec((None, None) + s, lambda b, t, g: (b, t, g) + (0,) * (len(s) - 1))
@@ -288,8 +332,8 @@ def _backward(q, kv, seg, sink, gkv, topk, o, lse, do, *, window, scale, block_h
         name="csa2_dq")(*args)
     dq_parts.append(outs[0][:, :, :H])
     if has_global:
-      ids = jnp.broadcast_to(sl(topkp)[:, :, None, :], (B, P, g_n, plan.kp))
-      order, lo, hi = _slot_order(ids.reshape(B, -1), N, bounds, sort)
+      order, lo, hi = (slots[i] if slots is not None
+                       else _slot_order(_piece_ids(topkp, g_n, t0, P), N, bounds, sort))
       part = _entry_sums(outs[1].reshape(B, -1, D), order, lo, hi, be=block_e,
                          interpret=interpret, num_warps=sum_warps, num_stages=num_stages)
       dg = part if dg is None else dg + part
@@ -308,24 +352,24 @@ def _backward(q, kv, seg, sink, gkv, topk, o, lse, do, *, window, scale, block_h
 _FWD_KEYS = ("window", "scale", "block_h", "block_k", "interpret", "num_warps", "num_stages")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attn(q, kv, seg, sink, gkv, topk, static):
-  return _attn_fwd(q, kv, seg, sink, gkv, topk, static)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _attn(q, kv, seg, sink, gkv, topk, slots, static):
+  return _attn_fwd(q, kv, seg, sink, gkv, topk, slots, static)[0]
 
 
-def _attn_fwd(q, kv, seg, sink, gkv, topk, static):
+def _attn_fwd(q, kv, seg, sink, gkv, topk, slots, static):
   st = dict(static)
   o, lse, _ = _sa._forward(q, kv, seg, sink, gkv, topk, **{k: st[k] for k in _FWD_KEYS})
-  return (o, lse), (q, kv, seg, sink, gkv, topk, o, lse)
+  return (o, lse), (q, kv, seg, sink, gkv, topk, slots, o, lse)
 
 
 def _attn_bwd(static, res, cts):
-  q, kv, seg, sink, gkv, topk, o, lse = res
+  q, kv, seg, sink, gkv, topk, slots, o, lse = res
   do, _ = cts   # lse is used only under stop_gradient (global_probs): its cotangent is zero
   st = dict(static)
   st["block_k"] = st.pop("block_k_bwd")
-  dq, dkv, dsink, dg = _backward(q, kv, seg, sink, gkv, topk, o, lse, do, **st)
-  return dq, dkv, None, dsink, dg, None
+  dq, dkv, dsink, dg = _backward(q, kv, seg, sink, gkv, topk, o, lse, do, slots, **st)
+  return dq, dkv, None, dsink, dg, None, None
 
 
 _attn.defvjp(_attn_fwd, _attn_bwd)
@@ -338,7 +382,7 @@ def sparse_attend(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, global_kv_Bx
                   block_k_bwd: int | None = 64, block_kw: int = 64, block_e: int = 16,
                   sum_warps: int = 4, bounds: str = "count", sort: str = "rows",
                   max_contrib_elems: int = 1 << 29, contrib_dtype=None, num_warps: int = 4,
-                  num_stages: int = 2):
+                  num_stages: int = 2, plan: tuple | None = None):
   """(o, global_probs) of `attend` (the op's arguments and results), deterministic backward.
 
   `impl`, `query_chunk`: the reference's XLA form and chunking, ignored (no such intermediate).
@@ -350,6 +394,8 @@ def sparse_attend(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, global_kv_Bx
   `contrib_dtype`: the slot contributions' storage (None: bfloat16 for bfloat16 inputs, which
   halves their traffic and rounds each (token, slot) term once before the float32 entry sums;
   float32 otherwise).
+  `plan`: `slot_plan` of these arguments (with the same `block_h`, `block_k_bwd`, `bounds`,
+  `sort`), computed once per selection and shared; None computes it in the backward.
   """
   del impl, query_chunk
   if (global_kv_BxNxD is None) != (topk_BxTxK is None):
@@ -366,8 +412,10 @@ def sparse_attend(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, global_kv_Bx
             ("max_contrib_elems", int(max_contrib_elems)),
             ("contrib_dtype", None if contrib_dtype is None else jnp.dtype(contrib_dtype)),
             ("interpret", bool(interpret)), ("num_warps", num_warps), ("num_stages", num_stages))
+  if plan is not None and global_kv_BxNxD is None:
+    raise ValueError("a slot plan belongs to a global branch; this call has none")
   o, lse = _attn(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, global_kv_BxNxD, topk_BxTxK,
-                 static)
+                 plan, static)
   if global_kv_BxNxD is None:
     return o, None
   sg = jax.lax.stop_gradient

@@ -15,6 +15,10 @@ below, in `OPS`, with
                               rules cite benchmarks/RESULTS.md;
                  batched      one bool per positional argument: split over the mesh's batch axes,
                               or None when the kernel is not run per batch shard;
+                 plan         "module:function" of the op's signature returning the work the
+                              kernel can take back as `plan=`, a pytree of arrays with a leading
+                              batch axis that depends on part of the arguments only (the
+                              attention's slot order: top-k alone), or None;
   owner        "model" (policy in `ModelConfig.ops`) or "optim" (`OptimConfig`; the optimizer
                registers its rows when imported, `register`).
 
@@ -26,6 +30,11 @@ below, in `OPS`, with
   "auto"       the first kernel that can run and is measured faster here, else the reference; one
                log line per op and decision names the op and the reason. It never fails for
                lack of a kernel.
+
+`make_plan(name, policy, *arrays, **static)` is (the implementation `call` will run, that
+kernel's plan or None); arguments the plan does not read may be `jax.ShapeDtypeStruct`s. A caller
+that makes one call per layer on the same selection makes the plan once and passes it to each
+`call(..., plan=...)`; a plan given to a call that chooses another implementation is an error.
 
 A batched kernel runs per batch shard under the ambient mesh (`sharded.over_batch`), here and
 nowhere else: GSPMD does not partition a `pallas_call`. The reference runs as XLA code under GSPMD.
@@ -66,6 +75,7 @@ class Kernel:
   unsupported: Rule
   faster: Rule
   batched: tuple[bool, ...] | None = None
+  plan: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +201,8 @@ OPS: dict[str, Op] = {
         "pallas_kernels.ops.sparse_attention:attend",
         (Kernel("pallas_kernels.csa2_attention:sparse_attend",
                 _module_reason("pallas_kernels.csa2_attention:unsupported_reason"),
-                _sparse_attention_faster, batched=(True, True, True, False, True, True)),)),
+                _sparse_attention_faster, batched=(True, True, True, False, True, True),
+                plan="pallas_kernels.csa2_attention:slot_plan"),)),
     "indexer_topk": Op(
         "pallas_kernels.ops.indexer:score_and_select",
         (Kernel("pallas_kernels.indexer:indexer_topk",
@@ -274,10 +285,36 @@ def choose(name: str, policy: str, *args, **kwargs) -> tuple[str, Callable]:
   return op.reference, _resolve(op.reference)
 
 
-def call(name: str, *args, policy: str, **kwargs):
-  """Op `name` on `args` (arrays, positional) and `kwargs` (static) under `policy` (module doc)."""
-  _, fn = choose(name, policy, *args, **kwargs)
-  return fn(*args, **kwargs)
+def _kernel(name: str, path: str) -> Kernel | None:
+  return next((k for k in _op(name).kernels if k.fn == path), None)
+
+
+def make_plan(name: str, policy: str, *args, **kwargs) -> tuple[str, Any]:
+  """(the implementation `call` runs for these arguments, its kernel's plan or None) (module doc)."""
+  path, _ = choose(name, policy, *args, **kwargs)
+  k = _kernel(name, path)
+  if k is None or k.plan is None:
+    return path, None
+  return path, _resolve(k.plan)(*args, **kwargs)
+
+
+def call(name: str, *args, policy: str, plan: Any = None, **kwargs):
+  """Op `name` on `args` (arrays, positional) and `kwargs` (static) under `policy` (module doc);
+  `plan`: the chosen kernel's plan of these arguments, from `make_plan`."""
+  path, fn = choose(name, policy, *args, **kwargs)
+  if plan is None:
+    return fn(*args, **kwargs)
+  k = _kernel(name, path)
+  if k is None or k.plan is None:
+    raise ValueError(f"op {name}: a plan was given, but {path} runs here and takes none (the plan "
+                     "was made for other arguments or another policy)")
+  kernel = _resolve(k.fn)
+
+  def with_plan(*a):
+    return kernel(*a[:-1], plan=a[-1], **kwargs)
+  if k.batched is not None:
+    with_plan = sharded.over_batch(with_plan, k.batched + (True,))
+  return with_plan(*args, plan)
 
 
 def kernel_names() -> tuple[tuple[str, str], ...]:

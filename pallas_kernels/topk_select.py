@@ -13,7 +13,8 @@ on the GPU). The selected *set* needs no sort, only the K-th largest value:
 
 so ties at τ go to the lowest indices, `lax.top_k`'s rule, and the set equals its set. The
 selected indices are written in ascending index order (not by score): every consumer (attention,
-`scores_at_topk`, the KL loss) treats a row of top-k as a set.
+`scores_at_topk`, the KL loss) treats a row of top-k as a set. They carry the remat name
+`pallas_kernels.ops.indexer.SELECTION`, so layer remat keeps them rather than select again.
 
 Pure jax (XLA): the passes read the scores 8 times instead of sorting them. Not yet timed on the
 GPU (`benchmarks/csa2_kernels_gpu.py --cases topk-4k` compares it with `lax.top_k`).
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.ops import indexer as _ops
 
@@ -71,7 +73,7 @@ def radix_topk(scores_BxTxN: jax.Array, visible_BxTxN: jax.Array, k: int) -> jax
   entry = jax.lax.broadcasted_iota(jnp.int32, slot.shape, 2)
   # Unselected entries all land in the spare slot k_eff, which is cut off.
   out = jnp.full(slot.shape[:2] + (k_eff + 1,), -1, jnp.int32).at[b, t, slot].set(entry)
-  return out[..., :k_eff]
+  return checkpoint_name(out[..., :k_eff], _ops.SELECTION)
 
 
 def select_topk(scores_BxTxN, visible_BxTxN, k: int, candidate_mask_BxTxN=None):

@@ -47,6 +47,28 @@ def visible_topk(topk_BxTxK: jax.Array, kv: CompressedKV, segment_ids_BxT: jax.A
   return jnp.where(ok, topk_BxTxK, -1)
 
 
+def _op_static(cfg) -> dict:
+  """The sparse-attention op's static arguments for this config."""
+  return dict(window=cfg.sliding_window, scale=default_scale(cfg.head_dim),
+              impl=cfg.global_attn_impl, query_chunk=cfg.attn_query_chunk or None)
+
+
+def selection_plan(cfg, kv: CompressedKV, topk_BxTxK: jax.Array, segment_ids_BxT: jax.Array):
+  """The sparse-attention op's plan of one selection, or None (`dispatch.make_plan`): what its
+  kernel derives from top-k alone (the backward's slot order), made once by the layer that
+  publishes the top-k and passed to its attention and its Reuse layers' (docs/design.md §5.5,
+  §T5). The op's other arguments enter by shape only, the shapes `Attention.__call__` gives."""
+  B, T = segment_ids_BxT.shape
+  dt = jnp.dtype(cfg.dtype)
+  H, D = cfg.num_attention_heads, cfg.head_dim
+  sd = jax.ShapeDtypeStruct
+  _, plan = dispatch.make_plan(
+      "sparse_attention", cfg.ops.sparse_attention, sd((B, T, H, D), dt), sd((B, T, D), dt),
+      segment_ids_BxT, sd((H,), jnp.float32), sd(kv.main_kv_BxNxD.shape, dt),
+      visible_topk(topk_BxTxK, kv, segment_ids_BxT), **_op_static(cfg))
+  return plan
+
+
 class Attention(nnx.Module):
   """Query path, SWA KV, sparse attention with sink, de-rotation and grouped output projection."""
 
@@ -113,7 +135,7 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BxTxD: jax.Array, *, positions_BxT: jax.Array, segment_ids_BxT: jax.Array,
                kv: CompressedKV | None = None, topk_BxTxK: jax.Array | None = None,
-               c_q_BxTxQ: jax.Array | None = None
+               c_q_BxTxQ: jax.Array | None = None, plan=None
                ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """(y_BxTxD, c_q_BxTxQ, global_probs_BxTxK or None).
 
@@ -121,6 +143,7 @@ class Attention(nnx.Module):
     slots naming entries invisible to their query are dropped (`visible_topk`). Pass `c_q_BxTxQ`
     when it was already computed with `q_latent` (the indexer needs it before attention runs).
     `global_probs_BxTxK` is the per-slot probability summed over heads, the indexer-loss target.
+    `plan`: `selection_plan` of this `kv` and `topk_BxTxK`, or None.
     """
     cfg = self.cfg
     if (kv is None) != (topk_BxTxK is None):
@@ -135,8 +158,6 @@ class Attention(nnx.Module):
       topk = visible_topk(topk_BxTxK, kv, segment_ids_BxT)
     o, global_probs = dispatch.call(
         "sparse_attention", q, swa, segment_ids_BxT, self.attn_sink[...], global_kv, topk,
-        policy=cfg.ops.sparse_attention, window=cfg.sliding_window,
-        scale=default_scale(cfg.head_dim), impl=cfg.global_attn_impl,
-        query_chunk=cfg.attn_query_chunk or None)
+        policy=cfg.ops.sparse_attention, plan=plan, **_op_static(cfg))
     o = sharding.constrain(o, ("batch", "seq", "heads", None))
     return self.output(o, positions_BxT), c_q, global_probs

@@ -18,6 +18,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# The name a kernel gives the selection it makes without `lax.top_k` (`jax.ad_checkpoint.
+# checkpoint_name`), so that layer remat can keep it as it keeps `top_k`'s outputs
+# (`dsv41_jax.model.remat_policy`) instead of selecting again in the backward.
+SELECTION = "indexer_selection"
+
 
 def entry_visible(entry_segment_BxN: jax.Array, entry_last_BxN: jax.Array,
                   segment_ids_BxT: jax.Array, query_rows_T: jax.Array | None = None) -> jax.Array:

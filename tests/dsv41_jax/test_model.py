@@ -229,3 +229,47 @@ def test_remat_keeps_the_selection(cfg, scan):
   forward = _top_k_shapes(jax.make_jaxpr(loss)(state).jaxpr, [])
   assert any(s[-1] != c.n_routed_experts for s in forward)       # the indexer's are there
   assert _top_k_shapes(jax.make_jaxpr(jax.grad(loss))(state).jaxpr, []) == forward
+
+
+def _count(jaxpr, name: str, named: str | None = None) -> int:
+  """Equations of primitive `name` (a `pallas_call` whose name holds `named`) in a jaxpr and
+  every jaxpr nested in it."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == name and (named is None or named in str(eqn.params)):
+      n += 1
+    for v in eqn.params.values():
+      for sub in (v if isinstance(v, (list, tuple)) else (v,)):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          n += _count(sub.jaxpr, name, named)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          n += _count(sub, name, named)
+  return n
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_each_selection_is_planned_once(cfg, scan):
+  """With the attention and indexer kernels (interpreted on the CPU), the layer that selects sorts
+  the selection's slots once (the attention op's plan, `attention.selection_plan`); its attention,
+  its Reuse layers' and their backward passes reuse it, and layer remat recomputes neither the
+  plan nor the selection: against the same program with the reference attention, the gradient's
+  program holds one more sort per selecting layer (per selecting kind of a scanned run), and the
+  Triton scores kernel as many times as the forward's."""
+  base = cfg.replace(remat=True, scan_layers=scan,
+                     ops=dict(indexer_topk="kernel", sparse_attention="reference"))
+  kern = base.replace(ops=dict(indexer_topk="kernel", sparse_attention="kernel"))
+  batch = jax.tree.map(jnp.asarray, testing.packed_batch(cfg, 0))
+
+  def programs(c):
+    graphdef, state = nnx.split(M.abstract_model(c))
+    loss = lambda p: objective(c, *nnx.merge(graphdef, p)(batch, M.zero_moe_bias(c)), batch)[0]
+    return jax.make_jaxpr(loss)(state).jaxpr, jax.make_jaxpr(jax.grad(loss))(state).jaxpr
+
+  plan = build_layer_plan(cfg)
+  selecting = sum(sum(k.owns_indexer for k in r.kinds) if scan and r.n_layers > 1
+                  else sum(l.owns_indexer for l in r.layers) for r in plan.runs)
+  (bf, bg), (kf, kg) = programs(base), programs(kern)
+  assert _count(kg, "sort") - _count(bg, "sort") == selecting
+  assert _count(kf, "sort") - _count(bf, "sort") == selecting
+  scores = _count(kf, "pallas_call", "indexer_scores")
+  assert scores == selecting and _count(kg, "pallas_call", "indexer_scores") == scores

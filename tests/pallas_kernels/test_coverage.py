@@ -180,3 +180,27 @@ def test_batched_kernel_on_a_mesh_equals_one_device(name):
     else:
       np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
   assert jax.tree.leaves(got)[0].sharding.spec[0] == "data"
+
+
+def test_attention_plan_on_a_mesh_equals_one_device():
+  # The attention's slot plan made once under GSPMD (the whole batch) and handed to the kernel,
+  # which runs per batch shard: the gradients equal the single-device ones without a plan.
+  mesh = testing.cpu_mesh({"data": B})
+  (q, kv, seg, sink, g, topk), static, _ = _rng_inputs("sparse_attention", np.random.default_rng(3))
+
+  def grads(with_plan):
+    def loss(q, kv, sink, g):
+      a = (q, kv, seg, sink, g, topk)
+      plan = dispatch.make_plan("sparse_attention", "kernel", *a, **static)[1] if with_plan else None
+      o, _ = dispatch.call("sparse_attention", *a, policy="kernel", plan=plan, **static)
+      return jnp.sum(o * o)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+
+  want = grads(False)(q, kv, sink, g)
+  batch = NamedSharding(mesh, P("data"))
+  with jax.set_mesh(mesh):
+    got = grads(True)(jax.device_put(q, batch), jax.device_put(kv, batch), sink,
+                      jax.device_put(g, batch))
+  for a, b in zip(got, want):
+    scale = float(jnp.max(jnp.abs(b)))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=2e-6 * scale)

@@ -84,6 +84,11 @@ def test_forward_gradients_and_determinism(m):
   # same bits (two GPU runs are compared by benchmarks/csa2_kernels_gpu.py).
   for a, b in zip(got, _grads(_kernel, x, r, bounds="search", sort="flat")):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # The slot plan made apart (once per selection, shared by the layers that read it): the same bits.
+  plan = ca.slot_plan(x["q"], x["kv"], x["seg"], x["sink"], x["g"], x["topk"], **TILES)
+  assert len(plan) == 4                                         # the pieces
+  for a, b in zip(got, _grads(_kernel, x, r, plan=plan)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_bfloat16_window_only_and_bad_input():
@@ -170,6 +175,13 @@ def test_dispatcher_runs_the_kernel_and_falls_back(caplog):
   np.testing.assert_array_equal(np.asarray(o), np.asarray(_run(sa.attend, y, D=24)[0]))
   with pytest.raises(dispatch.PolicyError, match="op sparse_attention: policy 'kernel'.*head_dim 24"):
     _op("kernel", y, D=24)
+  # A plan is the kernel's: handed to a call that runs the reference, it is an error.
+  args = (x["q"], x["kv"], x["seg"], x["sink"], x["g"], x["topk"])
+  path, plan = dispatch.make_plan("sparse_attention", "kernel", *args, window=W, scale=0.125)
+  assert path == "pallas_kernels.csa2_attention:sparse_attend" and plan is not None
+  assert dispatch.make_plan("sparse_attention", "reference", *args, window=W, scale=0.125)[1] is None
+  with pytest.raises(ValueError, match="a plan was given, but .*ops.sparse_attention:attend"):
+    dispatch.call("sparse_attention", *args, policy="reference", plan=plan, window=W, scale=0.125)
 
 
 @pytest.mark.parametrize("shape, why", [
