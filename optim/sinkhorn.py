@@ -38,6 +38,7 @@ for ordinary gradient magnitudes; the balancing is invariant to that scale.
 
 from __future__ import annotations
 
+import math
 from typing import Mapping, NamedTuple
 
 import jax
@@ -53,29 +54,38 @@ Blocks = tuple[tuple[int, int], ...]    # (offset, rows) of each sub-table along
 _HI = jax.lax.Precision.HIGHEST
 
 
-_MAX_CHUNK = 64    # rows per chunk of a block sum: its partials are 2/64 of the table
+# Block sums by chunks of rows: at most _MAX_CHUNK rows (the partials are 2/chunk of the table), at
+# least _MIN_CHUNK (below, the partials outweigh the one-hot form's [R, B] operand). A chunk must lie
+# within one device's rows however the rows are sharded: the model pads Engram tables to a
+# multiple of _ROW_GROUPS rows so that they split evenly over any power-of-two row group up to
+# that size (`dsv41_jax.engram.lookup.ROW_PAD_MULTIPLE`), so the chunk divides R / _ROW_GROUPS
+# (R / the largest power of two up to _ROW_GROUPS that divides R, for other tables).
+_MAX_CHUNK, _MIN_CHUNK, _ROW_GROUPS = 64, 8, 1024
 
 
 class _Blocks:
   """Which rows (axis −2) form each block: the whole matrix, or each (offset, rows) of `blocks`.
 
-  Block sums go through chunks of `chunk` consecutive rows (a power of two dividing the rows, at
-  most the smallest block and `_MAX_CHUNK`), so a chunk meets at most two blocks: that of its first
-  row and the next. A sum over the rows of each block is one streaming reduction of the table to
-  per-chunk, per-side partials [R/chunk, 2, C], then a small one-hot product [B, R/chunk · 2] ×
-  [R/chunk · 2, C], exact in float32. The layout (each row's side, each (chunk, side)'s block) is
-  built once from iota, outside the balancing loop, at 1 byte per row (no table-sized constant, no
-  [R, B] operand). On a row-sharded table the chunks stay on their device, so the only collective
-  is the all-reduce of the [B, C] result. Must be built inside the traced function that uses it."""
+  Block sums go through chunks of `chunk` consecutive rows (at most the smallest block, so a chunk
+  meets at most two blocks: that of its first row and the next; size rules above). A sum over the
+  rows of each block is one streaming reduction of the table to per-chunk, per-side partials
+  [R/chunk, 2, C], then a small one-hot product [B, R/chunk · 2] × [R/chunk · 2, C], exact in
+  float32. The layout (each row's side, each (chunk, side)'s block) is built once from iota,
+  outside the balancing loop, at 1 byte per row (no table-sized constant, no [R, B] operand). On a
+  row-sharded table the chunks stay on their device, so the only collective is the all-reduce of
+  the [B, C] result. Where no chunk size fits (`chunk` None), a block sum is the one-hot block
+  matmul [B, R] × [R, C] of the row weights times membership. Build inside the traced function
+  that uses it."""
 
   def __init__(self, n_rows: int, blocks: Blocks | None):
     self.whole = blocks is None        # one block of every row: plain reductions
     self.blocks = ((0, n_rows),) if blocks is None else tuple(blocks)
     self.n_rows = n_rows
     self.sizes = np.asarray([n for _, n in self.blocks], np.float32)           # [B]
-    smallest = min(n for _, n in self.blocks)
-    self.chunk = next(k for k in (_MAX_CHUNK >> i for i in range(_MAX_CHUNK.bit_length()))
-                      if k <= smallest and n_rows % k == 0)
+    per_group = n_rows // math.gcd(n_rows, _ROW_GROUPS)
+    fits = [k for k in range(_MIN_CHUNK, _MAX_CHUNK + 1) if per_group % k == 0
+            and k <= min(n for _, n in self.blocks)]
+    self.chunk = max(fits) if fits and not self.whole else None
     b = len(self.blocks)
     # Block of each row: how many later blocks start at or before it (rows in no block get a
     # neighbour's). One never-reached start keeps the shape non-empty.
@@ -85,8 +95,9 @@ class _Blocks:
     self.index = block_of(r_RxB)                                              # [R] int32
     lo = jnp.asarray([o for o, _ in self.blocks], jnp.int32)
     hi = jnp.asarray([o + n for o, n in self.blocks], jnp.int32)
+    self.onehot = lambda: ((r_RxB >= lo) & (r_RxB < hi)).astype(jnp.float32)   # [R, B]
     self.inside = jnp.any((r_RxB >= lo) & (r_RxB < hi), axis=-1)             # [R] bool
-    if self.whole:
+    if self.chunk is None:
       return
     n, k = n_rows // self.chunk, self.chunk
     first_N = block_of(jax.lax.broadcasted_iota(jnp.int32, (n, b), 0) * k)   # block of row c·k
@@ -100,6 +111,8 @@ class _Blocks:
     """Σ_{i∈b} w_i s_ij for each block b: [..., B, C] (`w_R` [..., R], `s_RxC` [..., R, C])."""
     if self.whole:
       return jnp.sum(w_R[..., None] * s_RxC, axis=-2, keepdims=True)
+    if self.chunk is None:
+      return jnp.einsum("...rb,...rc->...bc", w_R[..., None] * self.onehot(), s_RxC, precision=_HI)
     n, k = self.n_rows // self.chunk, self.chunk
     on_side = (self.side[..., None] == jnp.arange(2, dtype=jnp.int8)).astype(jnp.float32)
     w = w_R.reshape(*w_R.shape[:-1], n, k, 1) * on_side                        # [..., n, k, 2]

@@ -218,14 +218,55 @@ def test_row_sharded_table_equals_unsharded_with_no_table_sized_collective():
   out = f(jax.device_put(d, rows))
   ref = jax.jit(lambda x: sinkhorn.sinkhorn_direction(x, K, TAU, EPS, 0.18, BLOCKS))(d)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-12)
-  hlo = f.lower(jax.device_put(d, rows)).compile().as_text()
+  _assert_only_block_statistics_collected(f.lower(jax.device_put(d, rows)).compile().as_text(),
+                                          len(BLOCKS), d.shape[1], d.size // 4)
+
+
+def _assert_only_block_statistics_collected(hlo, n_blocks, cols, table_elems):
   collectives = re.findall(r"= f32\[([\d,]*)\][^=]*? (all-gather|all-reduce|collective-permute|"
                            r"all-to-all|reduce-scatter)\(", hlo)
   assert collectives, "expected the block statistics' all-reduce"
-  table_elems = d.size // 4
   for dims, op in collectives:
     elems = int(np.prod([int(x) for x in dims.split(",") if x])) if dims else 1
-    assert elems <= len(BLOCKS) * d.shape[1] < table_elems, (op, dims)
+    assert elems <= n_blocks * cols < table_elems, (op, dims)
+
+
+# A table as the model lays them out: 1024 · 9 rows (split evenly over any power-of-two row group
+# up to 1024), three sub-tables and 116 padding rows, so the block sums run by chunks of 9 rows.
+BIG_BLOCKS = ((0, 3001), (3001, 4099), (7100, 2000))
+BIG_ROWS = 9216
+
+
+def _big_table(rng):
+  """Skewed rows and columns, a starved row, a zero row per sub-table, a zero column within the
+  third sub-table, noise in the padding rows."""
+  d = _skewed(rng, (BIG_ROWS, 12))
+  d[3100] *= 1e-6
+  d[[5, 3005, 9000]] = 0.0
+  d[7100:9100, 4] = 0.0
+  d[9100:] = rng.standard_normal((116, 12))
+  return d
+
+
+def test_chunked_block_sums_match_float64_restatement_and_row_sharding():
+  """The chunked block sums (chunks of 9 rows straddling sub-table starts): the direction equals
+  the float64 restatement, zero rows, the zero column and the padding stay zero, and over 4 row
+  shards it is the same, with no table-sized collective."""
+  assert sinkhorn._Blocks(BIG_ROWS, BIG_BLOCKS).chunk == 9
+  rng = np.random.default_rng(9)
+  d = _big_table(rng).astype(np.float32)
+  fn = lambda x: sinkhorn.sinkhorn_direction(x, K, TAU, EPS, 0.18, BIG_BLOCKS)
+  out = np.asarray(jax.jit(fn)(d), np.float64)
+  ref = refs.sinkhorn_sub_tables(d, BIG_BLOCKS, K, TAU, EPS, 0.18)
+  np.testing.assert_allclose(out, ref, rtol=2e-5, atol=1e-9)
+  assert np.all(out[[5, 3005, 9000]] == 0) and np.all(out[9100:] == 0)
+  assert np.all(out[7100:9100, 4] == 0) and np.all(np.delete(out[:7100, 4], [5, 3005]) != 0)
+  mesh = testing.cpu_mesh({"engram": 4})
+  rows = NamedSharding(mesh, P("engram", None))
+  f = jax.jit(fn, in_shardings=rows, out_shardings=rows)
+  np.testing.assert_allclose(np.asarray(f(jax.device_put(d, rows))), out, rtol=1e-6, atol=1e-12)
+  _assert_only_block_statistics_collected(f.lower(jax.device_put(d, rows)).compile().as_text(),
+                                          len(BIG_BLOCKS), d.shape[1], d.size // 4)
 
 
 def test_lowered_optimizer_update_has_no_scatter():
@@ -242,11 +283,15 @@ def test_lowered_optimizer_update_has_no_scatter():
 
 
 def test_block_sums_stream_the_table_into_chunk_partials():
-  """A column step's per-sub-table sums reduce the table once to per-chunk partials ([rows/8, 2,
-  cols] here: chunks of 8 rows, the smallest sub-table has 11) and contract those with a small
-  one-hot: the lowered direction holds no float [rows, sub-tables] array, the one-hot matmul's
-  operand that was rewritten at every column step."""
-  text = jax.jit(lambda x: sinkhorn.sinkhorn_direction(x, K, TAU, EPS, 0.18, BLOCKS)).lower(
-      jax.ShapeDtypeStruct((ROWS, 12), jnp.float32)).as_text()
-  assert f"tensor<{ROWS}x{len(BLOCKS)}xf32>" not in text
-  assert f"tensor<{ROWS // 8}x2x12xf32>" in text
+  """A column step's per-sub-table sums reduce the table once to per-chunk partials ([rows/9, 2,
+  cols]) and contract those with a small one-hot: the lowered direction holds no float [rows,
+  sub-tables] array, the one-hot matmul's operand that was rewritten at every column step (which
+  stays only for tables no chunk size fits, like the 64-row one above)."""
+  lower = lambda rows, blocks: jax.jit(
+      lambda x: sinkhorn.sinkhorn_direction(x, K, TAU, EPS, 0.18, blocks)).lower(
+      jax.ShapeDtypeStruct((rows, 12), jnp.float32)).as_text()
+  text = lower(BIG_ROWS, BIG_BLOCKS)
+  assert f"tensor<{BIG_ROWS}x{len(BIG_BLOCKS)}xf32>" not in text
+  assert f"tensor<{BIG_ROWS // 9}x2x12xf32>" in text
+  assert sinkhorn._Blocks(ROWS, BLOCKS).chunk is None
+  assert f"tensor<{ROWS}x{len(BLOCKS)}xf32>" in lower(ROWS, BLOCKS)
