@@ -17,20 +17,19 @@ takes on a GPU):
   newton_schulz  `optim.muon.orthogonalize_many` of every Muon-group parameter, as the update calls
                  it (`--programs` adds it; its compile takes about as long as the update's)
 Inputs: normal × 0.02 for every float, zeros for integers, from one key, so trees whose programs
-take the same leaves get the same values. Timing: one first call (compile and warm-up) timed
-apart, then the median of `--reps` calls, each waited on (as `benchmarks.common.time_calls`, which
-a base tree need not have).
+take the same leaves get the same values. Timing: this checkout's `benchmarks.common.time_calls`
+(the first call, which compiles, timed apart; then the median of `--reps` calls).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
 
 PROGRAMS = ("update", "sinkhorn", "newton_schulz")
 
@@ -60,7 +59,6 @@ else:
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 
 def _flat(fn, tree):
@@ -127,16 +125,14 @@ def _inputs(avals, seed: int = 0) -> list:
   return jax.block_until_ready(jax.jit(make)(jax.random.key(seed)))
 
 
-def _time(fn, args, reps: int) -> tuple[float, float]:
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  first = time.perf_counter() - t0
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times)), first
+def _common():
+  """This checkout's `benchmarks/common.py` (a tree under test need not have it), loaded by path so
+  that no other module of this checkout enters a child's imports."""
+  spec = importlib.util.spec_from_file_location(
+      "optim_update_common", os.path.join(_HERE, "benchmarks", "common.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 def child(path: str) -> None:
@@ -144,7 +140,7 @@ def child(path: str) -> None:
   out = []
   for name, (fn, avals) in programs(ARGS.programs).items():
     args = _inputs(avals)
-    median, first = _time(fn, args, ARGS.reps)
+    median, first = _common().time_calls(fn, *args, reps=ARGS.reps)
     del args
     out.append(dict(program=name, root=ARGS.roots[0], median_s=median, first_s=first))
     print(f"[{ARGS.roots[0]}] {name}: {median * 1e3:.1f} ms (first call {first:.1f} s)",
@@ -154,7 +150,7 @@ def child(path: str) -> None:
 
 
 def main() -> None:
-  from benchmarks.common import header, md_header
+  header, md_header = _common().header, _common().md_header
   rows = []
   for root in ARGS.roots:
     with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
