@@ -217,13 +217,16 @@ def attn_breakdown(B, T, m, interp, reps, H=16, D=128, W=128, K=256):
             num_warps=4, num_stages=2)
   o, lse, plan = ca._sa._forward(q, kv, seg, sink, g, topk, **fw)
   do = jax.random.normal(jax.random.PRNGKey(7), o.shape, o.dtype)
-  bw = dict(fw, block_k=64, block_kw=64, block_e=16, sum_warps=4, bounds="count",
+  bw = dict(fw, block_k=64, block_kw=64, block_e=16, sum_warps=4, bounds="count", sort="rows",
             max_contrib_elems=1 << 29, contrib_dtype=jnp.bfloat16)
   row = lambda name, t: emit(kind="stage", shape=shape, stage=name, ms=1e3 * t[0])
-  for name, kw in (("backward", {}), ("backward f32 contrib", dict(contrib_dtype=jnp.float32))):
+  slots = slot_plan_fn(W, D)(q, kv, g, sink, seg, topk)
+  for name, kw, extra in (("backward", {}, ()),
+                          ("backward f32 contrib", dict(contrib_dtype=jnp.float32), ()),
+                          ("backward, slot plan given", {}, (slots,))):
     f = jax.jit(lambda *a, kw=kw: ca._backward(*a, **{**bw, **kw}))
     t = guarded(f"stage {name}", lambda: time_calls(f, q, kv, seg, sink, g, topk, o, lse, do,
-                                                     reps=reps))
+                                                     *extra, reps=reps))
     if t:
       row(name, t)
   hp = plan.hp
@@ -269,6 +272,14 @@ def idx_inputs(T, H, I, K, dtype, seed=0, B=1):
   return q, w, idx_k, r, seg, pos
 
 
+def by_entry(topk_BxTxK, picked_BxTxK, n_entries):
+  """The selected scores summed per entry [B, N]: a loss over it does not depend on slot order."""
+  B = topk_BxTxK.shape[0]
+  return jnp.zeros((B, n_entries), jnp.float32).at[
+      jnp.arange(B)[:, None, None], jnp.maximum(topk_BxTxK, 0)].add(
+          jnp.where(topk_BxTxK >= 0, picked_BxTxK, 0.0))
+
+
 def idx_check(interp):
   T, H, I, K = (4096, 32, 128, 512) if not ARGS.smoke else (64, 4, 32, 8)
   q, w, idx_k, r, seg, pos = idx_inputs(T, H, I, K, jnp.bfloat16, seed=2)
@@ -282,9 +293,19 @@ def idx_check(interp):
   tk, _ = jax.jit(partial(kx.score_and_select, k=K, interpret=interp))(q, w, idx_k, seg, pos, seg)
   rt, _, _ = jax.jit(partial(ix.score_and_select, k=K, query_chunk=512))(q, w, kv, seg)
   same = jnp.all(jnp.sort(tk, -1) == jnp.sort(rt, -1), axis=-1)
+  # The KL path's gradient (through the K selected entries, keys summed per entry) against the
+  # reference's (through all N scores), bf16 inputs both.
+  rn = jax.random.normal(jax.random.PRNGKey(5), (1, T), jnp.float32)
+  loss = lambda sel: jax.jit(jax.grad(lambda q, w, k: jnp.sum(by_entry(*sel(q, w, k), T) * rn),
+                                      argnums=(0, 1, 2)))
+  gk = loss(lambda q, w, k: kx.score_and_select(q, w, k, seg, pos, seg, k=K,
+                                                interpret=interp))(q, w, idx_k)
+  gr = loss(lambda q, w, k: ix.score_and_select(q, w, CompressedKV(None, k, seg, pos, pos), seg,
+                                                k=K, query_chunk=512)[:2])(q, w, idx_k)
   emit(kind="check", what="indexer bf16 kernel vs XLA", shape=f"T{T} H{H} I{I} K{K}",
        mask_equal=same_mask, max_score_err_rel_to_max=err,
-       rows_same_topk_set=float(jnp.mean(same)))
+       rows_same_topk_set=float(jnp.mean(same)), rel_dq=rel(gk[0], gr[0]),
+       rel_dw=rel(gk[1], gr[1]), rel_dk=rel(gk[2], gr[2]))
 
 
 def idx_bench(T, interp, reps, xla=True, H=32, I=128, K=512, variants=((64, 64, 4),), B=1):
@@ -305,18 +326,12 @@ def idx_bench(T, interp, reps, xla=True, H=32, I=128, K=512, variants=((64, 64, 
     if t:
       rate(name, "scores only", t)
   N = idx_k.shape[1]
-
-  def by_entry(topk, picked):                                        # [B, N]
-    return jnp.zeros((B, N), jnp.float32).at[jnp.arange(B)[:, None, None],
-                                            jnp.maximum(topk, 0)].add(
-        jnp.where(topk >= 0, picked, 0.0))
-
   r = jax.random.normal(jax.random.PRNGKey(9), (B, N), jnp.float32)   # a weight per entry
   times = {}
   bt, bn, nw = variants[0]
   sel = partial(kx.score_and_select, k=K, interpret=interp, block_t=bt, block_n=bn, num_warps=nw)
   f = jax.jit(lambda q, w, k: sel(q, w, k, seg, pos, seg))
-  g = jax.jit(jax.grad(lambda q, w, k: jnp.sum(by_entry(*sel(q, w, k, seg, pos, seg)) * r),
+  g = jax.jit(jax.grad(lambda q, w, k: jnp.sum(by_entry(*sel(q, w, k, seg, pos, seg), N) * r),
                        argnums=(0, 1, 2)))
   for mode, fn in (("fwd (scores+top-k)", f), ("fwd+bwd", g)):
     t = guarded(f"idx {shape} pallas {mode}", lambda: time_calls(fn, q, w, idx_k, reps=reps))
@@ -331,7 +346,7 @@ def idx_bench(T, interp, reps, xla=True, H=32, I=128, K=512, variants=((64, 64, 
                      ("xla + radix select", tsel.score_and_select)):
       sel = lambda q, w, k, op=op: op(q, w, k, seg, pos, seg, None, k=K, query_chunk=512)[:2]
       f = jax.jit(sel)
-      g = jax.jit(jax.grad(lambda q, w, k, sel=sel: jnp.sum(by_entry(*sel(q, w, k)) * r),
+      g = jax.jit(jax.grad(lambda q, w, k, sel=sel: jnp.sum(by_entry(*sel(q, w, k), N) * r),
                            argnums=(0, 1, 2)))
       for mode, fn in (("fwd (scores+top-k)", f), ("fwd+bwd", g)):
         t = guarded(f"idx {shape} {name} {mode}", lambda: time_calls(fn, q, w, idx_k, reps=reps))

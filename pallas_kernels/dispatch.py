@@ -207,8 +207,10 @@ OPS: dict[str, Op] = {
         "pallas_kernels.ops.indexer:score_and_select",
         (Kernel("pallas_kernels.indexer:indexer_topk",
                 _module_reason("pallas_kernels.indexer:unsupported_reason"),
-                _never("forward + backward 6x slower than XLA on the H200 (its scores_at "
-                       "gather's backward; RESULTS.md, 'CSA2 global attention at s3's shapes')"),
+                _never("forward + backward measured 6x slower than XLA on the H200 (the "
+                       "scores_at gather's scatter backward; RESULTS.md, 'CSA2 global attention "
+                       "at s3's shapes'); its sorted per-entry backward is not timed yet "
+                       "(benchmarks/csa2_kernels_gpu.py --cases idx-4k)"),
                 batched=(True,) * 7),
          # Pure XLA, under GSPMD like the reference: not run per batch shard.
          Kernel("pallas_kernels.topk_select:score_and_select", _runs_anywhere,

@@ -20,7 +20,9 @@ Selection is the exact radix threshold select (`pallas_kernels.topk_select.radix
 that keep I under `max_score_bytes`.
 `scores_at_topk` is recomputed in XLA from the k selected entries (a [rows, K, D_I] gather, in
 chunks of `query_chunk` rows, rematerialised in the backward pass): that is the indexer KL loss's
-gradient path to q, w and the index keys; the kernel itself is forward only.
+gradient path to q, w and the index keys, through the K selected entries only (`scores_at`'s
+backward; the keys' gradient summed per entry after a sort of the slots, not scattered); the
+scores kernel itself is forward only.
 
 Backend: Triton via `pl.pallas_call` with explicit `plt.CompilerParams`; `interpret=True` on CPU.
 """
@@ -33,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import csa2_attention as _ca
 from pallas_kernels.topk_select import radix_topk
 
 _F32 = jnp.float32
@@ -139,14 +142,51 @@ def masked_scores(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry_la
   return out[:, :T, :N]
 
 
-def scores_at(q_BxTxHxI, w_BxTxH, index_k_BxNxI, topk_BxTxK):
-  """I at the selected entries [B, T, K] float32 (0 at empty slots), differentiable in q, w, k."""
-  d = q_BxTxHxI.shape[-1]
-  valid = topk_BxTxK >= 0
+def _selected_logits(q_BxTxHxI, index_k_BxNxI, topk_BxTxK):
+  """(the selected keys [B, T, K, I], q · k at them [B, T, H, K] float32)."""
   k_sel = jax.vmap(lambda k_b, i_b: k_b[i_b])(index_k_BxNxI, jnp.maximum(topk_BxTxK, 0))
-  logits = jnp.einsum("bthi,btki->bthk", q_BxTxHxI, k_sel, preferred_element_type=_F32)
-  s = jnp.einsum("bthk,bth->btk", jax.nn.relu(logits), w_BxTxH.astype(_F32)) * (d ** -0.5)
-  return jnp.where(valid, s, 0.0)
+  return k_sel, jnp.einsum("bthi,btki->bthk", q_BxTxHxI, k_sel, preferred_element_type=_F32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def scores_at(q_BxTxHxI, w_BxTxH, index_k_BxNxI, topk_BxTxK, interpret: bool = False):
+  """I at the selected entries [B, T, K] float32 (0 at empty slots), differentiable in q, w, k.
+
+  The backward reads the K selected entries only (the indexer KL loss's gradient lives there):
+  with c = g · D_I^{-1/2} at the valid slots and l = q · k_sel,
+    dw_{t,h} = Σ_k c_{t,k} ReLU(l_{t,h,k}),   a_{t,h,k} = c_{t,k} w_{t,h} [l_{t,h,k} > 0]
+    dq_{t,h} = Σ_k a_{t,h,k} k_sel_{t,k},     dk_n = Σ_{(t,k): topk = n} Σ_h a_{t,h,k} q_{t,h}
+  and dk's sum over the slots that name an entry runs as the attention kernel's: the slots
+  sorted by entry, one program per entry adding its rows in order (no scatter, no atomics;
+  `pallas_kernels.csa2_attention`)."""
+  return _scores_at_fwd(q_BxTxHxI, w_BxTxH, index_k_BxNxI, topk_BxTxK, interpret)[0]
+
+
+def _scores_at_fwd(q, w, k, topk, interpret):
+  _, logits = _selected_logits(q, k, topk)
+  s = jnp.einsum("bthk,bth->btk", jax.nn.relu(logits), w.astype(_F32)) * (q.shape[-1] ** -0.5)
+  return jnp.where(topk >= 0, s, 0.0), (q, w, k, topk)
+
+
+def _scores_at_bwd(interpret, res, g_BxTxK):
+  q, w, k, topk = res
+  B, T, H, I = q.shape
+  N = k.shape[1]
+  k_sel, logits = _selected_logits(q, k, topk)
+  c = jnp.where(topk >= 0, g_BxTxK, 0.0) * (I ** -0.5)                # [B, T, K]
+  dw = jnp.einsum("bthk,btk->bth", jax.nn.relu(logits), c)
+  a = jnp.where(logits > 0, w.astype(_F32)[..., None] * c[:, :, None, :], 0.0).astype(q.dtype)
+  dq = jnp.einsum("bthk,btki->bthi", a, k_sel, preferred_element_type=_F32)
+  contrib = jnp.einsum("bthk,bthi->btki", a, q, preferred_element_type=_F32)   # [B, T, K, I]
+  contrib = contrib.astype(jnp.bfloat16 if q.dtype == jnp.bfloat16 else _F32)
+  ids = topk.reshape(B, -1)
+  order, lo, hi = _ca._slot_order(ids, N)
+  dk = _ca._entry_sums(contrib.reshape(B, -1, I), order, lo, hi, be=16, interpret=interpret,
+                      num_warps=4, num_stages=2)
+  return dq.astype(q.dtype), dw.astype(w.dtype), dk.astype(k.dtype), None
+
+
+scores_at.defvjp(_scores_at_fwd, _scores_at_bwd)
 
 
 def _row_chunks(fn, t: int, chunk: int, xs):
@@ -200,7 +240,7 @@ def score_and_select(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry
   topk = _row_chunks(select, T, rows_per_chunk,
                      (qs, ws, segment_ids_BxT, jnp.arange(T, dtype=jnp.int32)))
   c = T if not query_chunk else int(query_chunk)
-  picked = _row_chunks(lambda q, w, i: scores_at(q, w, index_k_BxNxI, i), T, c,
+  picked = _row_chunks(lambda q, w, i: scores_at(q, w, index_k_BxNxI, i, interpret), T, c,
                        (q_BxTxHxI, w_BxTxH, topk))
   return topk, picked
 
