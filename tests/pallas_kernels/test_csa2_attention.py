@@ -13,6 +13,7 @@ from pallas_kernels import csa2_attention as ca
 from pallas_kernels import dispatch, notices
 from pallas_kernels.ops import sparse_attention as sa
 from tests.pallas_kernels.cuda_lowering import lower_for_cuda, triton_calls
+from tests.pallas_kernels.test_indexer import naive_entries
 
 B, T, H, W, K = 2, 37, 3, 8, 8   # T = 37: no block divides it; K = 8 > entries visible early on
 
@@ -25,14 +26,8 @@ def _inputs(seed, m, D=32, dtype=jnp.float32):
   seg[0, 13:] = 2
   seg[1, 22:] = 3
   seg[1, 33:] = 0
-  N = -(-T // m)
-  last = (np.arange(N) + 1) * m - 1
-  eseg = np.full((B, N), -1, np.int32)
-  for b in range(B):
-    for g in range(N):
-      toks = seg[b, g * m:(g + 1) * m]
-      if last[g] < T and len(set(toks)) == 1 and toks[0] > 0:
-        eseg[b, g] = toks[0]
+  eseg, last = naive_entries(seg, m)
+  N = len(last)
   kv = CompressedKV(None, None, jnp.asarray(eseg), jnp.asarray(np.broadcast_to(last, (B, N))),
                     None)
   vis = entry_visible(kv, jnp.asarray(seg))

@@ -18,6 +18,21 @@ B, T, H, I, K = 2, 45, 3, 32, 8   # T = 45: no block divides it; K = 8 > entries
 BLOCKS = dict(block_t=16, block_n=16)
 
 
+def naive_entries(seg, m):
+  """(entry segment [B, N], −1 for a group that is partial or crosses documents; entry last row
+  [N]) of groups of m rows, by a loop over the groups (independent of the compressor's)."""
+  b_, t_ = seg.shape
+  N = -(-t_ // m)
+  last = (np.arange(N) + 1) * m - 1
+  eseg = np.full((b_, N), -1, np.int32)
+  for b in range(b_):
+    for g in range(N):
+      toks = seg[b, g * m:(g + 1) * m]
+      if last[g] < t_ and len(set(toks)) == 1 and toks[0] > 0:
+        eseg[b, g] = toks[0]
+  return eseg, last
+
+
 def _inputs(seed, m):
   """Random q, w, index keys; ragged documents (row 1 ends in padding) and their entry metadata."""
   rng = np.random.default_rng(seed)
@@ -25,14 +40,8 @@ def _inputs(seed, m):
   seg[0, 17:] = 2
   seg[1, 30:] = 3
   seg[1, 40:] = 0
-  N = -(-T // m)
-  last = (np.arange(N) + 1) * m - 1
-  eseg = np.full((B, N), -1, np.int32)
-  for b in range(B):
-    for g in range(N):
-      toks = seg[b, g * m:(g + 1) * m]
-      if last[g] < T and len(set(toks)) == 1 and toks[0] > 0:
-        eseg[b, g] = toks[0]
+  eseg, last = naive_entries(seg, m)
+  N = len(last)
   kv = CompressedKV(None, jnp.asarray(rng.standard_normal((B, N, I)), jnp.float32),
                     jnp.asarray(eseg), jnp.asarray(np.broadcast_to(last, (B, N))), None)
   q = jnp.asarray(rng.standard_normal((B, T, H, I)), jnp.float32)
