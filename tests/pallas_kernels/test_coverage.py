@@ -204,3 +204,29 @@ def test_attention_plan_on_a_mesh_equals_one_device():
   for a, b in zip(got, want):
     scale = float(jnp.max(jnp.abs(b)))
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=2e-6 * scale)
+
+
+def test_auto_runs_the_attention_kernel_in_the_model_on_a_gpu(monkeypatch):
+  # The model's train gradient at s3's attention shapes (head_dim 128, window 128, top-256, 4,096
+  # tokens) lowered for CUDA under "auto" with a GPU backend: the deterministic kernel's forward,
+  # probs, dq, window band and entry-sum kernels are in the scanned, rematerialised layers (every
+  # other op on its reference); at head_dim 64, outside the measured envelope, none is.
+  from tests.pallas_kernels.cuda_lowering import lower_for_cuda, triton_calls
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  ops = dict({n: "reference" for n in dispatch.names("model")}, sparse_attention="auto")
+
+  def lowered(head_dim):
+    cfg = testing.tiny_config(head_dim=head_dim, qk_rope_head_dim=64, index_head_dim=64,
+                              sliding_window=128, seq_len=4096, index_topk=256, remat=True,
+                              dtype="bfloat16", ops=ops)
+    graphdef, state = nnx.split(model_lib.abstract_model(cfg))
+    batch = jax.tree.map(jnp.asarray, testing.packed_batch(cfg, 0))
+    bias = model_lib.zero_moe_bias(cfg)
+    loss = lambda p: objective(cfg, *nnx.merge(graphdef, p)(batch, bias), batch)[0]  # noqa: E731
+    return lower_for_cuda(jax.grad(loss), state)
+
+  text = lowered(128).as_text()
+  for name in ("sparse_attention_fwd", "sparse_attention_probs", "csa2_dq", "csa2_window_dkv",
+               "csa2_entry_sums"):
+    assert name in text, name
+  assert triton_calls(lowered(64)) == 0
