@@ -40,10 +40,11 @@ def remat_policy(prim, *_, **params) -> bool:
   of [T, N] scores per indexing layer, or the radix select), the attention op's plan of the
   selection (a sort of its slots) and the MoE routing are kept, not recomputed (docs/design.md
   §5.4)."""
-  return prim.name == "top_k" or (prim.name == "name" and params.get("name") in SAVED_NAMES)
+  return prim.name == "top_k" or _saved_names(prim, *_, **params)
 
 
 SAVED_NAMES = (ATTENTION_PLAN, SELECTION)
+_saved_names = jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES)
 
 
 def _stacked(make, n: int, rngs: nnx.Rngs):
