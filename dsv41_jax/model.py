@@ -34,13 +34,13 @@ from dsv41_jax.layers.types import CompressedKV
 from pallas_kernels.ops.indexer import SELECTION
 
 
-def remat_policy(prim, *_, **params) -> bool:
+def remat_policy(prim, *args, **params) -> bool:
   """Layer remat (cfg.remat) recomputes a layer's forward in its backward except the outputs of
   `top_k` and the values named `SAVED_NAMES`: the indexer's selection and candidate pool (a sort
   of [T, N] scores per indexing layer, or the radix select), the attention op's plan of the
   selection (a sort of its slots) and the MoE routing are kept, not recomputed (docs/design.md
   §5.4)."""
-  return prim.name == "top_k" or _saved_names(prim, *_, **params)
+  return prim.name == "top_k" or _saved_names(prim, *args, **params)
 
 
 SAVED_NAMES = (ATTENTION_PLAN, SELECTION)

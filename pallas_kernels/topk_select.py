@@ -10,6 +10,7 @@ on the GPU). The selected *set* needs no sort, only the K-th largest value:
              from the top: 8 passes, each a 16-bin count of the digit over the entries that match
              the digits found so far (one fused compare-and-count reduction per pass)
   selected = visible ∧ (key > τ  ∨  (key == τ  ∧  fewer than `need` equal keys before it))
+  slot s   = the first entry whose running count of selected entries reaches s + 1
 
 so ties at τ go to the lowest indices, `lax.top_k`'s rule, and the set equals its set. The
 selected indices are written in ascending index order (not by score): every consumer (attention,
@@ -68,12 +69,13 @@ def radix_topk(scores_BxTxN: jax.Array, visible_BxTxN: jax.Array, k: int) -> jax
   tie = (keys == tau) & visible_BxTxN
   ties_before = jnp.cumsum(tie, axis=-1, dtype=jnp.int32) - tie
   selected = visible_BxTxN & ((keys > tau) | (tie & (ties_before < need[..., None])))
-  slot = jnp.where(selected, jnp.cumsum(selected, axis=-1, dtype=jnp.int32) - 1, k_eff)
-  b, t = (jax.lax.broadcasted_iota(jnp.int32, slot.shape, d) for d in (0, 1))
-  entry = jax.lax.broadcasted_iota(jnp.int32, slot.shape, 2)
-  # Unselected entries all land in the spare slot k_eff, which is cut off.
-  out = jnp.full(slot.shape[:2] + (k_eff + 1,), -1, jnp.int32).at[b, t, slot].set(entry)
-  return checkpoint_name(out[..., :k_eff], _ops.SELECTION)
+  # Slot s holds the (s+1)-th selected entry: the first n whose running count reaches s + 1, a
+  # binary search of each row's running count (no scatter); n = N past the row's count.
+  count = jnp.cumsum(selected, axis=-1, dtype=jnp.int32)
+  wanted = jnp.arange(1, k_eff + 1, dtype=jnp.int32)
+  find = lambda c: jnp.searchsorted(c, wanted, side="left").astype(jnp.int32)
+  idx = jax.vmap(jax.vmap(find))(count)
+  return checkpoint_name(jnp.where(idx < n, idx, -1), _ops.SELECTION)
 
 
 def select_topk(scores_BxTxN, visible_BxTxN, k: int, candidate_mask_BxTxN=None):
