@@ -154,7 +154,8 @@ def main() -> None:
   rows = []
   for root in ARGS.roots:
     with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-      cmd = [sys.executable, os.path.abspath(__file__), "--child", tmp.name, "--roots", root,
+      cmd = [sys.executable, os.path.abspath(__file__), "--child", tmp.name, "--roots",
+             os.path.abspath(root),   # the child runs in the tree: a relative root would not resolve
              "--programs", *ARGS.programs, "--size", ARGS.size, "--batch", str(ARGS.batch),
              "--seq", str(ARGS.seq), "--reps", str(ARGS.reps)]
       subprocess.run(cmd, check=True, cwd=os.path.abspath(root))

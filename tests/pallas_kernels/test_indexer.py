@@ -125,6 +125,30 @@ def test_model_switch_and_fallback(caplog):
   np.testing.assert_array_equal(np.asarray(radix[2]), np.asarray(ref[2]))
 
 
+@pytest.mark.parametrize("shape, why", [
+    (dict(), None), (dict(I=64), "index_head_dim 64"), (dict(H=32), "32 index heads"),
+    (dict(K=512), "top-512"), (dict(T=2048), "2048 tokens")])
+def test_auto_takes_the_kernel_on_the_gpu_inside_the_measured_envelope(monkeypatch, shape, why):
+  # The shape policy on abstract arguments (a GPU backend pretended): s3's indexer shapes (16
+  # heads x 128, top-256, 4,096 tokens) take the Triton kernel; each shape outside falls back,
+  # named in the reason; off the GPU "auto" runs the reference.
+  s = {**dict(T=4096, H=16, I=128, K=256), **shape}
+  sd = lambda *a, dt=jnp.bfloat16: jax.ShapeDtypeStruct(a, dt)
+  n = s["T"] // 4
+  args = (sd(4, s["T"], s["H"], s["I"]), sd(4, s["T"], s["H"], dt=jnp.float32),
+          sd(4, n, s["I"]), sd(4, n, dt=jnp.int32), sd(4, n, dt=jnp.int32),
+          sd(4, s["T"], dt=jnp.int32), None)
+  assert dispatch.choose("indexer_topk", "auto", *args, k=s["K"])[0] == (
+      "pallas_kernels.ops.indexer:score_and_select")
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  path, _ = dispatch.choose("indexer_topk", "auto", *args, k=s["K"])
+  if why is None:
+    assert path == "pallas_kernels.indexer:indexer_topk"
+  else:
+    assert path == "pallas_kernels.ops.indexer:score_and_select"
+    assert why in dispatch.OPS["indexer_topk"].kernels[0].faster(args, dict(k=s["K"]))
+
+
 def test_lowers_for_cuda():
   # Triton lowering on the CPU host for CUDA (cuda_lowering): catches what interpret mode cannot,
   # e.g. a loop carry the lowering rejects (seen on the H200 before the fix).
