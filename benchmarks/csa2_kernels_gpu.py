@@ -49,6 +49,7 @@ from dsv41_jax.layers.types import CompressedKV, entry_visible
 from pallas_kernels import indexer as kx
 from pallas_kernels import csa2_attention as ca
 from pallas_kernels import topk_select as tsel
+from pallas_kernels import topk_triton as ttk
 from pallas_kernels.ops import indexer as ops_indexer
 
 CEILING = 790e12
@@ -329,15 +330,18 @@ def idx_bench(T, interp, reps, xla=True, H=32, I=128, K=512, variants=((64, 64, 
   r = jax.random.normal(jax.random.PRNGKey(9), (B, N), jnp.float32)   # a weight per entry
   times = {}
   bt, bn, nw = variants[0]
-  sel = partial(kx.score_and_select, k=K, interpret=interp, block_t=bt, block_n=bn, num_warps=nw)
-  f = jax.jit(lambda q, w, k: sel(q, w, k, seg, pos, seg))
-  g = jax.jit(jax.grad(lambda q, w, k: jnp.sum(by_entry(*sel(q, w, k, seg, pos, seg), N) * r),
-                       argnums=(0, 1, 2)))
-  for mode, fn in (("fwd (scores+top-k)", f), ("fwd+bwd", g)):
-    t = guarded(f"idx {shape} pallas {mode}", lambda: time_calls(fn, q, w, idx_k, reps=reps))
-    if t:
-      rate(f"pallas t{bt} n{bn} w{nw}", mode, t)
-      times[(f"pallas t{bt} n{bn} w{nw}", mode)] = t[0]
+  for select in ("radix", "triton"):   # the kernel's selection: XLA radix passes or one program
+    name = f"pallas t{bt} n{bn} w{nw}" + ("" if select == "radix" else " + triton select")
+    sel = partial(kx.score_and_select, k=K, interpret=interp, block_t=bt, block_n=bn,
+                  num_warps=nw, select=select)
+    f = jax.jit(lambda q, w, k, sel=sel: sel(q, w, k, seg, pos, seg))
+    g = jax.jit(jax.grad(lambda q, w, k, sel=sel: jnp.sum(
+        by_entry(*sel(q, w, k, seg, pos, seg), N) * r), argnums=(0, 1, 2)))
+    for mode, fn in (("fwd (scores+top-k)", f), ("fwd+bwd", g)):
+      t = guarded(f"idx {shape} {name} {mode}", lambda: time_calls(fn, q, w, idx_k, reps=reps))
+      if t:
+        rate(name, mode, t)
+        times[(name, mode)] = t[0]
   if xla:
     # The op's reference (XLA scores, lax.top_k) and its XLA kernel (the same scores, the radix
     # select), both query_chunk 512 as the model runs them; r·scores_at_topk summed by entry, so
@@ -362,16 +366,20 @@ def idx_bench(T, interp, reps, xla=True, H=32, I=128, K=512, variants=((64, 64, 
 
 def topk_bench(B, T, K, interp, reps):
   """Selection alone over [B, T, N = T] causal scores: `lax.top_k` (`select_topk`) vs the radix
-  threshold select (`pallas_kernels.topk_select`), and whether their sets agree (scores rounded
-  to bf16 so that ties occur)."""
+  threshold select (`pallas_kernels.topk_select`) vs its one-program-per-row Triton form
+  (`pallas_kernels.topk_triton`), and whether their sets (and the two radix forms' slots) agree
+  (scores rounded to bf16 so that ties occur)."""
   s = jax.random.normal(jax.random.PRNGKey(3), (B, T, T)).astype(jnp.bfloat16).astype(jnp.float32)
   vis = jnp.broadcast_to(jnp.arange(T)[None, :] <= jnp.arange(T)[:, None], (B, T, T))
   shape = f"{B}x{T} N{T} K{K}"
   ref = jax.jit(lambda s: ix.select_topk(s, vis, K)[0])
   rad = jax.jit(lambda s: tsel.radix_topk(s, vis, K))
+  tri = jax.jit(lambda s: ttk.triton_topk(s, vis, K, interpret=interp))
   same = bool(jnp.all(jnp.sort(ref(s), -1) == jnp.sort(rad(s), -1)))
   emit(kind="check", what="radix top-k set == lax.top_k set", shape=shape, equal=same)
-  for name, f in (("lax.top_k (select_topk)", ref), ("radix select", rad)):
+  same = guarded(f"topk {shape} triton check", lambda: bool(jnp.all(tri(s) == rad(s))))
+  emit(kind="check", what="Triton top-k slots == radix top-k slots", shape=shape, equal=same)
+  for name, f in (("lax.top_k (select_topk)", ref), ("radix select", rad), ("triton select", tri)):
     t = guarded(f"topk {shape} {name}", lambda: time_calls(f, s, reps=reps))
     if t:
       emit(kind="indexer", shape=shape, impl=name, mode="selection", ms=1e3 * t[0], first_s=t[1],

@@ -37,6 +37,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import csa2_attention as _ca
 from pallas_kernels.topk_select import radix_topk
+from pallas_kernels.topk_triton import triton_topk
+
+_SELECTS = {"radix": radix_topk, "triton": triton_topk}
 
 _F32 = jnp.float32
 
@@ -216,12 +219,17 @@ def score_and_select(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry
                      segment_ids_BxT, *, k: int, query_chunk: int | None = 512,
                      max_score_bytes: int = 1 << 31, interpret: bool | None = None,
                      block_t: int = 64, block_n: int = 64, num_warps: int = 4,
-                     num_stages: int = 2):
+                     num_stages: int = 2, select: str = "radix"):
   """(topk_BxTxK int32, scores_at_topk_BxTxK float32): the kernel's form of the model function.
 
   The selection runs on I from the kernel (no gradient); `scores_at_topk` is recomputed from the
-  selected entries in XLA and carries the gradient to q, w and index_k.
+  selected entries in XLA and carries the gradient to q, w and index_k. `select`: "radix" (the XLA
+  radix select, `pallas_kernels.topk_select`) or "triton" (the same results from one Triton
+  program per row, `pallas_kernels.topk_triton`; not yet timed on the GPU, so not the default).
   """
+  if select not in _SELECTS:
+    raise ValueError(f"indexer kernel: select {select!r} is not one of {sorted(_SELECTS)}")
+  topk_of = _SELECTS[select]
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   B, T, H, I = q_BxTxHxI.shape
@@ -234,7 +242,7 @@ def score_and_select(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry
     s = masked_scores(q, w, ks, entry_segment_BxN, entry_last_BxN, seg, rows, block_t=block_t,
                       block_n=block_n, interpret=interpret, num_warps=num_warps,
                       num_stages=num_stages)
-    return radix_topk(s, s > -jnp.inf, k_eff)
+    return topk_of(s, s > -jnp.inf, k_eff)
 
   rows_per_chunk = max(block_t, (max_score_bytes // (4 * B * N)) // block_t * block_t)
   topk = _row_chunks(select, T, rows_per_chunk,

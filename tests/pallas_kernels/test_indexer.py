@@ -96,6 +96,16 @@ def test_selection_and_gradient_match_reference(m, row_bytes):
     np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-5, atol=1e-5)
 
 
+def test_triton_select_gives_the_radix_select_results():
+  # The kernel's two selections (XLA radix passes, one Triton program per row) fill the same
+  # slots, so the scores at them are equal too.
+  q, w, kv, seg = _inputs(14, 2)
+  for a, b in zip(_kernel_select(q, w, kv, seg, select="triton"), _kernel_select(q, w, kv, seg)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="indexer kernel: select 'sort' is not one of"):
+    _kernel_select(q, w, kv, seg, select="sort")
+
+
 def test_model_switch_and_fallback(caplog):
   # The decision is logged once per process: forget earlier tests' notices (order-independent).
   from pallas_kernels import notices

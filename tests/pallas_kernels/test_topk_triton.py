@@ -1,0 +1,64 @@
+"""pallas_kernels/topk_triton.py (interpret mode; lowered for CUDA) against the radix select's
+results (pallas_kernels.topk_select.radix_topk) and lax.top_k's sets."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax.layers.indexer import select_topk
+from pallas_kernels.topk_select import radix_topk
+from pallas_kernels.topk_triton import MAX_ENTRIES, ordered_int_keys, triton_topk, unsupported_reason
+from tests.pallas_kernels.cuda_lowering import lower_for_cuda, triton_calls
+
+
+@pytest.mark.parametrize("levels, n, k", [(None, 67, 9), (2, 67, 9), (7, 40, 64)])
+def test_equals_the_radix_select_and_lax_top_k_sets(levels, n, k):
+  # N and k off powers of two, k > N; ties straddling the k-th value; ±0.0; all-equal huge and
+  # tiny rows; ±inf among the visible; neighbouring floats; no or fewer visible entries than k.
+  rng = np.random.default_rng(n + k + (levels or 0))
+  B, T = 2, 23
+  s = rng.standard_normal((B, T, n)).astype(np.float32)
+  if levels is not None:
+    s = np.round(s * levels / 3) / levels
+  s[0, :5] = 0.0
+  s[0, :5, ::3] = -0.0
+  s[1, 7] = 1e30
+  s[1, 8, :] = -1e30
+  s[1, 9, ::4], s[1, 9, 1::4] = np.inf, -np.inf
+  # Neighbouring floats (keys one apart, in a shuffled order): the k-th needs every key bit.
+  s[1, 10] = rng.permutation(np.arange(n, dtype=np.int32) + np.float32(1).view(np.int32)).view(
+      np.float32)
+  s[1, 11] = np.int32(0x3F800001).view(np.float32)   # equal values with an odd key tie at the
+  s[1, 11, -3:] = 2.0                                 # k-th, below three larger last entries
+  vis = rng.random((B, T, n)) < 0.6
+  vis[0, 10] = False
+  vis[0, 11] = False
+  vis[0, 11, [3, n - 1]] = True
+  vis[1, 9] = vis[1, 11] = True
+  got = triton_topk(jnp.asarray(s), jnp.asarray(vis), k)
+  want = radix_topk(jnp.asarray(s), jnp.asarray(vis), k)
+  assert got.shape == want.shape == (B, T, min(k, n)) and got.dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))   # slots too, not only sets
+  ref, _ = select_topk(jnp.asarray(s), jnp.asarray(vis), k)
+  np.testing.assert_array_equal(np.sort(np.asarray(got), -1), np.sort(np.asarray(ref), -1))
+  assert (np.asarray(got)[0, 10] == -1).all()
+  assert sorted(np.asarray(got)[0, 11][:2]) == [3, n - 1] and (np.asarray(got)[0, 11][2:] == -1).all()
+
+
+def test_keys_follow_the_total_order():
+  x = np.array([-np.inf, -3.5, -1e-40, -0.0, 0.0, 1e-40, 2.0, np.inf], np.float32)
+  keys = np.asarray(ordered_int_keys(jnp.asarray(x)))
+  assert (np.diff(keys.astype(np.int64)) > 0).all() and keys.min() > np.iinfo(np.int32).min
+
+
+def test_wide_rows_are_refused_and_it_lowers_for_cuda():
+  wide = jax.ShapeDtypeStruct((1, 2, MAX_ENTRIES + 1), jnp.float32)
+  assert "exceed" in unsupported_reason(wide, wide, 8)
+  with pytest.raises(ValueError, match="Triton top-k: .*entries per row"):
+    triton_topk(jnp.zeros(wide.shape), jnp.ones(wide.shape, bool), 8)
+  # s3's indexer shape: 4 x 4,096 query rows over 4,096 entries, top-256, one Triton program.
+  s = jax.ShapeDtypeStruct((4, 4096, 4096), jnp.float32)
+  v = jax.ShapeDtypeStruct((4, 4096, 4096), jnp.bool_)
+  lowered = lower_for_cuda(lambda a, b: triton_topk(a, b, 256, interpret=False), s, v)
+  assert triton_calls(lowered) == 1
