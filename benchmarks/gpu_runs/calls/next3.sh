@@ -1,9 +1,7 @@
-# Next sessions, calls 3+ (issue 29; each <= 570 s; carry .whl): the :gpu ladder grid (~20 min in all), then
-# `LADDER_SWEEP=1 bash ...` for its learning-rate sweep (2 sizes x 2 chains x 5 rates x 400 steps, ~37 min).
-# The ladder directory is an ignored path of the checkout, kept on the warm machine between calls; every point
-# resumes from its checkpoint, so repeating the call continues (a fresh machine starts over). Reports to $OUT.
+# Next session, call 3 (~300 s; carry .whl): s3 by launch.train for 50 steps at the config's own batch
+# (131K tokens a step: 8 micro-batches of 8 x 2048), the loss falling (issue 28).
 source benchmarks/gpu_runs/calls/prelude.sh
-mkdir -p build/ladder_gpu
-step ladder; timeout -s INT 500 python3 -m launch.ladder --config=configs/ladder.py:gpu --workdir=build/ladder_gpu ${LADDER_SWEEP:+--sweep}
-step report; timeout 60 python3 -m launch.ladder --report build/ladder_gpu --out=$OUT/ladder_gpu
+step s3_train50; timeout -s INT 330 python3 -m launch.train --config=configs/small.py:s3 --workdir=/tmp/s3_50 \
+    --config.train.steps=50 --config.train.log_every=5 --config.train.eval_every=0
+cp /tmp/s3_50/metrics.jsonl /tmp/s3_50/train.log $OUT/ 2>/dev/null
 step done
