@@ -15,9 +15,11 @@ arrays of the scanned-run layout and saves them as step 0 of `DIR/checkpoints` w
 `DIR/imported.json` marks that step as imported, so `launch.train` starts from it with a fresh
 optimizer state (and says so) and `launch.generate` / `launch.score` read it. A ViT in the config
 is initialised fresh: the release's vision tower is not imported. Export reads the checkpoint one
-stored chunk at a time (TensorStore, `LeafReader`; an import stores ~64 MB chunks split along the
-layer and expert axes), quantizes with the project's own rules and writes the shards it planned
-from the shapes. Engram tables go by blocks of `ROW_BLOCK` rows both ways. Either direction writes
+stored chunk at a time (TensorStore, `LeafReader`; an import stores a parameter of up to 64 MB as
+one chunk and a larger one by layer and expert, then by blocks of rows, `save_weights`), quantizes
+with the project's own rules and writes the shards it planned from the shapes. Engram tables go by
+blocks of `ROW_BLOCK` rows both ways (export: whole stored chunks at a time). Speed and memory:
+docs/checkpoints.md §Speed and memory, `benchmarks/convert_speed.py`. Either direction writes
 into a temporary sibling of the destination and renames it at the end: a failure leaves nothing
 behind, and an existing destination is replaced only with `--overwrite`. Bad input stops with one
 line `error: ...`, exit status 2.
@@ -171,7 +173,7 @@ def import_checkpoint(cfg: ml_collections.ConfigDict, checkpoint: str, workdir: 
         log.info("shard %d/%d read: %s", n, len(shards), shard)
     vision = _fresh_vision(mcfg, int(cfg.train.seed), arrays)
     save_weights(tmp, 0, jax.tree_util.tree_map_with_path(lambda p, _: arrays[path_str(p)], pure),
-                 arrays[rl.MOE_BIAS])
+                 arrays[rl.MOE_BIAS], leading_axes(tensors))
     del arrays
     shutil.rmtree(scratch)
     out = cfg.to_dict()
@@ -191,12 +193,20 @@ def import_checkpoint(cfg: ml_collections.ConfigDict, checkpoint: str, workdir: 
   return summary
 
 
-def save_weights(workdir: str, step: int, params, moe_bias) -> None:
+def save_weights(workdir: str, step: int, params, moe_bias,
+                 leading: dict[str, int] | None = None) -> None:
   """Step `step` of `workdir/checkpoints` holding only parameters (the model's pure state, leaves
   of numpy arrays or memory maps) and MoE biases: what `launch.generate.load_model` and
   `Checkpointer.restore_imported` read. The arrays are written in place (orbax's default handler
   deep-copies host arrays first, which would hold the whole model in memory), so memory maps are
-  paged through, not loaded; stored in chunks of about `SAVE_CHUNK_BYTES`."""
+  paged through, not loaded.
+
+  Stored chunks (what an export reads at a time, `LeafReader`): a leaf of at most
+  `SAVE_CHUNK_BYTES` is one chunk; a larger one is split first along its `leading[path]` leading
+  axes (the layer and expert indices a released tensor takes, `Placement.index`), one index per
+  chunk, then by orbax's rule (the largest axis first) down to `SAVE_CHUNK_BYTES`: an Engram
+  table goes by blocks of rows. (Splitting every stacked axis unconditionally made one chunk per
+  table row, ~10^6 chunks of 256 bytes at s1, and an export of ~1 MB/s.)"""
   ocp = ckpt_lib.ocp
   registry = ocp.type_handlers.create_type_handler_registry(
       (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
@@ -206,10 +216,16 @@ def save_weights(workdir: str, step: int, params, moe_bias) -> None:
       item_names=("state",),
       item_handlers={"state": ocp.PyTreeCheckpointHandler(type_handler_registry=registry)})
   tree = {"params": params, "moe_bias": moe_bias}
-  chunks = jax.tree.map(lambda x: ocp.SaveArgs(  # split the stacked axes first: layers, experts
-      chunk_byte_size=SAVE_CHUNK_BYTES, shard_axes=tuple(range(max(np.ndim(x) - 2, 1)))
-      if np.ndim(x) else ()), tree)
-  manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(tree, save_args=chunks)))
+  leading = leading or {}
+
+  def chunks(p, x):
+    path = path_str(p[1:]) if p[0].key == "params" else rl.MOE_BIAS
+    big = np.ndim(x) and np.size(x) * np.dtype(x.dtype).itemsize > SAVE_CHUNK_BYTES
+    return ocp.SaveArgs(chunk_byte_size=SAVE_CHUNK_BYTES,
+                        shard_axes=tuple(range(leading.get(path, 0))) if big else ())
+
+  save_args = jax.tree_util.tree_map_with_path(chunks, tree)
+  manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(tree, save_args=save_args)))
   manager.wait_until_finished()
   manager.close()
 
@@ -288,6 +304,7 @@ class LeafReader:
       elif keys == (rl.MOE_BIAS,):
         self.names[rl.MOE_BIAS] = rl.MOE_BIAS
     self.arrays: dict[str, Any] = {}
+    self.chunks: dict[str, tuple[int, ...]] = {}
     self.slab: tuple = (None, None, None)   # (path, slab key, array)
 
   def array(self, path: str):
@@ -303,9 +320,19 @@ class LeafReader:
       self.arrays[path] = ts.open(spec, context=self.context).result()
     return self.arrays[path]
 
+  def chunk(self, path: str) -> tuple[int, ...]:
+    """The stored chunk shape of a parameter (what TensorStore decodes at a time)."""
+    if path not in self.chunks:
+      self.chunks[path] = tuple(self.array(path).chunk_layout.read_chunk.shape)
+    return self.chunks[path]
+
   def slab_key(self, path: str, index: tuple[int, ...]) -> tuple[int, ...]:
-    chunk = self.array(path).chunk_layout.read_chunk.shape
-    return tuple(i // c for i, c in zip(index, chunk))
+    return tuple(i // c for i, c in zip(index, self.chunk(path)))
+
+  def row_step(self, path: str) -> int:
+    """Rows of an Engram table read at a time: whole stored chunks, `ROW_BLOCK` or one chunk."""
+    c = self.chunk(path)[0]
+    return c if c >= ROW_BLOCK else ROW_BLOCK // c * c
 
   def rows(self, path: str, start: int, stop: int) -> np.ndarray:
     """Rows start:stop of a parameter (an Engram table, read in blocks)."""
@@ -313,15 +340,17 @@ class LeafReader:
 
   def read(self, path: str, index: tuple[int, ...]) -> np.ndarray:
     """The slice `index` (leading indices) of parameter `path`, from its slab."""
-    key = self.slab_key(path, index)
+    key, chunk = self.slab_key(path, index), self.chunk(path)
     if self.slab[:2] != (path, key):
-      arr = self.array(path)
-      chunk = arr.chunk_layout.read_chunk.shape
       rows = tuple(slice(k * c, (k + 1) * c) for k, c in zip(key, chunk))
       self.slab = (None, None, None)            # free the previous slab before reading
-      self.slab = (path, key, np.asarray(arr[rows].read().result()))
-    chunk = self.array(path).chunk_layout.read_chunk.shape
+      self.slab = (path, key, np.asarray(self.array(path)[rows].read().result()))
     return self.slab[2][tuple(i - k * c for i, k, c in zip(index, key, chunk))]
+
+
+def leading_axes(tensors: list[rl.Tensor]) -> dict[str, int]:
+  """{leaf path: the number of leading axes released tensors index it by} (`save_weights`)."""
+  return {t.placement.path: len(t.placement.index) for t in tensors}
 
 
 def export_checkpoint(workdir: str, checkpoint: str, step: int | None = None,
@@ -377,11 +406,14 @@ def export_checkpoint(workdir: str, checkpoint: str, step: int | None = None,
           t = tensors[position]
           pl = t.placement
           stored = next(entries)
-          if pl.transform == "rows":   # an Engram table, in blocks of rows
-            for r0 in range(0, t.shape[0], ROW_BLOCK):
-              x = reader.rows(pl.path, r0, min(r0 + ROW_BLOCK, t.shape[0]))
-              for (name, _, _), array in zip(stored, encode(t, x)):
-                writer.write_rows(name, r0, array)
+          if pl.transform == "rows":   # an Engram table: whole chunks, encoded by ROW_BLOCK rows
+            rows = reader.row_step(pl.path)
+            for r0 in range(0, t.shape[0], rows):
+              x = reader.rows(pl.path, r0, min(r0 + rows, t.shape[0]))
+              for b0 in range(0, len(x), ROW_BLOCK):
+                for (name, _, _), array in zip(stored, encode(t, x[b0:b0 + ROW_BLOCK])):
+                  writer.write_rows(name, r0 + b0, array)
+              del x
           else:
             x = rl.to_released(reader.read(pl.path, pl.index), pl.transform, t.shape)
             for (name, _, _), array in zip(stored, encode(t, x)):

@@ -143,11 +143,11 @@ class ShardWriter:
       self.offsets[name] = (offset, DTYPES[dtype], tuple(shape))
       offset += int(np.prod(shape)) * DTYPES[dtype].itemsize
     self.written = dict.fromkeys(self.offsets, 0)
+    self.left = offset - len(head)   # planned bytes not written yet
     self.next = 0   # the next planned tensor `write` expects
 
   def complete(self) -> bool:
-    return all(self.written[n] == int(np.prod(s)) * d.itemsize
-               for n, (_, d, s) in self.offsets.items())
+    return self.left == 0
 
   def write(self, name: str, array: np.ndarray) -> None:
     want, dtype, shape = self.plan[self.next]
@@ -166,6 +166,7 @@ class ShardWriter:
     self.file.seek(offset + start * row)
     self.file.write(np.ascontiguousarray(array).tobytes())  # little-endian host (checked above)
     self.written[name] += array.nbytes
+    self.left -= array.nbytes
     if start + len(array) == shape[0] and self.next < len(self.plan) and (
         self.plan[self.next][0] == name):
       self.next += 1
