@@ -9,7 +9,9 @@
 * the imported model's logits equal the original's, read through launch.generate.load_model;
 * the Flash map, from shapes alone, covers every released tensor and every parameter of the ledger;
 * bad input is refused before any write, or leaves nothing behind; launch.train starts from an
-  import with a fresh optimizer state.
+  import with a fresh optimizer state;
+* an import's stored chunks (what an export reads at a time) are blocks within the budget, split by
+  layer and expert, never one chunk per table row.
 """
 
 from __future__ import annotations
@@ -493,3 +495,25 @@ def test_train_starts_from_an_import(tmp_path, caplog):
   after = weights(tmp_path / "wd", cfg)
   change = np.abs(after["embed"] - imported["embed"]).max()
   assert 0 < change < 0.02, change
+
+
+def test_saved_chunks_are_blocks_not_single_rows(tmp_path, monkeypatch):
+  """save_weights' chunks (what an export reads at a time): a leaf over SAVE_CHUNK_BYTES is split by
+  its leading (layer, expert) axes, a table by blocks of rows within the budget, never one chunk per
+  row (the old rule's 1.2 M chunks of 256 bytes made an s1 export take 816 s); a small leaf is one
+  chunk. Fails on the old rule (shard_axes = all but the last two axes, or axis 0)."""
+  monkeypatch.setattr(convert, "SAVE_CHUNK_BYTES", 16 * 1024)
+  rng = np.random.default_rng(0)
+  params = {"table": rng.normal(size=(4096, 8)).astype(np.float32),      # 128 KB
+            "experts": rng.normal(size=(2, 3, 16, 64)).astype(np.float32),  # 24 KB, 4 KB per expert
+            "small": rng.normal(size=(2, 8, 8)).astype(np.float32)}
+  bias = np.zeros((2, 2, 3), np.float32)
+  convert.save_weights(str(tmp_path), 0, params, bias, {"experts": 2, "small": 1})
+  reader = convert.LeafReader(os.path.join(tmp_path, "checkpoints", "0", "state"))
+  rows = reader.chunk("table")
+  assert rows[1] == 8 and 64 <= rows[0] <= 512 and rows[0] * 32 <= 16 * 1024, rows
+  assert reader.chunk("experts") == (1, 1, 16, 64)
+  assert reader.chunk("small") == (2, 8, 8)
+  assert reader.row_step("table") % rows[0] == 0
+  for path, x in params.items():
+    np.testing.assert_array_equal(reader.read(path, ()), x)
