@@ -1,9 +1,10 @@
-"""Inference: decode caches in their stored formats, prefill and one-token decode (docs/design.md §5.7,
-§6, §9–§10), and a `Decoder` that drives them for generation.
+"""Inference: decode caches in their stored formats, prefill and decode (docs/design.md §5.7, §6,
+§9–§10, §16.3), and a `Decoder` that drives them for generation.
 
   cache.py   the global compressed KV (FP4 + E4M3, MXFP4 index K) and the FP8 SWA rings
   decode.py  prefill ("full" = exact path, "ced" = encoder only + bounded decoder replay) and
-             the decode step, from the model's own layer functions
+             decode over a span of Q tokens (the decode step is Q = 1), from the model's own layer
+             functions
 
 `Decoder` holds the split model and its jitted steps, computes the Engram hash rows of each new
 token on the host (`dsv41_jax.inputs`, from its last `engram_max_ngram_size` tokens, all a token's

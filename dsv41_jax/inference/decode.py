@@ -1,31 +1,36 @@
-"""Prefill and one-token decode steps over the stored caches (docs/design.md §4–§8, §5.7, §6, §10).
+"""Prefill and decode (spans of Q tokens, a step is Q = 1) over the stored caches (docs/design.md
+§4–§8, §5.7, §6, §10, §16.3).
 
 One sequence per batch row, a single document (positions = row index, segment 1); every row of a
 batch sits at the same position t.
 
-Decode step at position t (`decode_step`), layer by layer, with the layer's weights from
-`Transformer.layer(i)`:
+Decode over a span of Q ≤ W new tokens at positions t … t+Q−1 (`decode_span`; a decode step
+`decode_step` is Q = 1, `verify.verify_span` Q > 1), layer by layer, every layer once over the Q
+rows, with the layer's weights from `Transformer.layer(i)`; row j is at position p = t + j:
 
   Engram layers   X += gate · value of the token's n-gram rows          (`Engram`, host hash ids)
   attention site  a_pre, a_post, a_comb = attn_hc(X);  x = attn_norm(collapse(X, pre_mix))
     Full          the compressor input x (or H_{L/2}, kv_input "encoder_final") joins the pending
-                  group; when t completes it, (t+1) mod m = 0, the group is pooled (`compress`),
-                  normalised, rotated at g·m and written as entry g = t // m (FP4 + E4M3, and the
-                  indexer key MXFP4)
-    Full/Reindex  the indexer's queries (`Indexer.queries`) scored over the entries visible at t,
-                  g < ⌊(t+1)/m⌋, with the candidate pool at its source and mask at its consumers,
-                  and top-k: the op `indexer_topk` (`Indexer.select`), as in training; Reuse
-                  layers reuse the latest top-k of their index source
-    attention     one softmax with sink over the layer's own new key, the valid ring slots
-                  (positions t − W + 1 … t − 1) and the selected entries (the op
-                  `sparse_attention`, form "gather": the window and the entries are both passed
-                  as gathered keys), then the output path
+                  group row by row; when p completes it, (p+1) mod m = 0, the group is pooled
+                  (`compress`), normalised, rotated at g·m and written as entry g = p // m (FP4 +
+                  E4M3, and the indexer key MXFP4); all Q rows are written before the indexer
+                  reads, and visibility is by position, so a later row sees an entry completed
+                  inside the span and an earlier one does not
+    Full/Reindex  the indexer's queries (`Indexer.queries`) scored over the entries visible at p,
+                  g < ⌊(p+1)/m⌋, with the candidate pool (per row) at its source and mask at its
+                  consumers, and top-k: the op `indexer_topk` (`Indexer.select`), as in training;
+                  Reuse layers reuse the latest top-k of their index source
+    attention     one softmax with sink over the row's own key and the span's keys before it (the
+                  local causal window), the valid ring slots (positions p − W < s < t) and the
+                  selected entries (the op `sparse_attention`, form "gather": the window and the
+                  entries are both passed as gathered keys), then the output path; the span's
+                  keys then go into ring slots p mod W (each written once, since Q ≤ W)
   MoE site        X, x, f_pre, f_post, f_comb = the single-pass site (`block.next_site`, the op
                   `hc_site`); routed (dropless) + shared experts
-  head            final_norm(collapse(X, pre_mix)) @ head → logits [B, V]
+  head            final_norm(collapse(X, pre_mix)) @ head → logits [B, Q, V]
   (the plain residual, `cfg.residual == "plain"`: no sites, X ← X + F; `block.site_output`)
 
-The step's keys are the values the caches hold (`cache.py`: the stored formats, or the forward
+The span's keys are the values the caches hold (`cache.py`: the stored formats, or the forward
 pass's own values), so with `stored_formats=False` it equals the forward pass up to float rounding,
 and with the stored formats it is the forward pass with the QAT quantizers on (up to code flips,
 see `cache.py`); for a model trained with them off the formats are an approximation.
@@ -54,6 +59,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from dsv41_jax.block import (Context, StreamState, encoder_final_input, layer_forward, next_site,
                              site_coefficients, site_output)
@@ -96,16 +102,39 @@ def _entries(core, pub, src_BxGxmxD: jax.Array, g0) -> tuple[jax.Array, jax.Arra
   return main, rope.apply_rope(k, pos, core.attn.inv_freq)
 
 
-def _gather_main(g: GlobalCache, topk_BxK: jax.Array) -> jax.Array:
-  """The selected main-KV entries, decoded: [B, K, D] (rows of empty slots are entry 0)."""
-  i = jnp.maximum(topk_BxK, 0)
+def _gather_main(g: GlobalCache, topk_BxQxK: jax.Array) -> jax.Array:
+  """The selected main-KV entries of every row, decoded: [B, Q, K, D] (rows of empty slots are
+  entry 0)."""
+  B, Q, K = topk_BxQxK.shape
+  i = jnp.maximum(topk_BxQxK, 0).reshape(B, Q * K)
   take = lambda a: jnp.take_along_axis(a, i[:, :, None], axis=1)
-  return cache_lib.read_main(take(g.main_BxNxD2), take(g.main_scale_BxNxS))
+  return cache_lib.read_main(take(g.main_BxNxD2), take(g.main_scale_BxNxS)).reshape(B, Q, K, -1)
 
 
 def _moe(cfg: ModelConfig, moe, x_BxTxD: jax.Array, bias_E: jax.Array) -> jax.Array:
   """Routed experts (dropless) + shared expert of one MoE layer (docs/design.md §8; `MoE.__call__`
-  without the balance statistics, for text tokens)."""
+  without the balance statistics, for text tokens). Batchable: under `jax.vmap` (independent
+  requests, `speculative.py`) the mapped axis joins the batch rows, which is exact since routing
+  and experts act per token (XLA's ragged_dot has no batching rule of its own)."""
+  graphdef, state = nnx.split(moe)
+  leaves, treedef = jax.tree.flatten(state)
+
+  @jax.custom_batching.custom_vmap
+  def f(x, *leaves):
+    return _moe_rows(cfg, nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), x, bias_E)
+
+  @f.def_vmap
+  def rule(axis_size, in_batched, x, *leaves):
+    if any(in_batched[1:]):
+      raise ValueError("the MoE weights must be shared by the mapped requests")
+    y = f(x.reshape(-1, *x.shape[2:]), *leaves)
+    return y.reshape(x.shape[:2] + y.shape[1:]), True
+
+  return f(x_BxTxD, *leaves)
+
+
+def _moe_rows(cfg: ModelConfig, moe, x_BxTxD: jax.Array, bias_E: jax.Array) -> jax.Array:
+  """`_moe` of unmapped rows."""
   logits = jnp.einsum("btd,de->bte", x_BxTxD.astype(jnp.float32),
                       moe.router[...].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
   weights, experts, _ = route(logits, bias_E, moe.k, moe.route_scale, moe.gate_temp)
@@ -129,11 +158,7 @@ def head_logits(model, h_BxTxD: jax.Array) -> jax.Array:
                     preferred_element_type=jnp.float32)
 
 
-def _head(model, X_BxTxNxD: jax.Array, pre_BxTxN: jax.Array) -> jax.Array:
-  return head_logits(model, final_hidden(model, X_BxTxNxD, pre_BxTxN))
-
-
-# --- decode ------------------------------------------------------------------------------------
+# --- decode: a span of Q tokens, a step is Q = 1 -----------------------------------------------
 
 def _compressor_step(cfg, core, pub, g: GlobalCache, src_Bx1xD, t, m: int) -> GlobalCache:
   """Add token t's compressor input to the pending group; write entry t // m when it completes."""
@@ -151,59 +176,75 @@ def _compressor_step(cfg, core, pub, g: GlobalCache, src_Bx1xD, t, m: int) -> Gl
   return GlobalCache(*rows, pending)
 
 
-def _attention_step(cfg, core, x_Bx1xD, c_q, pos_Bx1, t, ring: SWACache,
-                    sel_BxKxD: jax.Array | None, sel_valid_BxK: jax.Array | None
+def _attention_span(cfg, core, x_BxQxD, c_q, pos_BxQ, t, ring: SWACache,
+                    sel_BxQxKxD: jax.Array | None, sel_valid_BxQxK: jax.Array | None
                     ) -> tuple[jax.Array, SWACache]:
-  """One query over its own key, the ring's window and the selected entries; the ring updated."""
+  """The span's queries over their causal span keys, the ring's older window and their selected
+  entries (one softmax with sink); the ring with the span's keys written."""
   W = cfg.sliding_window
-  q = core.attn.queries(c_q, pos_Bx1)                                   # [B, 1, H, D]
-  codes, scales = cache_lib.key_arrays(cfg, ring, _swa_key(core, x_Bx1xD, pos_Bx1))
-  own = cache_lib.read_keys(codes, scales).astype(q.dtype)              # [B, 1, D]
+  B, Q = pos_BxQ.shape
+  q = core.attn.queries(c_q, pos_BxQ)                                   # [B, Q, H, D]
+  codes, scales = cache_lib.key_arrays(cfg, ring, _swa_key(core, x_BxQxD, pos_BxQ))
+  own = cache_lib.read_keys(codes, scales).astype(q.dtype)              # [B, Q, D]
   window = cache_lib.read_keys(ring.codes_BxWxD, ring.scales_BxWxR).astype(q.dtype)
-  ok = (ring.pos_W >= 0) & (ring.pos_W > t - W) & (ring.pos_W < t)
-  B = x_Bx1xD.shape[0]
-  keys, idx = window, jnp.broadcast_to(jnp.where(ok, jnp.arange(W), -1), (B, W))
-  if sel_BxKxD is not None:
-    K = sel_BxKxD.shape[1]
-    keys = jnp.concatenate([keys, sel_BxKxD.astype(q.dtype)], axis=1)
-    idx = jnp.concatenate([idx, jnp.where(sel_valid_BxK, W + jnp.arange(K), -1)], axis=1)
-  o, _ = dispatch.call("sparse_attention", q, own, jnp.ones((B, 1), jnp.int32),
-                       core.attn.attn_sink[...], keys, idx[:, None, :].astype(jnp.int32),
+  p = pos_BxQ[0][:, None]                                               # [Q, 1]
+  ok = (ring.pos_W >= 0) & (ring.pos_W > p - W) & (ring.pos_W < t)      # [Q, W]
+  keys = window
+  idx = jnp.broadcast_to(jnp.where(ok, jnp.arange(W), -1), (B, Q, W))
+  if sel_BxQxKxD is not None:
+    K = sel_BxQxKxD.shape[2]
+    keys = jnp.concatenate([keys, sel_BxQxKxD.reshape(B, Q * K, -1).astype(q.dtype)], axis=1)
+    own_slots = W + jnp.arange(Q)[:, None] * K + jnp.arange(K)          # [Q, K]
+    idx = jnp.concatenate([idx, jnp.where(sel_valid_BxQxK, own_slots, -1)], axis=-1)
+  o, _ = dispatch.call("sparse_attention", q, own, jnp.ones((B, Q), jnp.int32),
+                       core.attn.attn_sink[...], keys, idx.astype(jnp.int32),
                        policy=cfg.ops.sparse_attention, window=W,
                        scale=default_scale(cfg.head_dim), impl="gather")
-  slot = t % W
-  ring = SWACache(jax.lax.dynamic_update_index_in_dim(ring.codes_BxWxD, codes, slot, axis=1),
-                  jax.lax.dynamic_update_index_in_dim(ring.scales_BxWxR, scales, slot, axis=1),
-                  ring.pos_W.at[slot].set(t))
-  return core.attn.output(o, pos_Bx1), ring
+  for j in range(Q):   # distinct slots, since Q ≤ W
+    slot = (t + j) % W
+    ring = SWACache(
+        jax.lax.dynamic_update_index_in_dim(ring.codes_BxWxD, codes[:, j], slot, axis=1),
+        jax.lax.dynamic_update_index_in_dim(ring.scales_BxWxR, scales[:, j], slot, axis=1),
+        ring.pos_W.at[slot].set(t + j))
+  return core.attn.output(o, pos_BxQ), ring
 
 
-def _index_step(cfg, spec: LayerSpec, pub, x, c_q, pos_Bx1, t, g: GlobalCache, m: int,
+def _index_span(cfg, spec: LayerSpec, pub, x, c_q, pos_BxQ, t, g: GlobalCache, m: int,
                 pool) -> tuple[jax.Array, Any]:
-  """(topk [B, K], candidate pool or the one given) of a Full / Reindex layer at position t."""
+  """(topk [B, Q, K], candidate pool or the one given) of a Full / Reindex layer for the span's
+  rows."""
   idx = pub.indexer
-  q, w = idx.queries(x, c_q, pos_Bx1)
+  q, w = idx.queries(x, c_q, pos_BxQ)
   k = cache_lib.read_index(g).astype(q.dtype)
   B, N = k.shape[:2]
   n = jnp.arange(N, dtype=jnp.int32)
-  # The query is row 0 of a one-token sequence at position t: entry_last shifted by −t.
+  # Row r of the span is at position t + r: entry_last shifted by −t.
   meta = CompressedKV(None, k, jnp.ones((B, N), jnp.int32),
                       jnp.broadcast_to((n + 1) * m - 1 - t, (B, N)), jnp.broadcast_to(n * m, (B, N)))
-  topk, _, out = idx.select(q, w, meta, jnp.ones((B, 1), jnp.int32), pool)
+  topk, _, out = idx.select(q, w, meta, jnp.ones(pos_BxQ.shape, jnp.int32), pool)
   if spec.candidate_role == "source":
     pool = out
-  return topk[:, 0], pool
+  return topk, pool
 
 
-def _layers_step(model, X, pre, cache: DecodeCache, t, engram_ids, moe_bias_Lx2xE):
-  """Every layer for the token at position t; returns (X, pre_mix, cache)."""
+def decode_span(model, cache: DecodeCache, tokens_BxQ: jax.Array, t, engram_ids: dict,
+                moe_bias_Lx2xE: jax.Array) -> tuple[jax.Array, DecodeCache, dict]:
+  """(final hidden states [B, Q, D], caches with the Q tokens added, trail) for tokens at positions
+  t … t+Q−1, Q ≤ W (module docstring). `engram_ids`: Engram layer → [B, Q, H] rows (`inputs.
+  engram_ids` of each token's n-gram). `trail`: KV-source layer → its compressor inputs [B, Q, D]
+  (what `verify.rollback` rebuilds the pending groups from)."""
   cfg: ModelConfig = model.cfg
   plan = model.plan
   dt = jnp.dtype(cfg.dtype)
-  B = X.shape[0]
-  pos = jnp.broadcast_to(jnp.reshape(t, (1, 1)), (B, 1)).astype(jnp.int32)
+  B, Q = tokens_BxQ.shape
+  if Q > cfg.sliding_window:
+    raise ValueError(f"a span of {Q} tokens exceeds the sliding window ({cfg.sliding_window})")
+  t = jnp.asarray(t, jnp.int32)
+  pos = jnp.broadcast_to(t + jnp.arange(Q, dtype=jnp.int32), (B, Q))
+  s = model.initial_state(model.embed_tokens(tokens_BxQ))
+  X, pre = s.X_BxTxNxD, s.pre_mix_BxTxN
   swa, glob = list(cache.swa), dict(cache.glob)
-  topk = {}        # index-source layer → its top-k at t
+  topk, trail = {}, {}   # index-source layer → its top-k; KV-source layer → its compressor inputs
   pool = enc = None
   for i in range(len(plan)):
     spec = plan[i]
@@ -211,7 +252,7 @@ def _layers_step(model, X, pre, cache: DecodeCache, t, engram_ids, moe_bias_Lx2x
       enc = StreamState(X, pre)
     core, pub, engram = model.layer(i)
     if engram is not None:
-      X, _ = engram(X, engram_ids[i], jnp.ones((B, 1), bool))
+      X, _ = engram(X, engram_ids[i], jnp.ones((B, Q), bool))
     a_pre, a_post, a_comb = site_coefficients(cfg, "attn_hc", core, X, pre)
     x = core.attn_norm(mhc.collapse(X, pre)).astype(dt)
     c_q = core.attn.q_latent(x)
@@ -220,31 +261,28 @@ def _layers_step(model, X, pre, cache: DecodeCache, t, engram_ids, moe_bias_Lx2x
       m = spec.compress_ratio
       if spec.owns_compressor:
         src = x if spec.kv_input == "own" else encoder_final_input(cfg, core, enc)
-        glob[i] = _compressor_step(cfg, core, pub, glob[i], src, t, m)
+        trail[i] = src
+        for j in range(Q):
+          glob[i] = _compressor_step(cfg, core, pub, glob[i], src[:, j:j + 1], t + j, m)
       g = glob[spec.kv_source]
       if spec.owns_indexer:
-        topk[i], pool = _index_step(cfg, spec, pub, x, c_q, pos, t, g, m, pool)
+        topk[i], pool = _index_span(cfg, spec, pub, x, c_q, pos, t, g, m, pool)
       sel_idx = topk[spec.index_source]
       sel, valid = _gather_main(g, sel_idx), sel_idx >= 0
-    y, swa[i] = _attention_step(cfg, core, x, c_q, pos, t, swa[i], sel, valid)
+    y, swa[i] = _attention_span(cfg, core, x, c_q, pos, t, swa[i], sel, valid)
     X, x, f_pre, f_post, f_comb = next_site(cfg, "ffn_hc", core.ffn_norm, core, X, y, a_post,
                                             a_comb, a_pre)
     X = site_output(X, f_post, f_comb, _moe(cfg, core.moe, x, moe_bias_Lx2xE[i, 0]))
     pre = f_pre
-  return X, pre, DecodeCache(tuple(swa), glob)
+  return final_hidden(model, X, pre), DecodeCache(tuple(swa), glob), trail
 
 
 def decode_step(model, cache: DecodeCache, token_B: jax.Array, t, engram_ids: dict,
                 moe_bias_Lx2xE: jax.Array) -> tuple[jax.Array, DecodeCache]:
-  """Logits [B, V] of the token at position t (every layer), and the caches with t added.
-
-  `engram_ids`: Engram layer → [B, 1, H] rows of the token (`inputs.engram_ids` of its n-gram).
-  """
-  h = model.embed_tokens(token_B[:, None])
-  s = model.initial_state(h)
-  X, pre, cache = _layers_step(model, s.X_BxTxNxD, s.pre_mix_BxTxN, cache, t, engram_ids,
-                               moe_bias_Lx2xE)
-  return _head(model, X, pre)[:, 0], cache
+  """Logits [B, V] of the token at position t (`decode_span` of one token), and the caches with t
+  added. `engram_ids`: Engram layer → [B, 1, H] rows of the token."""
+  h, cache, _ = decode_span(model, cache, token_B[:, None], t, engram_ids, moe_bias_Lx2xE)
+  return head_logits(model, h)[:, 0], cache
 
 
 # --- prefill -----------------------------------------------------------------------------------
