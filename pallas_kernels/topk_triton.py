@@ -7,8 +7,8 @@ than `lax.top_k` (RESULTS.md, "The s3 step by source, kernels on and off"), alth
 are read in 0.06 ms. Here one program holds a row in registers and does the whole selection
 there, reading the row once and writing its K slots:
 
-  key      the float32 bits as int32 in the floats' total order (a negative float's 31 low bits
-           flipped: −0.0 below +0.0, as `lax.top_k` orders them); invisible entries INT32_MIN
+  key      the radix select's keys (the floats' total order: −0.0 below +0.0, as `lax.top_k`
+           orders them) as int32, so that signed order is key order; invisible entries INT32_MIN
   need     min(K, visible entries)
   τ        the need-th largest key, by 32 steps of a binary search on the key's bits, top first:
            a bit stays set when at least `need` keys are ≥ the candidate (one compare-and-sum of
@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.ops import indexer as _ops
+from pallas_kernels.topk_select import ordered_keys
 
 MAX_ENTRIES = 16384
 _MIN = np.int32(np.iinfo(np.int32).min)
@@ -50,9 +51,9 @@ def _pow2(n: int) -> int:
 
 
 def ordered_int_keys(x: jax.Array) -> jax.Array:
-  """int32 keys of float32 values whose signed order is the floats' total order (−0.0 < +0.0)."""
-  b = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-  return jnp.where(b < 0, b ^ jnp.int32(0x7FFFFFFF), b)
+  """int32 keys of float32 values whose signed order is the floats' total order (−0.0 < +0.0):
+  the radix select's uint32 keys with the top bit flipped (its key 0 is INT32_MIN here)."""
+  return jax.lax.bitcast_convert_type(ordered_keys(x) ^ jnp.uint32(0x80000000), jnp.int32)
 
 
 def unsupported_reason(scores_BxTxN, visible_BxTxN, k: int) -> str | None:
