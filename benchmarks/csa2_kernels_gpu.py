@@ -429,6 +429,11 @@ def main():
       "4k-m2": lambda: attn_bench(4, 4096, 2, interp, reps, both),
       "topk-4k": lambda: topk_bench(4, 4096, 256, interp, reps),
       "idx-4k": lambda: idx_bench(4096, interp, reps, H=16, I=128, K=256, B=4),
+      # m3's and s4's top-512 (configs/small.py): the measured envelopes stop at top-256.
+      "4k-m1-k512": lambda: attn_bench(4, 4096, 1, interp, reps, both, K=512),
+      "4k-m2-k512": lambda: attn_bench(4, 4096, 2, interp, reps, both, K=512),
+      "topk-4k-k512": lambda: topk_bench(4, 4096, 512, interp, reps),
+      "idx-4k-k512": lambda: idx_bench(4096, interp, reps, H=16, I=128, K=512, B=4),
       "32k-m2": lambda: attn_bench(1, 32768, 2, interp, reps, (("masked", 4096), ("gather", None))),
       "32k-m1": lambda: attn_bench(1, 32768, 1, interp, reps, (("masked", 2048), ("gather", None))),
       "16k-m1": lambda: attn_bench(1, 16384, 1, interp, reps, both),

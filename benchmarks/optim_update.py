@@ -11,7 +11,11 @@ Programs, for `--size` (s3) at `--batch` × `--seq` (4 × 4096) as `benchmarks/g
 it (text rows, nothing frozen, Newton–Schulz policy "kernel": the bfloat16 iterate that "auto"
 takes on a GPU):
   update         `tx.update` + `optax.apply_updates` on (gradients, optimizer state, parameters):
-                 gpu_step's split "optimizer" program
+                 gpu_step's split "optimizer" program: its inputs are kept, so it also writes new
+                 buffers for the parameters and the optimizer state
+  update_donated the same update with the parameters and optimizer state donated and each call fed
+                 the last one's outputs, as the jitted train step runs it (launch.setup donates the
+                 state): the optimizer's own cost without the copies
   sinkhorn       the Sinkhorn direction of every Engram table with its sub-table layout
                  (gpu_step's `--sinkhorn`)
   newton_schulz  `optim.muon.orthogonalize_many` of every Muon-group parameter, as the update calls
@@ -31,14 +35,15 @@ import subprocess
 import sys
 import tempfile
 
-PROGRAMS = ("update", "sinkhorn", "newton_schulz")
+PROGRAMS = ("update", "update_donated", "sinkhorn", "newton_schulz")
 
 
 def _args():
   ap = argparse.ArgumentParser()
   ap.add_argument("--roots", nargs="+", default=["."],
                   help="source trees to time, in order (the last is compared with the first)")
-  ap.add_argument("--programs", nargs="+", default=["update", "sinkhorn"], choices=PROGRAMS)
+  ap.add_argument("--programs", nargs="+", default=["update", "update_donated", "sinkhorn"],
+                  choices=PROGRAMS)
   ap.add_argument("--size", default="s3")
   ap.add_argument("--batch", type=int, default=4)
   ap.add_argument("--seq", type=int, default=4096)
@@ -68,8 +73,39 @@ def _flat(fn, tree):
           [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves])
 
 
+def _flat_donated(fn, grads, state):
+  """`fn(grads, state) -> state` jitted on flat leaves with the state's leaves donated: (function,
+  abstract inputs, number of gradient leaves); the outputs are the new state's leaves, in order."""
+  g_leaves, g_def = jax.tree.flatten(grads)
+  s_leaves, s_def = jax.tree.flatten(state)
+  n = len(g_leaves)
+
+  def flat(*xs):
+    new = fn(jax.tree.unflatten(g_def, list(xs[:n])), jax.tree.unflatten(s_def, list(xs[n:])))
+    return jax.tree.leaves(new)
+
+  avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in g_leaves + s_leaves]
+  return jax.jit(flat, donate_argnums=tuple(range(n, len(avals)))), avals, n
+
+
+def _time_donated(fn, args, n_fixed: int, reps: int) -> tuple[float, float]:
+  """`time_calls` for a program that donates its inputs past the first `n_fixed`: each call gets
+  the fixed inputs and the last call's outputs (median seconds, first call's seconds)."""
+  import time
+  fixed, carry = list(args[:n_fixed]), list(args[n_fixed:])
+  t0 = time.perf_counter()
+  carry = jax.block_until_ready(fn(*fixed, *carry))
+  first, times = time.perf_counter() - t0, []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    carry = jax.block_until_ready(fn(*fixed, *carry))
+    times.append(time.perf_counter() - t0)
+  return float(sorted(times)[len(times) // 2]), first
+
+
 def programs(names) -> dict:
-  """name -> (jitted flat function, abstract inputs) of the tree on sys.path (module docstring)."""
+  """name -> (jitted flat function, abstract inputs[, donated-from index]) of the tree on
+  sys.path (module docstring)."""
   import optax
   from configs import small
   from configs.common import MeshConfig
@@ -98,6 +134,11 @@ def programs(names) -> dict:
     u, s = tx.update(g, s, p)
     return optax.apply_updates(p, u), s
 
+  def update_donated(g, state):
+    s, p = state
+    u, s = tx.update(g, s, p)
+    return s, optax.apply_updates(p, u)
+
   def sinkhorn_program():
     layouts = engram_sub_tables(model_lib.abstract_model(run.model))
     return _flat(lambda gs: [sinkhorn.sinkhorn_direction(
@@ -111,6 +152,7 @@ def programs(names) -> dict:
         {p: flat[p] for p in mats})
 
   build = {"update": lambda: _flat(update, (params, opt_state, params)),
+           "update_donated": lambda: _flat_donated(update_donated, params, (opt_state, params)),
            "sinkhorn": sinkhorn_program, "newton_schulz": newton_schulz_program}
   return {n: build[n]() for n in names}
 
@@ -138,9 +180,12 @@ def _common():
 def child(path: str) -> None:
   """Time the programs of the tree `ARGS.roots[0]`; write their figures to `path`."""
   out = []
-  for name, (fn, avals) in programs(ARGS.programs).items():
+  for name, (fn, avals, *donated) in programs(ARGS.programs).items():
     args = _inputs(avals)
-    median, first = _common().time_calls(fn, *args, reps=ARGS.reps)
+    if donated:
+      median, first = _time_donated(fn, args, donated[0], ARGS.reps)
+    else:
+      median, first = _common().time_calls(fn, *args, reps=ARGS.reps)
     del args
     out.append(dict(program=name, root=ARGS.roots[0], median_s=median, first_s=first))
     print(f"[{ARGS.roots[0]}] {name}: {median * 1e3:.1f} ms (first call {first:.1f} s)",

@@ -96,12 +96,25 @@ def test_selection_and_gradient_match_reference(m, row_bytes):
     np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-5, atol=1e-5)
 
 
-def test_triton_select_gives_the_radix_select_results():
+def test_triton_select_gives_the_radix_select_results(monkeypatch):
   # The kernel's two selections (XLA radix passes, one Triton program per row) fill the same
-  # slots, so the scores at them are equal too.
+  # slots, so the scores at them are equal too; "auto" (the default) takes the Triton program
+  # where it holds a row's entries and the radix passes beyond.
   q, w, kv, seg = _inputs(14, 2)
-  for a, b in zip(_kernel_select(q, w, kv, seg, select="triton"), _kernel_select(q, w, kv, seg)):
+  want = _kernel_select(q, w, kv, seg, select="radix")
+  for a, b in zip(_kernel_select(q, w, kv, seg, select="triton"), want):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  ran = []
+  spy = {n: (lambda f, n: lambda *a, **k: ran.append(n) or f(*a, **k))(f, n)
+         for n, f in kx._SELECTS.items()}
+  monkeypatch.setattr(kx, "_SELECTS", spy)
+  N = kv.index_k_BxNxI.shape[1]
+  for limit, chosen in ((N, "triton"), (N - 1, "radix")):
+    monkeypatch.setattr(kx, "_TRITON_MAX_ENTRIES", limit)
+    ran.clear()
+    for a, b in zip(_kernel_select(q, w, kv, seg), want):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert ran and set(ran) == {chosen}, (limit, ran)
   with pytest.raises(ValueError, match="indexer kernel: select 'sort' is not one of"):
     _kernel_select(q, w, kv, seg, select="sort")
 
