@@ -24,18 +24,20 @@ CPU ladder (9 points, text only, seq 128, batch 8):
 cold compilation cache on a 2-core box shared with other jobs, 1-7 min a point; the 32 ablation
 runs, 8 arms × 4 seeds, about 32 min.)
 
-GPU ladder (one H200, each point one `launch.train` call inside a 10-minute device call).
-Sized from measured H200 runs (benchmarks/RESULTS.md, "Train step on one H200", 2026-11-30):
-start-up ~25 s, compilation 29-35 s, a step 0.19 s (L8d256) to 0.55 s (L16d512) at 16 × 1024
-tokens; so the largest point, L16d512 × 800 steps (13 M tokens), is ~8.5 min with its held-out
-evaluation:
+GPU ladder (one H200). Sized from measured H200 runs (benchmarks/RESULTS.md, "Train step on one
+H200", 2026-11-30): start-up ~25 s, compilation 29-35 s, a step 0.19 s (L8d256) to 0.55 s
+(L16d512) at 16 × 1024 tokens; so the largest point, L16d512 × 800 steps (13 M tokens), is
+~8.5 min alone with its held-out evaluation, and the 9 points ~34 min one after another. Four at
+a time (`--jobs=4`: start-up and compilation overlap the others' steps; each run's memory plan is
+at most 16.6 GiB, its share 31 GiB), resumed over several 10-minute device calls
+(benchmarks/gpu_runs/calls/next4.sh):
 
-  python -m launch.ladder --config=configs/ladder.py:gpu --workdir=/tmp/ladder_gpu --list
-  python -m launch.train --config=configs/ladder.py:gpu/L16d512/800 --workdir=/tmp/ladder_gpu/L16d512_800
+  python -m launch.ladder --config=configs/ladder.py:gpu --workdir=/tmp/ladder_gpu --jobs=4
+  python -m launch.ladder --config=configs/ladder.py:gpu --workdir=/tmp/ladder_gpu --jobs=4 --sweep
   python -m launch.ladder --report /tmp/ladder_gpu --out=benchmarks/ladder/gpu
 
-(`--list` prints each point's `launch.train` command, one per device call; `--report` then reads
-the finished work directories.)
+(`--list` prints each point's `launch.train` command instead; `--report` reads the finished work
+directories, or the copies of their point.json and metrics.jsonl.)
 """
 
 from __future__ import annotations
@@ -70,8 +72,8 @@ GRIDS: dict[str, dict] = {
                 steps=(60, 120, 240), seq=128, batch=8, lr=1e-2, warmup=10,
                 ablation_size="L10d32", ablation_steps=60, seeds=(0, 1, 2, 3),
                 xla_flags=FAST_CPU),
-    # One H200: widths 256-512, seq 1024, batch 16 (16 K tokens a step); every point fits one
-    # 10-minute device call (measured step times in the docstring).
+    # One H200: widths 256-512, seq 1024, batch 16 (16 K tokens a step); every point alone fits
+    # one 10-minute device call (measured step times in the docstring).
     "gpu": dict(sizes={"L8d256": (8, 256), "L12d384": (12, 384), "L16d512": (16, 512)},
                 steps=(200, 400, 800), seq=1024, batch=16, lr=2e-3, warmup=50,
                 ablation_size="L12d384", ablation_steps=400, seeds=(0, 1), xla_flags="",

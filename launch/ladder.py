@@ -5,6 +5,7 @@
   python -m launch.ladder --config=configs/ladder.py:cpu --workdir=DIR --list        # commands
   python -m launch.ladder --config=configs/ladder.py:micro --workdir=DIR             # <1 min
   python -m launch.ladder --config=configs/ladder.py:gpu --workdir=DIR --sweep       # lr sweeps
+  python -m launch.ladder --config=configs/ladder.py:gpu --workdir=DIR --jobs=4      # 4 at once
   python -m launch.ladder --report DIR [--out=OUT]                                   # table, fits, plots
 
 A ladder config file (`configs/ladder.py`) answers a grid name with the grid's spec (`sizes`,
@@ -20,7 +21,16 @@ when the run exited 0 with a held-out loss at its last step; a done point is nev
 is (re)started, and `launch.train` resumes it from its last checkpoint. Every point's config is
 built and validated (ModelConfig, OptimConfig, schedule) before the first run; an invalid one
 stops the ladder with every error listed (exit status 2). A run that fails is recorded as failed
-with its log path and the ladder moves on; the report fits the points that finished.
+with its log path and the ladder moves on; the report fits the points that finished. Ctrl-C,
+SIGINT or SIGTERM stops the running points (each saves a checkpoint), records them as
+interrupted and exits 130; the same command again resumes them.
+
+`--jobs=N` (default 1: one point after another, in plan order) trains up to N points at once on
+one machine, each its own `launch.train` process and work directory, the most compute first; on
+a GPU each process allocates on demand up to 0.9/N of the memory, and the ladder exits 2 before
+running anything when N runs would not fit by the analytic memory plan (`launch/ladder_jobs.py`:
+order, memory, signals). Points are small enough (0.5-1.4 % MFU on one H200) that their
+start-up and compilation, on the host's cores, overlap the others' steps.
 
 Per point: N = activated matrix parameters per token (`dsv41_jax.flops.active_matrix_params`,
 embedding look-ups excluded, head included), D = steps × batch × seq tokens, and
@@ -37,29 +47,29 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
 import os
 import shlex
 import signal
-import subprocess
 import sys
-import time
 from typing import Any
 
 import numpy as np
 from absl import app, flags
 
-from launch import cli, scaling_fit, sweep
+from launch import cli, ladder_jobs, scaling_fit, sweep
+from launch.ladder_jobs import LadderError, final_eval, read_metrics, read_record
 
-_CONFIG = _WORKDIR = _ABLATIONS = _SWEEP = _LIST = _REPORT = _OUT = None
+_CONFIG = _WORKDIR = _ABLATIONS = _SWEEP = _LIST = _REPORT = _OUT = _JOBS = None
 
 
 def _define_flags() -> None:
   """The command's flags, defined only when it runs as a program: tests import this module beside
   `launch.train`, whose `--config` / `--workdir` flags would otherwise collide."""
-  global _CONFIG, _WORKDIR, _ABLATIONS, _SWEEP, _LIST, _REPORT, _OUT
+  global _CONFIG, _WORKDIR, _ABLATIONS, _SWEEP, _LIST, _REPORT, _OUT, _JOBS
   _CONFIG = flags.DEFINE_string("config", None, "Ladder config: <file>:<grid>, e.g. "
                                 "configs/ladder.py:cpu.")
   _WORKDIR = flags.DEFINE_string("workdir", None, "Ladder directory: one sub-directory per point.")
@@ -71,13 +81,11 @@ def _define_flags() -> None:
   _REPORT = flags.DEFINE_string("report", None, "Redo table, fits and plots from the finished "
                                 "runs in this ladder directory; run nothing.")
   _OUT = flags.DEFINE_string("out", None, "Where the report goes (default: the ladder directory).")
+  _JOBS = flags.DEFINE_integer("jobs", 1, "Points trained at once, each its own launch.train "
+                               "process (on a GPU each with 0.9/jobs of its memory); 1: one by one.")
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class LadderError(RuntimeError):
-  """The ladder cannot start; the message lists what to change."""
+REPO = ladder_jobs.REPO
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,43 +167,6 @@ def shell_line(cmd: list[str], env: dict[str, str]) -> str:
   return f"cd {shlex.quote(REPO)} && {prefix}{shlex.join(cmd)}"
 
 
-def read_record(pdir: str) -> dict[str, Any] | None:
-  try:
-    with open(os.path.join(pdir, "point.json")) as f:
-      return json.load(f)
-  except FileNotFoundError:
-    return None
-
-
-def write_record(pdir: str, record: dict[str, Any]) -> None:
-  os.makedirs(pdir, exist_ok=True)
-  tmp = os.path.join(pdir, "point.json.tmp")
-  with open(tmp, "w") as f:
-    json.dump(record, f, indent=1)
-  os.replace(tmp, os.path.join(pdir, "point.json"))
-
-
-def read_metrics(pdir: str) -> dict[int, dict[str, Any]]:
-  """metrics.jsonl merged per step (a resumed run appends; the later record wins per key)."""
-  out: dict[int, dict[str, Any]] = {}
-  try:
-    with open(os.path.join(pdir, "metrics.jsonl")) as f:
-      for line in f:
-        if line.strip():
-          r = json.loads(line)
-          out.setdefault(int(r["step"]), {}).update(r)
-  except FileNotFoundError:
-    pass
-  return out
-
-
-def final_eval(pdir: str, steps: int) -> dict[str, float] | None:
-  m = read_metrics(pdir).get(steps, {})
-  if m.get("eval/loss") is None:
-    return None
-  return {"eval_loss": m["eval/loss"], "eval_bpb": m.get("eval/bits_per_byte")}
-
-
 def validate(path: str, points: list[Point]) -> dict[str, dict[str, Any]]:
   """Every point's `describe`; raises LadderError listing every invalid point."""
   described, errors = {}, []
@@ -220,60 +191,57 @@ def point_env(spec) -> dict[str, str]:
 
 
 def run_ladder(config: str, workdir: str, ablations: bool = False, log=print,
-               sweeps: bool = False) -> list[dict]:
-  """Run every point not yet done, in order; returns the records. Sweeps run in two stages: the
-  second (the best rates at more seeds) is planned from the first's results."""
+               sweeps: bool = False, jobs: int = 1) -> list[dict]:
+  """Run every point not yet done, `jobs` at a time (`launch.ladder_jobs`); returns the records.
+  Sweeps run in two stages: the second (the best rates at more seeds) is planned from the first's
+  results."""
+  ladder_jobs.check_jobs(jobs)
   path, grid = split_config(config)
   spec = load_config_file(path, grid)
   env = point_env(spec)
-  records = _run_points(path, spec, plan(spec, ablations, sweeps), workdir, env, log)
+  device = functools.cache(lambda: ladder_jobs.probe_device(env))
+  records = _run_points(path, spec, plan(spec, ablations, sweeps), workdir, env, log, jobs, device)
   if sweeps:
     done = {r["name"] for r in records}
     more = [p for p in plan(spec, False, True, records) if p.name not in done]
-    records += _run_points(path, spec, more, workdir, env, log)
+    records += _run_points(path, spec, more, workdir, env, log, jobs, device)
   return records
 
 
-def _run_points(path: str, spec, points: list[Point], workdir: str, env: dict[str, str], log
-                ) -> list[dict]:
+def _run_points(path: str, spec, points: list[Point], workdir: str, env: dict[str, str], log,
+                jobs: int = 1, device=None) -> list[dict]:
+  """Validate `points`, then run them (`ladder_jobs.run`); with jobs > 1 first the memory check
+  against `device()` and the longest first (the `ladder_jobs` docstring)."""
   described = validate(path, points)
-  records = []
-  for i, p in enumerate(points):
-    pdir = os.path.join(workdir, p.name)
-    old = read_record(pdir)
-    if old is not None and old.get("status") == "done":
-      log(f"[{i + 1}/{len(points)}] {p.name}: done, skipped")
-      records.append(old)
+  if jobs > 1:
+    dev = device()
+    ladder_jobs.check_fit(memory_need(path, points, dev.count), jobs, dev, env)
+    env = ladder_jobs.child_env(env, dev, jobs)
+    points = ladder_jobs.longest_first(points, described)
+  commands = {p.name: command(path, p, workdir) for p in points}
+  return ladder_jobs.run(points, commands, described, spec.grid, workdir, env, log, jobs)
+
+
+def memory_need(path: str, points: list[Point], devices: int) -> dict[str, float]:
+  """Point name -> bytes per device of its train step by the analytic memory plan
+  (`launch.memory_plan.analytic_plan` on the config's mesh over `devices`, the config's batch);
+  a point whose mesh does not fit the devices is left out (its run fails and is recorded)."""
+  from configs.common import model_config
+  from launch import memory_plan
+
+  out, plans = {}, {}
+  for p in points:
+    cfg = load_config_file(path, p.arg)
+    try:
+      sizes = memory_plan.resolve_mesh(dict(cfg.mesh), devices)
+      key = (model_config(cfg), tuple(sizes.items()), cfg.data.batch_size, cfg.data.seq_len,
+             cfg.optim.get("chain", "muon"), cfg.train.get("grad_accum_steps", 1))
+      if key not in plans:
+        plans[key] = memory_plan.analytic_plan(key[0], sizes, *key[2:4], None, *key[4:])
+    except memory_plan.PlanError:
       continue
-    cmd = command(path, p, workdir)
-    logfile = os.path.join(pdir, "train.log")
-    record = dict(dataclasses.asdict(p), **described[p.name], command=" ".join(cmd[1:]),
-                  xla_flags=env.get("XLA_FLAGS", ""), log=logfile, status="running",
-                  grid=spec.grid)
-    write_record(pdir, record)
-    log(f"[{i + 1}/{len(points)}] {p.name}: {' '.join(cmd[1:])}")
-    t0 = time.time()
-    with open(logfile, "a") as out:
-      out.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n")
-      out.flush()
-      proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-      try:
-        rc = proc.wait()
-      except BaseException:
-        proc.terminate()  # launch.train saves a checkpoint on SIGTERM and exits
-        proc.wait()
-        record.update(status="interrupted", seconds=time.time() - t0)
-        write_record(pdir, record)
-        raise
-    ev = final_eval(pdir, p.steps)
-    ok = rc == 0 and ev is not None
-    record.update(status="done" if ok else "failed", returncode=rc,
-                  seconds=record.get("seconds", 0.0) + time.time() - t0, **(ev or {}))
-    write_record(pdir, record)
-    log(f"    {record['status']} in {time.time() - t0:.0f} s"
-        + (f": eval loss {ev['eval_loss']:.4f}" if ok else f" (exit {rc}; log {logfile})"))
-    records.append(record)
-  return records
+    out[p.name] = plans[key]["total_bytes"]
+  return out
 
 
 # --- report ---------------------------------------------------------------------------------------
@@ -499,6 +467,7 @@ def report(ladder_dir: str, out_dir: str | None = None) -> dict[str, Any]:
 def main(argv):
   del argv
   try:
+    ladder_jobs.check_jobs(_JOBS.value)
     if _REPORT.value:
       r = report(_REPORT.value, _OUT.value)
       print(r["markdown"], end="")
@@ -517,15 +486,16 @@ def main(argv):
         print(shell_line(command(path, p, _WORKDIR.value), env))
       return
     run_ladder(_CONFIG.value, _WORKDIR.value, _ABLATIONS.value,
-               log=lambda s: print(s, flush=True), sweeps=_SWEEP.value)
+               log=lambda s: print(s, flush=True), sweeps=_SWEEP.value, jobs=_JOBS.value)
     r = report(_WORKDIR.value, _OUT.value)
     print(r["markdown"], end="")
   except LadderError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-  except KeyboardInterrupt:  # Ctrl-C or SIGTERM (below): the running point saved and stopped
-    print("interrupted: the point in progress is stopped (saving a checkpoint if it was training) "
-          "and recorded as interrupted; run the same command again to resume", file=sys.stderr)
+  except KeyboardInterrupt:  # Ctrl-C, SIGINT or SIGTERM (below): the running points saved, stopped
+    print("interrupted: the points in progress are stopped (each saving a checkpoint if it was "
+          "training) and recorded as interrupted; run the same command again to resume",
+          file=sys.stderr)
     sys.exit(130)
 
 

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -34,7 +35,7 @@ from configs import ladder as ladder_cfg
 from configs.common import base_config, model_config
 from dsv41_jax import model as M, testing
 from dsv41_jax.layer_plan import build_layer_plan
-from launch import ladder, scaling_fit
+from launch import ladder, ladder_jobs, scaling_fit
 from launch.step import model_inputs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -268,6 +269,134 @@ def test_sigterm_stops_the_running_point_and_exits_130(tmp_path, env):
   assert not (work / "L2d32_6").exists()   # nothing after the interrupted point started
   ps = subprocess.run(["pgrep", "-f", str(slow)], capture_output=True, text=True)
   assert ps.stdout.strip() == "", ps.stdout
+
+
+# --- several points at once (--jobs) ----------------------------------------------------------------
+
+def _wait_for(path, text, proc):
+  deadline = time.time() + TIMEOUT
+  while not (path.exists() and text in path.read_text()):
+    assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
+    time.sleep(0.2)
+
+
+def test_jobs_2_stops_on_sigint_resumes_and_gives_the_losses_of_jobs_1(tmp_path, env):
+  """--jobs=2: SIGINT to the ladder alone (as `timeout -s INT` sends it; its processes get it
+  from the ladder as SIGTERM) while both points run stops both (records interrupted, exit 130,
+  no process left); the same command again trains both, each in its own work directory, to the
+  same bits as --jobs=1: the same held-out losses and every logged training loss."""
+  slow = tmp_path / "slow_ladder.py"
+  slow.write_text(textwrap.dedent("""
+      import sys, time
+      from configs import ladder
+
+      def get_config(arg=None):
+        if sys.argv[0].endswith("train.py"):   # a point's process, not the ladder itself
+          print("point started", flush=True)
+          time.sleep(120)
+        return ladder.get_config(arg)
+      """))
+  work = tmp_path / "jobs2"
+  proc = subprocess.Popen([sys.executable, "-m", "launch.ladder", f"--config={slow}:micro",
+                           f"--workdir={work}", "--jobs=2"], cwd=REPO, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  for name in ("L2d32_3", "L2d32_6"):
+    _wait_for(work / name / "train.log", "point started", proc)
+  proc.send_signal(signal.SIGINT)
+  out = proc.communicate(timeout=60)[0]
+  assert proc.returncode == 130 and "run the same command again to resume" in out, out
+  for name in ("L2d32_3", "L2d32_6"):
+    record = ladder.read_record(str(work / name))
+    assert record["status"] == "interrupted" and record["jobs"] == 2, record
+  ps = subprocess.run(["pgrep", "-f", str(slow)], capture_output=True, text=True)
+  assert ps.stdout.strip() == "", ps.stdout
+
+  # Resume at --jobs=2 beside a --jobs=1 reference (the two ladders at once: 2 cores).
+  ref = tmp_path / "jobs1"
+  runs = [subprocess.Popen([sys.executable, "-m", "launch.ladder", "--config=configs/ladder.py:micro",
+                            f"--workdir={w}", *extra], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+          for w, extra in ((work, ["--jobs=2"]), (ref, []))]
+  outs = [r.communicate(timeout=TIMEOUT)[0] for r in runs]
+  assert [r.returncode for r in runs] == [0, 0], outs
+  # Longest first at --jobs=2; every line names its point.
+  assert outs[0].index("L2d32_6: -m launch.train") < outs[0].index("L2d32_3: -m launch.train")
+  assert "] L2d32_6: done in " in outs[0] and "] L2d32_3: done in " in outs[0], outs[0]
+  logs = set()
+  for name in ("L2d32_3", "L2d32_6"):
+    got, want = (ladder.read_record(str(w / name)) for w in (work, ref))
+    assert got["status"] == want["status"] == "done" and got["eval_loss"] == want["eval_loss"]
+    assert "jobs" not in want and f"--workdir={work / name} " in got["command"] + " "
+    curve = lambda w: [(s, m.get("loss")) for s, m in sorted(ladder.read_metrics(str(w)).items())]
+    assert curve(work / name) == curve(ref / name) and len(curve(ref / name)) >= 3
+    logs.add(got["log"])
+  assert len(logs) == 2
+
+
+def test_bad_jobs_and_jobs_that_do_not_fit_are_one_line_errors(tmp_path, env):
+  rc, out = _ladder(env, "--config=configs/ladder.py:micro", f"--workdir={tmp_path / 'w'}",
+                    "--jobs=0")
+  assert rc == 2 and out.strip() == ("error: --jobs=0: the number of points trained at once "
+                                     "must be 1 or more"), out
+  with pytest.raises(ladder.LadderError, match="--jobs=-1"):
+    ladder.run_ladder("configs/ladder.py:micro", str(tmp_path / "w"), jobs=-1)
+  # A width whose memory plan exceeds any host: refused before anything starts.
+  big = tmp_path / "big_ladder.py"
+  big.write_text(textwrap.dedent("""
+      from configs import ladder
+      ladder.GRIDS["big"] = dict(ladder.GRIDS["micro"], sizes={"L2d32": (2, 32), "L2d8192": (2, 8192)})
+      get_config = ladder.get_config
+      """))
+  rc, out = _ladder(env, f"--config={big}:big", f"--workdir={tmp_path / 'w'}", "--jobs=2")
+  assert rc == 2 and len(out.strip().splitlines()) == 1, out
+  assert out.startswith("error: --jobs=2 does not fit one cpu device") and "L2d8192_" in out
+  assert "not even one run fits; nothing was run" in out
+  assert not (tmp_path / "w").exists()
+
+
+def test_gpu_share_memory_check_and_order():
+  """On a GPU every run gets 0.9/jobs of the memory (a value set by the user is kept); the check
+  fits the largest plan into that share and the jobs largest into the device; TPUs take one
+  process; the order is the most compute first, ties in plan order."""
+  gib = 2.0 ** 30
+  gpu = ladder_jobs.Device("gpu", 1, 139 * gib)
+  env = {"XLA_FLAGS": "--x"}
+  assert ladder_jobs.child_env(env, gpu, 1) is env
+  assert ladder_jobs.child_env(env, ladder_jobs.Device("cpu", 1, 8 * gib), 4) is env
+  assert ladder_jobs.child_env(env, gpu, 4) == {
+      "XLA_FLAGS": "--x", "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+      "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.225"}
+  mine = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3", "XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
+  assert ladder_jobs.child_env(mine, gpu, 4) == mine
+
+  need = {"L16d512_800": 16.6 * gib, "L8d256_800": 7.7 * gib}
+  ladder_jobs.check_fit(need, 7, gpu, {})            # 0.9 / 7 · 139 = 17.9 GiB each
+  with pytest.raises(ladder.LadderError, match=r"L16d512_800 needs 16\.6 GiB, more than the 15\.6 "
+                     r"GiB each run gets \(XLA_PYTHON_CLIENT_MEM_FRACTION=0\.1125\); at most "
+                     r"--jobs=7 fit"):
+    ladder_jobs.check_fit(need, 8, gpu, {})
+  with pytest.raises(ladder.LadderError, match="not even one run fits"):
+    ladder_jobs.check_fit(need, 2, gpu, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.1"})
+  cpu = ladder_jobs.Device("cpu", 1, 20 * gib)       # no share: the jobs largest together
+  three = dict(need, small=1 * gib)
+  ladder_jobs.check_fit(three, 2, dataclasses.replace(cpu, bytes=25 * gib), {})
+  with pytest.raises(ladder.LadderError, match=r"the 3 largest runs need 25\.3 GiB at once \(the "
+                     r"largest, L16d512_800: 16\.6 GiB\); at most --jobs=1 fit"):
+    ladder_jobs.check_fit(three, 3, cpu, {})
+  with pytest.raises(ladder.LadderError, match="a TPU serves one process"):
+    ladder_jobs.check_fit(need, 2, ladder_jobs.Device("tpu", 4, 16 * gib), {})
+
+  spec = ladder_cfg.get_config("gpu")
+  points = ladder.plan(spec, False)
+  described = ladder.validate(os.path.join(REPO, "configs", "ladder.py"), points)
+  order = [p.name for p in ladder_jobs.longest_first(points, described)]
+  assert order == ["L16d512_800", "L16d512_400", "L12d384_800", "L16d512_200", "L12d384_400",
+                   "L8d256_800", "L12d384_200", "L8d256_400", "L8d256_200"]
+  same = {p.name: dict(compute=1.0) for p in points}
+  assert ladder_jobs.longest_first(points, same) == points
+  twice = points[:2] + points[:1]
+  with pytest.raises(ladder.LadderError, match="points share a work directory: L8d256_200"):
+    ladder_jobs.run(twice, {}, {}, "gpu", "/nonexistent", {}, print, 2)
 
 
 # --- ablation switches ----------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from configs import ladder as ladder_cfg
-from launch import ladder, sweep
+from launch import ladder, ladder_jobs, sweep
 
 
 def _spec():
@@ -73,8 +73,8 @@ def test_report_reads_sweep_points_from_a_ladder_directory(tmp_path):
     pdir = tmp_path / "sweeps" / f"L2d32_{sweep.arm(chain, lr)}_seed0"
     p = ladder.Point(f"sweeps/{pdir.name}", f"micro/L2d32/4/{sweep.arm(chain, lr)}", 0, "sweep",
                      "L2d32", 4, sweep.arm(chain, lr), chain, lr)
-    ladder.write_record(str(pdir), dict(vars(p), status="done", tokens=512, eval_loss=loss,
-                                        n_active=1.0, flops_per_token=1.0, compute=1.0))
+    ladder_jobs.write_record(str(pdir), dict(vars(p), status="done", tokens=512, eval_loss=loss,
+                                             n_active=1.0, flops_per_token=1.0, compute=1.0))
     with open(pdir / "metrics.jsonl", "w") as f:
       for step, l in ((2, loss + 0.3), (4, loss)):
         f.write(json.dumps({"step": step, "loss": l, "eval/loss": l}) + "\n")
