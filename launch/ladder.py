@@ -82,7 +82,8 @@ def _define_flags() -> None:
                                 "runs in this ladder directory; run nothing.")
   _OUT = flags.DEFINE_string("out", None, "Where the report goes (default: the ladder directory).")
   _JOBS = flags.DEFINE_integer("jobs", 1, "Points trained at once, each its own launch.train "
-                               "process (on a GPU each with 0.9/jobs of its memory); 1: one by one.")
+                               "process (on a GPU each with 0.9/jobs of its memory); 1: one by "
+                               "one.")
 
 
 REPO = ladder_jobs.REPO

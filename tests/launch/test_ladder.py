@@ -237,54 +237,8 @@ def test_micro_ladder_end_to_end_with_failure_and_resume(tmp_path, env):
   assert points["L2d32_6"]["eval_loss"] == second["eval_loss"]
 
 
-def test_sigterm_stops_the_running_point_and_exits_130(tmp_path, env):
-  """SIGTERM (or Ctrl-C) to the ladder stops the running point's process, records the point as
-  interrupted and exits 130 with a line saying how to resume; no training process is left over."""
-  slow = tmp_path / "slow_ladder.py"
-  slow.write_text(textwrap.dedent("""
-      import sys, time
-      from configs import ladder
-
-      def get_config(arg=None):
-        if sys.argv[0].endswith("train.py"):   # the point's process, not the ladder itself
-          print("point started", flush=True)
-          time.sleep(120)
-        return ladder.get_config(arg)
-      """))
-  work = tmp_path / "work"
-  proc = subprocess.Popen([sys.executable, "-m", "launch.ladder", f"--config={slow}:micro",
-                           f"--workdir={work}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
-  log = work / "L2d32_3" / "train.log"
-  deadline = time.time() + TIMEOUT
-  while not (log.exists() and "point started" in log.read_text()):
-    assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
-    time.sleep(0.2)
-  proc.send_signal(signal.SIGTERM)
-  out = proc.communicate(timeout=60)[0]
-  assert proc.returncode == 130, out
-  assert "run the same command again to resume" in out
-  record = ladder.read_record(str(work / "L2d32_3"))
-  assert record["status"] == "interrupted"
-  assert not (work / "L2d32_6").exists()   # nothing after the interrupted point started
-  ps = subprocess.run(["pgrep", "-f", str(slow)], capture_output=True, text=True)
-  assert ps.stdout.strip() == "", ps.stdout
-
-
-# --- several points at once (--jobs) ----------------------------------------------------------------
-
-def _wait_for(path, text, proc):
-  deadline = time.time() + TIMEOUT
-  while not (path.exists() and text in path.read_text()):
-    assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
-    time.sleep(0.2)
-
-
-def test_jobs_2_stops_on_sigint_resumes_and_gives_the_losses_of_jobs_1(tmp_path, env):
-  """--jobs=2: SIGINT to the ladder alone (as `timeout -s INT` sends it; its processes get it
-  from the ladder as SIGTERM) while both points run stops both (records interrupted, exit 130,
-  no process left); the same command again trains both, each in its own work directory, to the
-  same bits as --jobs=1: the same held-out losses and every logged training loss."""
+def _slow_config(tmp_path):
+  """A ladder config file whose points' processes print "point started" and sleep 2 minutes."""
   slow = tmp_path / "slow_ladder.py"
   slow.write_text(textwrap.dedent("""
       import sys, time
@@ -296,10 +250,50 @@ def test_jobs_2_stops_on_sigint_resumes_and_gives_the_losses_of_jobs_1(tmp_path,
           time.sleep(120)
         return ladder.get_config(arg)
       """))
-  work = tmp_path / "jobs2"
-  proc = subprocess.Popen([sys.executable, "-m", "launch.ladder", f"--config={slow}:micro",
-                           f"--workdir={work}", "--jobs=2"], cwd=REPO, env=env,
+  return slow
+
+
+def _start_ladder(env, *args):
+  return subprocess.Popen([sys.executable, "-m", "launch.ladder", *args], cwd=REPO, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(path, text, proc):
+  deadline = time.time() + TIMEOUT
+  while not (path.exists() and text in path.read_text()):
+    assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
+    time.sleep(0.2)
+
+
+def test_sigterm_stops_the_running_point_and_exits_130(tmp_path, env):
+  """SIGTERM (or Ctrl-C) to the ladder stops the running point's process, records the point as
+  interrupted and exits 130 with a line saying how to resume; no training process is left over."""
+  slow = _slow_config(tmp_path)
+  work = tmp_path / "work"
+  proc = _start_ladder(env, f"--config={slow}:micro", f"--workdir={work}")
+  _wait_for(work / "L2d32_3" / "train.log", "point started", proc)
+  proc.send_signal(signal.SIGTERM)
+  out = proc.communicate(timeout=60)[0]
+  assert proc.returncode == 130, out
+  assert "run the same command again to resume" in out
+  record = ladder.read_record(str(work / "L2d32_3"))
+  assert record["status"] == "interrupted"
+  assert not (work / "L2d32_6").exists()   # nothing after the interrupted point started
+  ps = subprocess.run(["pgrep", "-f", str(slow)], capture_output=True, text=True)
+  assert ps.stdout.strip() == "", ps.stdout
+
+
+# --- several points at once (--jobs) -------------------------------------------------------------
+
+def test_jobs_2_stops_on_sigint_resumes_and_gives_the_losses_of_jobs_1(tmp_path, env):
+  """--jobs=2: SIGINT to the ladder alone while both points run (the processes then hear only the
+  ladder's SIGTERM; `timeout -s INT` and Ctrl-C would also signal them directly) stops both:
+  records interrupted, exit 130, no process left. The same command again trains both, each in
+  its own work directory, to the same bits as --jobs=1: the same held-out losses and every
+  logged training loss."""
+  slow = _slow_config(tmp_path)
+  work = tmp_path / "jobs2"
+  proc = _start_ladder(env, f"--config={slow}:micro", f"--workdir={work}", "--jobs=2")
   for name in ("L2d32_3", "L2d32_6"):
     _wait_for(work / name / "train.log", "point started", proc)
   proc.send_signal(signal.SIGINT)
@@ -313,9 +307,7 @@ def test_jobs_2_stops_on_sigint_resumes_and_gives_the_losses_of_jobs_1(tmp_path,
 
   # Resume at --jobs=2 beside a --jobs=1 reference (the two ladders at once: 2 cores).
   ref = tmp_path / "jobs1"
-  runs = [subprocess.Popen([sys.executable, "-m", "launch.ladder", "--config=configs/ladder.py:micro",
-                            f"--workdir={w}", *extra], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
+  runs = [_start_ladder(env, "--config=configs/ladder.py:micro", f"--workdir={w}", *extra)
           for w, extra in ((work, ["--jobs=2"]), (ref, []))]
   outs = [r.communicate(timeout=TIMEOUT)[0] for r in runs]
   assert [r.returncode for r in runs] == [0, 0], outs
@@ -344,7 +336,8 @@ def test_bad_jobs_and_jobs_that_do_not_fit_are_one_line_errors(tmp_path, env):
   big = tmp_path / "big_ladder.py"
   big.write_text(textwrap.dedent("""
       from configs import ladder
-      ladder.GRIDS["big"] = dict(ladder.GRIDS["micro"], sizes={"L2d32": (2, 32), "L2d8192": (2, 8192)})
+      ladder.GRIDS["big"] = dict(ladder.GRIDS["micro"], sizes={"L2d32": (2, 32),
+                                                               "L2d8192": (2, 8192)})
       get_config = ladder.get_config
       """))
   rc, out = _ladder(env, f"--config={big}:big", f"--workdir={tmp_path / 'w'}", "--jobs=2")
