@@ -142,7 +142,7 @@ def _inside(checks, where: str) -> str | None:
 # over the best XLA form on the H200 (RESULTS.md, "CSA2 global attention at s3's shapes"): 1.75x
 # to 5.6x at every measured shape (16 heads x 128, window 128, top-256, ratios 1 and 2, 4K to 64K
 # tokens), forward 2.7-4.4x. Outside that envelope it is not measured, so "auto" keeps the XLA form.
-SPARSE_ATTENTION_MEASURED = dict(head_dim=128, max_heads=16, max_window=128, max_topk=256,
+SPARSE_ATTENTION_MEASURED = dict(head_dim=128, max_heads=16, max_window=128, max_topk=512,
                                  min_tokens=4096)
 
 
@@ -152,8 +152,8 @@ def _sparse_attention_faster(args, kwargs) -> str | None:
   q, topk = args[0], args[5] if len(args) > 5 else None
   _, t, h, d = q.shape
   m = SPARSE_ATTENTION_MEASURED
-  where = ("measured faster at 16 heads x 128, window 128, top-256, 4K-64K tokens (RESULTS.md, "
-           "'CSA2 global attention at s3's shapes')")
+  where = ("measured faster at 16 heads x 128, window 128, top-256 and top-512, 4K-64K tokens "
+           "(RESULTS.md, 'CSA2 global attention at s3's shapes', 'Top-512')")
   if topk is None:
     return f"window-only attention is not measured ({where})"
   return _inside(((d != m["head_dim"], f"head_dim {d}"), (h > m["max_heads"], f"{h} heads"),
@@ -167,7 +167,7 @@ def _sparse_attention_faster(args, kwargs) -> str | None:
 # source, kernels on and off"): 1.83x at 4 x 4,096 tokens, 16 index heads x 128, top-256
 # (forward 1.15x); in the s3 step the indexer's kernel time fell 63.2 -> 52.8 ms. Only that
 # shape is measured, so "auto" keeps the XLA form elsewhere.
-INDEXER_MEASURED = dict(head_dim=128, max_heads=16, max_topk=256, min_tokens=4096)
+INDEXER_MEASURED = dict(head_dim=128, max_heads=16, max_topk=512, min_tokens=4096)
 
 
 def _indexer_faster(args, kwargs) -> str | None:
@@ -175,8 +175,8 @@ def _indexer_faster(args, kwargs) -> str | None:
     return f"measured faster on the GPU only; {jax.default_backend()} runs the reference"
   _, t, h, d = args[0].shape
   k, m = kwargs["k"], INDEXER_MEASURED
-  where = ("measured faster at 16 index heads x 128, top-256, 4,096 tokens (RESULTS.md, "
-           "'The s3 step by source, kernels on and off')")
+  where = ("measured faster at 16 index heads x 128, top-256 and top-512, 4,096 tokens "
+           "(RESULTS.md, 'The s3 step by source, kernels on and off', 'Top-512')")
   return _inside(((d != m["head_dim"], f"index_head_dim {d}"),
                   (h > m["max_heads"], f"{h} index heads"), (k > m["max_topk"], f"top-{k}"),
                   (t < m["min_tokens"], f"{t} tokens per row")), where)

@@ -182,11 +182,12 @@ def test_dispatcher_runs_the_kernel_and_falls_back(caplog):
 
 
 @pytest.mark.parametrize("shape, why", [
-    (dict(), None), (dict(D=64), "head_dim 64"), (dict(H=32), "32 heads"),
-    (dict(W=256), "window 256"), (dict(K=512), "top-512"), (dict(T=2048), "2048 tokens"),
+    (dict(), None), (dict(K=512), None), (dict(D=64), "head_dim 64"), (dict(H=32), "32 heads"),
+    (dict(W=256), "window 256"), (dict(K=1024), "top-1024"), (dict(T=2048), "2048 tokens"),
     (dict(window_only=True), "window-only")])
 def test_auto_takes_the_kernel_on_the_gpu_inside_the_measured_envelope(monkeypatch, shape, why):
-  # The shape policy on abstract arguments (a GPU backend pretended): s3's shapes take the kernel.
+  # The shape policy on abstract arguments (a GPU backend pretended): s3's and m3's shapes (top-256,
+  # top-512) take the kernel.
   s = {**dict(T=4096, H=16, D=128, W=128, K=256, window_only=False), **shape}
   sd = lambda *a, dt=jnp.bfloat16: jax.ShapeDtypeStruct(a, dt)
   args = (sd(4, s["T"], s["H"], s["D"]), sd(4, s["T"], s["D"]), sd(4, s["T"], dt=jnp.int32),

@@ -149,11 +149,11 @@ def test_model_switch_and_fallback(caplog):
 
 
 @pytest.mark.parametrize("shape, why", [
-    (dict(), None), (dict(I=64), "index_head_dim 64"), (dict(H=32), "32 index heads"),
-    (dict(K=512), "top-512"), (dict(T=2048), "2048 tokens")])
+    (dict(), None), (dict(K=512), None), (dict(I=64), "index_head_dim 64"),
+    (dict(H=32), "32 index heads"), (dict(K=1024), "top-1024"), (dict(T=2048), "2048 tokens")])
 def test_auto_takes_the_kernel_on_the_gpu_inside_the_measured_envelope(monkeypatch, shape, why):
-  # The shape policy on abstract arguments (a GPU backend pretended): s3's indexer shapes (16
-  # heads x 128, top-256, 4,096 tokens) take the Triton kernel; each shape outside falls back,
+  # The shape policy on abstract arguments (a GPU backend pretended): s3's and m3's indexer shapes
+  # (16 heads x 128, top-256 / top-512, 4,096 tokens) take the Triton kernel; each shape outside falls back,
   # named in the reason; off the GPU "auto" runs the reference.
   s = {**dict(T=4096, H=16, I=128, K=256), **shape}
   sd = lambda *a, dt=jnp.bfloat16: jax.ShapeDtypeStruct(a, dt)
