@@ -20,6 +20,8 @@ takes on a GPU):
                  (gpu_step's `--sinkhorn`)
   newton_schulz  `optim.muon.orthogonalize_many` of every Muon-group parameter, as the update calls
                  it (`--programs` adds it; its compile takes about as long as the update's)
+`--profile DIR` also profiles two calls of each program (command buffers off) and prints its kernel
+time by component, file, function and line, as `benchmarks/gpu_profile.py` does for the step.
 Inputs: normal × 0.02 for every float, zeros for integers, from one key, so trees whose programs
 take the same leaves get the same values. Timing: this checkout's `benchmarks.common.time_calls`
 (the first call, which compiles, timed apart; then the median of `--reps` calls).
@@ -49,6 +51,9 @@ def _args():
   ap.add_argument("--seq", type=int, default=4096)
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--json", default=None)
+  ap.add_argument("--profile", default=None, metavar="DIR",
+                  help="also profile each program (GPU; command buffers off) and print its kernel "
+                       "time by source as benchmarks/gpu_profile.py does; traces and HLO in DIR")
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)   # JSON path of one tree's run
   return ap.parse_args()
 
@@ -59,6 +64,9 @@ if ARGS.child:
   sys.path.insert(0, os.path.abspath(ARGS.roots[0]))
   from launch import xla_flags  # noqa: E402
   xla_flags.apply_defaults()   # as launch.train does, before jax starts
+  if ARGS.profile:             # each kernel names its XLA op (gpu_profile's module docstring)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_gpu_enable_command_buffer=").strip()
 else:
   sys.path.insert(0, _HERE)
 
@@ -88,9 +96,10 @@ def _flat_donated(fn, grads, state):
   return jax.jit(flat, donate_argnums=tuple(range(n, len(avals)))), avals, n
 
 
-def _time_donated(fn, args, n_fixed: int, reps: int) -> tuple[float, float]:
+def _time_donated(fn, args, n_fixed: int, reps: int) -> tuple[float, float, list]:
   """`time_calls` for a program that donates its inputs past the first `n_fixed`: each call gets
-  the fixed inputs and the last call's outputs (median seconds, first call's seconds)."""
+  the fixed inputs and the last call's outputs (median seconds, first call's seconds, the inputs
+  for a next call: the donated ones are gone)."""
   import time
   fixed, carry = list(args[:n_fixed]), list(args[n_fixed:])
   t0 = time.perf_counter()
@@ -100,7 +109,7 @@ def _time_donated(fn, args, n_fixed: int, reps: int) -> tuple[float, float]:
     t0 = time.perf_counter()
     carry = jax.block_until_ready(fn(*fixed, *carry))
     times.append(time.perf_counter() - t0)
-  return float(sorted(times)[len(times) // 2]), first
+  return float(sorted(times)[len(times) // 2]), first, fixed + list(carry)
 
 
 def programs(names) -> dict:
@@ -167,14 +176,50 @@ def _inputs(avals, seed: int = 0) -> list:
   return jax.block_until_ready(jax.jit(make)(jax.random.key(seed)))
 
 
-def _common():
-  """This checkout's `benchmarks/common.py` (a tree under test need not have it), loaded by path so
-  that no other module of this checkout enters a child's imports."""
+def _load(name: str):
+  """This checkout's `benchmarks/<name>.py` (a tree under test need not have it), loaded by path so
+  that no other module of this checkout enters a child's imports (sys.path is restored)."""
   spec = importlib.util.spec_from_file_location(
-      "optim_update_common", os.path.join(_HERE, "benchmarks", "common.py"))
+      f"optim_update_{name}", os.path.join(_HERE, "benchmarks", f"{name}.py"))
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  saved = list(sys.path)
+  try:
+    spec.loader.exec_module(module)
+  finally:
+    sys.path[:] = saved
   return module
+
+
+def _common():
+  return _load("common")
+
+
+def _profile(name: str, fn, args, n_fixed: int | None, median_s: float) -> None:
+  """Two calls of one program under the profiler, its kernel time by source (gpu_profile's
+  grouping: the tree's own frames; a base tree's frames fall in "other")."""
+  import glob
+  prof, summary = _load("gpu_profile"), _load("trace_summary")
+  out = os.path.join(os.path.abspath(ARGS.profile), name)
+  os.makedirs(out, exist_ok=True)
+  compiled = fn.lower(*args).compile()
+  with open(os.path.join(out, "program.hlo.txt"), "w") as f:
+    f.write(compiled.as_text())
+  hlo = prof.HloSources(compiled.as_text())
+  with jax.profiler.trace(out, create_perfetto_trace=True):
+    for _ in range(2):
+      res = compiled(*args)
+      if n_fixed is not None:       # the donated state comes back as the next call's
+        args = list(args[:n_fixed]) + list(res)
+      jax.block_until_ready(res)
+  trace = sorted(glob.glob(os.path.join(out, "**", "perfetto_trace.json.gz"), recursive=True),
+                 key=os.path.getmtime)[-1]
+  spans, busy = prof.gpu_kernels(summary.load(trace))
+  groups = prof.attribute(spans, hlo, steps=2)
+  if not spans:
+    print(f"[{ARGS.roots[0]}] {name}: no GPU kernels in the trace ({jax.default_backend()})")
+    return
+  print(f"[{ARGS.roots[0]}] {name}, profiled (\"step\" = the program's median call):")
+  print(prof.report(groups, median_s * 1e3, busy / 1e3 / 2, 15), flush=True)
 
 
 def child(path: str) -> None:
@@ -183,9 +228,11 @@ def child(path: str) -> None:
   for name, (fn, avals, *donated) in programs(ARGS.programs).items():
     args = _inputs(avals)
     if donated:
-      median, first = _time_donated(fn, args, donated[0], ARGS.reps)
+      median, first, args = _time_donated(fn, args, donated[0], ARGS.reps)
     else:
       median, first = _common().time_calls(fn, *args, reps=ARGS.reps)
+    if ARGS.profile:
+      _profile(name, fn, args, donated[0] if donated else None, median)
     del args
     out.append(dict(program=name, root=ARGS.roots[0], median_s=median, first_s=first))
     print(f"[{ARGS.roots[0]}] {name}: {median * 1e3:.1f} ms (first call {first:.1f} s)",
@@ -202,7 +249,8 @@ def main() -> None:
       cmd = [sys.executable, os.path.abspath(__file__), "--child", tmp.name, "--roots",
              os.path.abspath(root),   # the child runs in the tree: a relative root would not resolve
              "--programs", *ARGS.programs, "--size", ARGS.size, "--batch", str(ARGS.batch),
-             "--seq", str(ARGS.seq), "--reps", str(ARGS.reps)]
+             "--seq", str(ARGS.seq), "--reps", str(ARGS.reps),
+             *(["--profile", os.path.abspath(ARGS.profile)] if ARGS.profile else [])]
       subprocess.run(cmd, check=True, cwd=os.path.abspath(root))
       with open(tmp.name) as f:
         rows += json.load(f)

@@ -1,9 +1,7 @@
-# Next session, call 2 (~500 s; carry .whl and build/optim_base, made first with
-#   mkdir -p build/optim_base && git archive 9693e88 optim launch configs dsv41_jax pallas_kernels data | tar -x -C build/optim_base).
-# m3's profile table (issue 28), the optimizer before / after (issue 25), the attention's m2 ratios (issue 26).
+# Next session, call 2 (~340 s; carry .whl): s3 by launch.train for 50 steps at the config's own batch
+# (131K tokens a step: 8 micro-batches of 8 x 2048), the loss falling (issue 28's done-when).
 source benchmarks/gpu_runs/calls/prelude.sh
-step prof_m3; timeout -s TERM 200 python3 -u benchmarks/gpu_profile.py --size m3 --batch 4 --seq 4096 --steps 2 --top 20 --out /tmp/prof --json $OUT/prof_m3.json
-for f in $(find /tmp/prof -name '*.hlo.txt'); do gzip -c "$f" > $OUT/$(basename "$f").gz; done   # for the copies with no source line
-step optim_update; timeout -s TERM 190 python3 -u benchmarks/optim_update.py --roots build/optim_base . --json $OUT/optim_update.json
-step csa2_m2; timeout -s TERM 100 python3 -u benchmarks/csa2_kernels_gpu.py --reps 5 --deadline 80 --cases 4k-m2,32k-m2,4k-m1-stages
+step s3_train50; timeout -s INT 330 python3 -m launch.train --config=configs/small.py:s3 --workdir=/tmp/s3_50 \
+    --config.train.steps=50 --config.train.log_every=5 --config.train.eval_every=0
+cp /tmp/s3_50/metrics.jsonl /tmp/s3_50/train.log $OUT/ 2>/dev/null
 step done
