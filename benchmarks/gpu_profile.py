@@ -9,7 +9,10 @@ source. CUDA command buffers are turned off (`--xla_gpu_enable_command_buffer=`)
 event names its XLA instruction (`hlo_op`); the compiled HLO text's metadata gives that
 instruction's `stack_frame_id`, and the text's FileNames / FunctionNames / FileLocations /
 StackFrames tables give the frame's file, function and line (or `source_file` / `source_line`
-where the metadata carries them). Printed, kernel time per step (the trace holds two steps):
+where the metadata carries them). An instruction XLA made with no source of its own (a fusion with
+empty metadata, a copy it inserted around a loop carry or a custom call) is charged to its fused
+root's source, else to its first operand's; an event that names no instruction of the program
+keeps its kernel name in the line table. Printed, kernel time per step (the trace holds two steps):
 
   - by component (optimizer, attention, indexer, mHC, MoE, Engram, dense, norms, loss, other),
     from the innermost frame inside this repository (`COMPONENTS`: file and function rules);
@@ -70,20 +73,30 @@ COMPONENTS: tuple[tuple[str, str, str | None], ...] = (
 COMPONENT_ORDER = ("optimizer", "attention", "indexer", "mHC", "MoE", "Engram", "dense", "norms",
                    "loss", "other")
 
-# `name = shape op(...)`, the shape a tuple `(f32[..]{..}, s8[..]{0})` for cuBLAS GEMMs and sorts.
-_META = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(?:\([^=]*?\)|\S+)\s+([\w\-]+)\("
-                   r".*?metadata=\{([^}]*)\}")
+# `name = shape op(...)`, the shape a tuple `(f32[..]{..}, s8[..]{0})` for cuBLAS GEMMs and sorts
+# (read with its `/*index=5*/` comments removed).
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(?:\([^=]*?\)|\S+)\s+([\w\-]+)\((.*)$")
+_COMMENT = re.compile(r"/\*[^*]*\*/")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{$")
 _TABLE_ROW = re.compile(r"^(\d+) (.*)$")
 
 
 class HloSources:
-  """Instruction name → (op kind, op_name, [(file, function, line)] innermost frame first), read
-  from a compiled HLO text (`compiled.as_text()`)."""
+  """Instruction name → (op kind, op_name, metadata fields) and its source frames, read from a
+  compiled HLO text (`compiled.as_text()`).
+
+  The StackFrames table prints each frame's `parent_frame_id` one above its parent's row (the
+  outermost frame's reads its own row; jax 0.10.2 and 0.11.2 alike): a table where some frame
+  names itself as its parent is read that way. An instruction XLA made without a source (a fusion
+  whose own metadata is empty, a copy it inserted) takes its fused root's source, else its first
+  operand's, so its time is charged to the code it serves."""
 
   def __init__(self, text: str):
     tables: dict[str, dict[int, str]] = collections.defaultdict(dict)
-    section = None
+    section, comp = None, None
     self.ops: dict[str, tuple[str, str, dict[str, str]]] = {}
+    self._links: dict[str, tuple[str | None, str | None]] = {}   # op -> (first operand, calls)
+    self._roots: dict[str, str] = {}                              # computation -> its root op
     for line in text.splitlines():
       if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
         section = line
@@ -92,15 +105,29 @@ class HloSources:
         tables[section][int(m.group(1))] = m.group(2)
         continue
       section = None
-      if m := _META.match(line):
-        fields = dict(re.findall(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)', m.group(3)))
-        self.ops[m.group(1)] = (m.group(2), fields.get("op_name", '""').strip('"'), fields)
+      if not line.startswith(" ") and (m := _COMPUTATION.match(line)):
+        comp = m.group(1)
+        continue
+      if not (m := _INSTR.match(_COMMENT.sub("", line))):
+        continue
+      root, name, kind, rest = m.groups()
+      meta = re.search(r"metadata=\{([^}]*)\}", rest)
+      fields = dict(re.findall(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)', meta.group(1))) if meta else {}
+      self.ops[name] = (kind, fields.get("op_name", '""').strip('"'), fields)
+      first = re.match(r"\s*%([\w.\-]+)", rest)
+      calls = re.search(r"\bcalls=%([\w.\-]+)", rest)
+      self._links[name] = (first and first.group(1), calls and calls.group(1))
+      if root:
+        self._roots[comp] = name
     self._files = {k: v.strip('"') for k, v in tables["FileNames"].items()}
     self._funcs = {k: v.strip('"') for k, v in tables["FunctionNames"].items()}
     self._locs = {k: dict(re.findall(r"(\w+)=(\d+)", v)) for k, v in tables["FileLocations"].items()}
     self._frames = {k: dict(re.findall(r"(\w+)=(\d+)", v)) for k, v in tables["StackFrames"].items()}
+    self._parent_shift = int(any(int(f.get("parent_frame_id", 0)) == k
+                                 for k, f in self._frames.items()))
 
-  def frames(self, op: str) -> list[tuple[str, str, int]]:
+  def own_frames(self, op: str) -> list[tuple[str, str, int]]:
+    """The frames of `op`'s own metadata, innermost first (empty when it has none)."""
     kind, _, fields = self.ops.get(op, ("", "", {}))
     if "source_file" in fields:
       return [(fields["source_file"].strip('"'), "?", int(fields.get("source_line", 0)))]
@@ -111,8 +138,19 @@ class HloSources:
       out.append((self._files.get(int(loc.get("file_name_id", 0)), "?"),
                   self._funcs.get(int(loc.get("function_name_id", 0)), "?"),
                   int(loc.get("line", 0))))
-      frame = int(self._frames[frame].get("parent_frame_id", 0))
+      frame = int(self._frames[frame].get("parent_frame_id", 0)) - self._parent_shift
     return out
+
+  def frames(self, op: str, _depth: int = 0) -> list[tuple[str, str, int]]:
+    """`op`'s source frames, innermost first; for an op without its own, its fused root's, else
+    its first operand's (class docstring)."""
+    out = self.own_frames(op)
+    if out or _depth > 8 or op not in self._links:
+      return out
+    first, calls = self._links[op]
+    if calls in self._roots and (out := self.frames(self._roots[calls], _depth + 1)):
+      return out
+    return self.frames(first, _depth + 1) if first else []
 
   def kind(self, op: str) -> str:
     return self.ops.get(op, ("?",))[0]
@@ -164,7 +202,10 @@ def attribute(spans: list[dict], hlo: HloSources, steps: int) -> dict[str, colle
     where = frame or ("(no source)", "?", 0)
     groups["file"][where[0]] += ms
     groups["function"][f"{where[0]}:{where[1]}"] += ms
-    groups["line"][f"{hlo.kind(op) or '?'} {where[0]}:{where[2]} ({where[1]})"] += ms
+    if op in hlo.ops:
+      groups["line"][f"{hlo.kind(op)} {where[0]}:{where[2]} ({where[1]})"] += ms
+    else:   # an event that names no instruction of the program: keep the kernel's name
+      groups["line"][f"? {str(e.get('name', ''))[:60]} (hlo_op {op!r})"] += ms
   return groups
 
 
