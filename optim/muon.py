@@ -11,8 +11,9 @@ axes: a vanilla weight orthogonalizes its last two axes `(in, out)`; a head-wise
 
 Batched: every matrix of every Muon parameter is one item of a batch. Items of the same (rows,
 cols) are concatenated and go through ONE Newton–Schulz call whose iterations are a
-`lax.fori_loop` over the coefficient table, so the compiled update holds one Newton–Schulz body
-per distinct matrix shape, however many parameters share it: each step is three batched products
+`lax.fori_loop` over the coefficient table (two steps per iteration, so that no copy of the iterate
+is written per step: `_UNROLL`), so the compiled update holds one Newton–Schulz body per distinct
+matrix shape, however many parameters share it: each step is three batched products
 over all its items, on the short side of the matrices (a tall batch iterates on XᵀX, so no
 transposed copy of a matrix is written on the way in or out).
 
@@ -52,6 +53,14 @@ NS_COEFFS: tuple[tuple[float, float, float], ...] = (
 NS_DTYPES = ("float32", "bfloat16")
 
 _HI = jax.lax.Precision.HIGHEST
+
+# Two Newton–Schulz steps per loop iteration. A step's last product writes the new iterate while
+# reading the old one, and a GEMM (cuBLAS) cannot write over its own operand, so with one step per
+# iteration XLA copies the product back into the loop's carry buffer every step: on the GPU that
+# was a full read and write of every iterate per step (m3: 103 GB, ~25 ms per optimizer update,
+# benchmarks/RESULTS.md). With two, the second product can take the buffer of the first's
+# operand, dead by then. The steps and their order are unchanged (bitwise the same result).
+_UNROLL = 2
 
 
 def _iterator(ns_dtype: str):
@@ -98,7 +107,7 @@ def _iterate(x_BxMxN: jax.Array, coeffs, ns_dtype: str) -> jax.Array:
       b_MxM = b * a_MxM + c * mm("...mk,...kl->...ml", a_MxM, a_MxM)
       return a * x + apply(mm, b_MxM, x)
 
-    return jax.lax.fori_loop(0, len(coeffs), step, x_BxMxN)
+    return jax.lax.fori_loop(0, len(coeffs), step, x_BxMxN, unroll=_UNROLL)
 
   # bfloat16: the Gram matrix is taken about the identity, A = I + Aₛ, so that what is rounded to
   # bfloat16 is small once X is near orthogonal (A ≈ I; rounding A itself would move the singular
@@ -124,7 +133,7 @@ def _iterate(x_BxMxN: jax.Array, coeffs, ns_dtype: str) -> jax.Array:
              ).astype(bf16)
     return apply(mm, p_MxM, x, bf16)
 
-  x = jax.lax.fori_loop(0, len(coeffs) - 1, step, x_BxMxN)
+  x = jax.lax.fori_loop(0, len(coeffs) - 1, step, x_BxMxN, unroll=_UNROLL)
   a, b, c = coeffs[-1]
   as_MxM = a_s(x)
   b_MxM = ((b + 2 * c) * as_MxM.astype(f32) + c * square(as_MxM, f32)).astype(bf16)
