@@ -11,7 +11,8 @@ instruction's `stack_frame_id`, and the text's FileNames / FunctionNames / FileL
 StackFrames tables give the frame's file, function and line (or `source_file` / `source_line`
 where the metadata carries them). An instruction XLA made with no source of its own (a fusion with
 empty metadata, a copy it inserted around a loop carry or a custom call) is charged to its fused
-root's source, else to its first operand's; an event that names no instruction of the program
+root's source, else to its first operand's, else to the loop's or conditional's that runs it; an
+event that names no instruction of the program
 keeps its kernel name in the line table. Printed, kernel time per step (the trace holds two steps):
 
   - by component (optimizer, attention, indexer, mHC, MoE, Engram, dense, norms, loss, other),
@@ -89,7 +90,8 @@ class HloSources:
   outermost frame's reads its own row; jax 0.10.2 and 0.11.2 alike): a table where some frame
   names itself as its parent is read that way. An instruction XLA made without a source (a fusion
   whose own metadata is empty, a copy it inserted) takes its fused root's source, else its first
-  operand's, so its time is charged to the code it serves."""
+  operand's, else that of the loop or conditional whose body or branch holds it, so its time is
+  charged to the code it serves."""
 
   def __init__(self, text: str):
     tables: dict[str, dict[int, str]] = collections.defaultdict(dict)
@@ -97,6 +99,8 @@ class HloSources:
     self.ops: dict[str, tuple[str, str, dict[str, str]]] = {}
     self._links: dict[str, tuple[str | None, str | None]] = {}   # op -> (first operand, calls)
     self._roots: dict[str, str] = {}                              # computation -> its root op
+    self._comp_of: dict[str, str] = {}                            # op -> its computation
+    self._caller: dict[str, str] = {}             # computation -> an op that runs or fuses it
     for line in text.splitlines():
       if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
         section = line
@@ -117,6 +121,12 @@ class HloSources:
       first = re.match(r"\s*%([\w.\-]+)", rest)
       calls = re.search(r"\bcalls=%([\w.\-]+)", rest)
       self._links[name] = (first and first.group(1), calls and calls.group(1))
+      self._comp_of[name] = comp
+      for called in re.findall(r"(?:\bbody|_computations?|calls|to_apply)=\{?%([\w.\-]+)", rest):
+        self._caller.setdefault(called, name)
+      for group in re.findall(r"branch_computations=\{([^}]*)\}", rest):
+        for called in re.findall(r"%([\w.\-]+)", group):
+          self._caller.setdefault(called, name)
       if root:
         self._roots[comp] = name
     self._files = {k: v.strip('"') for k, v in tables["FileNames"].items()}
@@ -141,16 +151,21 @@ class HloSources:
       frame = int(self._frames[frame].get("parent_frame_id", 0)) - self._parent_shift
     return out
 
-  def frames(self, op: str, _depth: int = 0) -> list[tuple[str, str, int]]:
+  def frames(self, op: str, _seen: set | None = None) -> list[tuple[str, str, int]]:
     """`op`'s source frames, innermost first; for an op without its own, its fused root's, else
-    its first operand's (class docstring)."""
-    out = self.own_frames(op)
-    if out or _depth > 8 or op not in self._links:
+    its first operand's, else that of the instruction that runs its computation (a loop, a
+    conditional: class docstring)."""
+    seen = set() if _seen is None else _seen
+    if op in seen or op not in self._links or len(seen) > 64:
+      return []
+    seen.add(op)
+    if out := self.own_frames(op):
       return out
     first, calls = self._links[op]
-    if calls in self._roots and (out := self.frames(self._roots[calls], _depth + 1)):
-      return out
-    return self.frames(first, _depth + 1) if first else []
+    for nxt in (self._roots.get(calls), first, self._caller.get(self._comp_of.get(op))):
+      if nxt and (out := self.frames(nxt, seen)):
+        return out
+    return []
 
   def kind(self, op: str) -> str:
     return self.ops.get(op, ("?",))[0]

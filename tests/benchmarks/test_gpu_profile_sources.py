@@ -1,6 +1,7 @@
 """benchmarks/gpu_profile.py's sources beyond an instruction's own innermost frame: the whole
 StackFrames chain, instructions whose tuple shape carries `/*index=N*/` comments, and the source an
-XLA-made instruction (a fusion with empty metadata, an inserted copy) takes from the code it serves."""
+XLA-made instruction (a fusion with empty metadata, an inserted copy) takes from the code it serves
+(its fused root, its operand, the loop that runs it)."""
 
 import jax
 import jax.numpy as jnp
@@ -75,8 +76,19 @@ StackFrames
   ROOT %add.1 = f32[4]{{0}} add(%mul.1, %p0), metadata={{op_name="jit(f)/add" stack_frame_id=2}}
 }}
 
+%body (b: f32[4]) -> f32[4] {{
+  %b = f32[4]{{0}} parameter(0)
+  ROOT %copy.9 = f32[4]{{0}} copy(%b), metadata={{scheduling_name="copy.9"}}
+}}
+
+%condition (c: f32[4]) -> pred[] {{
+  %c = f32[4]{{0}} parameter(0)
+  ROOT %false = pred[] constant(false)
+}}
+
 ENTRY %main (x: f32[4]) -> (f32[4], f32[4]) {{
   %x = f32[4]{{0}} parameter(0)
+  %while.1 = f32[4]{{0}} while(%x), condition=%condition, body=%body, metadata={{op_name="jit(f)/while" stack_frame_id=1}}
   %loop_add_fusion = f32[4]{{0}} fusion(%x), kind=kLoop, calls=%fused_add, metadata={{scheduling_name="loop_add_fusion"}}
   %copy.3 = f32[4]{{0}} copy(%loop_add_fusion), metadata={{scheduling_name="copy.3"}}
   %copy.4 = f32[4]{{0}} copy(%x)
@@ -92,6 +104,7 @@ def test_xla_made_instructions_take_the_source_they_serve():
   assert hlo.own_frames("loop_add_fusion") == [] and hlo.frames("loop_add_fusion") == chain
   assert hlo.own_frames("copy.3") == [] and hlo.frames("copy.3") == chain   # via its operand
   assert hlo.kind("copy.4") == "copy" and hlo.frames("copy.4") == []        # a parameter's: none
+  assert hlo.frames("copy.9") == chain[1:]                                   # its loop's
   assert hlo.kind("nothing") == "?"
   # Kernel events: the copy is charged to its operand's line; an event naming no instruction
   # keeps its kernel name.
