@@ -55,12 +55,20 @@ _HI = jax.lax.Precision.HIGHEST
 
 
 # Block sums by chunks of rows: at most _MAX_CHUNK rows (the partials are 2/chunk of the table), at
-# least _MIN_CHUNK (below, the partials outweigh the one-hot form's [R, B] operand). A chunk must lie
-# within one device's rows however the rows are sharded: the model pads Engram tables to a
+# least _MIN_CHUNK (below, the partials outweigh the one-hot form's [R, B] operand); where no size
+# in that range fits, the largest divisor above it that fits (no longer than the smallest block):
+# the one-hot product over millions of rows is split and padded by XLA inside the loop (m3's Engram
+# table 0, 1024 x 4,691 rows: a 2.46 GB pad of X0^2 at each of 11 column steps, RESULTS.md). A chunk
+# must lie within one device's rows however the rows are sharded: the model pads Engram tables to a
 # multiple of _ROW_GROUPS rows so that they split evenly over any power-of-two row group up to
 # that size (`dsv41_jax.engram.lookup.ROW_PAD_MULTIPLE`), so the chunk divides R / _ROW_GROUPS
 # (R / the largest power of two up to _ROW_GROUPS that divides R, for other tables).
 _MAX_CHUNK, _MIN_CHUNK, _ROW_GROUPS = 64, 8, 1024
+
+
+def _divisors(n: int) -> list[int]:
+  small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+  return sorted(set(small + [n // k for k in small]))
 
 
 class _Blocks:
@@ -83,8 +91,10 @@ class _Blocks:
     self.n_rows = n_rows
     self.sizes = np.asarray([n for _, n in self.blocks], np.float32)           # [B]
     per_group = n_rows // math.gcd(n_rows, _ROW_GROUPS)
-    fits = [k for k in range(_MIN_CHUNK, _MAX_CHUNK + 1) if per_group % k == 0
-            and k <= min(n for _, n in self.blocks)]
+    smallest = min(n for _, n in self.blocks)
+    fits = [k for k in range(_MIN_CHUNK, _MAX_CHUNK + 1) if per_group % k == 0 and k <= smallest]
+    if not fits:   # e.g. m3's Engram table 0, 1024 x 4,691 rows (prime): the largest divisor above
+      fits = [k for k in _divisors(per_group) if _MAX_CHUNK < k <= smallest]
     self.chunk = max(fits) if fits and not self.whole else None
     b = len(self.blocks)
     # Block of each row: how many later blocks start at or before it (rows in no block get a

@@ -295,3 +295,26 @@ def test_block_sums_stream_the_table_into_chunk_partials():
   assert f"tensor<{BIG_ROWS // 9}x2x12xf32>" in text
   assert sinkhorn._Blocks(ROWS, BLOCKS).chunk is None
   assert f"tensor<{ROWS}x{len(BLOCKS)}xf32>" in lower(ROWS, BLOCKS)
+
+
+def test_tables_no_small_chunk_fits_take_a_larger_divisor_not_the_one_hot_product():
+  """A table of 1024 · 67 rows (67 prime, above the chunk range; m3's Engram table 0 is 1024 ·
+  4,691): the block sums run by chunks of 67 rows, not the one-hot product over every row (which
+  XLA split and padded inside the loop on the GPU), and the direction equals the float64
+  restatement with zero rows and the padding zero; a table whose per-group rows have no divisor
+  in range that fits its smallest block keeps the one-hot form."""
+  rows, blocks = 1024 * 67, ((0, 20011), (20011, 30011), (50022, 18000))
+  blk = sinkhorn._Blocks(rows, blocks)
+  assert blk.chunk == 67
+  assert sinkhorn._Blocks(1024 * 67, ((0, 66), (66, 60000))).chunk is None   # 67 > 66 rows
+  rng = np.random.default_rng(11)
+  d = _skewed(rng, (rows, 4)).astype(np.float32)
+  d[[3, 20011, 60000]] = 0.0
+  fn = jax.jit(lambda x: sinkhorn.sinkhorn_direction(x, K, TAU, EPS, 0.18, blocks))
+  text = fn.lower(jax.ShapeDtypeStruct(d.shape, d.dtype)).as_text()
+  assert f"tensor<{rows}x{len(blocks)}xf32>" not in text
+  assert f"tensor<{rows // 67}x2x4xf32>" in text
+  out = np.asarray(fn(d), np.float64)
+  ref = refs.sinkhorn_sub_tables(d, blocks, K, TAU, EPS, 0.18)
+  np.testing.assert_allclose(out, ref, rtol=2e-5, atol=1e-9)
+  assert np.all(out[[3, 20011, 60000]] == 0) and np.all(out[68022:] == 0)
