@@ -190,7 +190,8 @@ def build_optimizer(cfg: OptimConfig, params, table: Sequence[Row] = TABLE,
     groups = {
         "muon": optax.chain(
             scale_by_muon(cfg.muon_momentum, cfg.update_rms, lambda path: rows[path].headwise,
-                          cfg.newton_schulz, frozen=lambda path: path in frozen),
+                          cfg.newton_schulz, frozen=lambda path: path in frozen,
+                          ns_schedule=cfg.ns_schedule),
             optax.add_decayed_weights(cfg.weight_decay)),
         "adamw": adamw(cfg.weight_decay),
         "sinkhorn": optax.chain(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from optim.muon import NS_SCHEDULES
 from pallas_kernels import dispatch
 
 
@@ -55,6 +56,9 @@ class OptimConfig:
   # HIGHEST precision, "kernel" = the bfloat16 iterate with float32 accumulation (within 1 ± 5e-3
   # of orthogonal, benchmarks/RESULTS.md "Muon precision"), "auto" = bfloat16 off the CPU.
   newton_schulz: str = "auto"
+  # Newton–Schulz schedule (optim/muon.py NS_SCHEDULES): "spec" = 8 + 2 steps (docs/design.md
+  # §T2), "polar_express" = the 8 per-step quintics of Polar Express (benchmarks/RESULTS.md).
+  ns_schedule: str = "spec"
   weight_decay: float = 0.1         # decoupled, for the muon and adamw groups
   # --- AdamW ---
   adam_b1: float = 0.9
@@ -104,6 +108,9 @@ class OptimConfig:
     need(self.sinkhorn_iters >= 1, f"sinkhorn_iters must be >= 1 (got {self.sinkhorn_iters})")
     need(self.newton_schulz in dispatch.POLICIES,
          f"newton_schulz: policy {self.newton_schulz!r} is not one of {', '.join(dispatch.POLICIES)}")
+    need(self.ns_schedule in NS_SCHEDULES,
+         f"ns_schedule must be one of {', '.join(map(repr, NS_SCHEDULES))} "
+         f"(got {self.ns_schedule!r})")
     need(self.unfreeze_at in ("never", "decay_start"),
          f"unfreeze_at must be 'never' or 'decay_start' (got {self.unfreeze_at!r})")
     if errors:

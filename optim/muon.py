@@ -5,6 +5,16 @@ Newton–Schulz (8 steps of (3.4445, −4.7750, 2.0315), then 2 of (2, −1.5, 0
 singular value to 1 within ~5e-4), then rescaled so the update RMS is `update_rms` (0.18): an m×n
 matrix with unit singular values has RMS 1/√max(m, n).
 
+Schedule (`ns_schedule`, `NS_SCHEDULES`): "spec" is the 8 + 2 schedule above; "polar_express" is
+the per-step quintics of Amsel, Persson, Musco & Gower 2025, "The Polar Express: Optimal Matrix
+Sign Methods and Their Application to the Muon Algorithm" (arXiv 2505.16932), as published in the
+authors' reference code (github.com/NoahAmsel/PolarExpress, `polar_express/basic.py`): eight
+polynomials computed for σ_min/σ_max = 1e-3, each but the last divided by the safety factor 1.01
+(a/1.01, b/1.01³, c/1.01⁵), the last (15/8, −10/8, 3/8) unchanged, and the input divided by
+1.01·‖X‖_F instead of ‖X‖_F. Eight steps instead of ten (24 products per matrix against 30). It
+lands every normalized singular value ≥ 1e-3 on 1 (exact arithmetic) but leaves smaller ones short
+(σ/‖X‖_F = 1e-4 → 0.57, against 1.00 for "spec"): benchmarks/RESULTS.md "Polar Express".
+
 Axes are counted from the END, so leading scan-stacked layer axes and expert / group axes are batch
 axes: a vanilla weight orthogonalizes its last two axes `(in, out)`; a head-wise weight
 `(..., in, heads, head_dim)` orthogonalizes each `(in, head_dim)` head on its own.
@@ -52,6 +62,40 @@ NS_COEFFS: tuple[tuple[float, float, float], ...] = (
     ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2)
 NS_DTYPES = ("float32", "bfloat16")
 
+# The Polar Express quintics as published (module docstring), before the safety factor.
+_POLAR_EXPRESS_QUINTICS = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+_PE_SAFETY = 1.01
+PE_COEFFS: tuple[tuple[float, float, float], ...] = tuple(
+    (a / _PE_SAFETY, b / _PE_SAFETY ** 3, c / _PE_SAFETY ** 5)
+    for a, b, c in _POLAR_EXPRESS_QUINTICS[:-1]) + _POLAR_EXPRESS_QUINTICS[-1:]
+
+
+class Schedule(NamedTuple):
+  """A Newton–Schulz schedule: the (a, b, c) of each step, and `margin`: the input is divided by
+  margin·‖X‖_F."""
+  coeffs: tuple[tuple[float, float, float], ...]
+  margin: float
+
+
+NS_SCHEDULES = {"spec": Schedule(NS_COEFFS, 1.0),
+                "polar_express": Schedule(PE_COEFFS, _PE_SAFETY)}
+
+
+def schedule(name: str) -> Schedule:
+  """The schedule `name` of NS_SCHEDULES (ValueError naming the known ones otherwise)."""
+  if name not in NS_SCHEDULES:
+    raise ValueError(f"ns_schedule {name!r} is not one of {', '.join(NS_SCHEDULES)}")
+  return NS_SCHEDULES[name]
+
 _HI = jax.lax.Precision.HIGHEST
 
 # Two Newton–Schulz steps per loop iteration. A step's last product writes the new iterate while
@@ -76,10 +120,13 @@ def resolve_ns_dtype(ns_dtype: str) -> str:
   return _iterator(ns_dtype)[0]
 
 
-def _normalized(x: jax.Array) -> jax.Array:
-  """Each matrix divided by its Frobenius norm (every singular value ≤ 1), in float32."""
+def _normalized(x: jax.Array, margin: float = 1.0) -> jax.Array:
+  """Each matrix divided by `margin` × its Frobenius norm (every singular value ≤ 1 / margin), in
+  float32."""
   x = x.astype(jnp.float32)
   norm = jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True))
+  if margin != 1.0:
+    norm = norm * margin
   return x / jnp.maximum(norm, 1e-30)
 
 
@@ -168,12 +215,14 @@ _NEWTON_SCHULZ = dispatch.Op(
 dispatch.register("newton_schulz", _NEWTON_SCHULZ)
 
 
-def newton_schulz(x_BxMxN: jax.Array, coeffs=NS_COEFFS, ns_dtype: str = "float32") -> jax.Array:
-  """Approximate U Vᵀ of each matrix in the batch (float32 out; precision `ns_dtype`, module
-  docstring). The matrix is normalized by its Frobenius norm, then iterated on its short side
-  (A is min(m, n)²)."""
+def newton_schulz(x_BxMxN: jax.Array, ns_dtype: str = "float32", ns_schedule: str = "spec"
+                  ) -> jax.Array:
+  """Approximate U Vᵀ of each matrix in the batch (float32 out; precision `ns_dtype`, schedule
+  `ns_schedule`, module docstring). The matrix is normalized by (the schedule's margin ×) its
+  Frobenius norm, then iterated on its short side (A is min(m, n)²)."""
   ns_dtype, iterate = _iterator(ns_dtype)
-  return iterate(_normalized(x_BxMxN).astype(_iterate_dtype(ns_dtype)), coeffs)
+  sched = schedule(ns_schedule)
+  return iterate(_normalized(x_BxMxN, sched.margin).astype(_iterate_dtype(ns_dtype)), sched.coeffs)
 
 
 def _as_matrices(g: jax.Array, headwise: bool) -> jax.Array:
@@ -190,11 +239,12 @@ def _from_matrices(x: jax.Array, like: jax.Array, headwise: bool) -> jax.Array:
 
 
 def orthogonalize_many(gs: Sequence[jax.Array], headwise: Sequence[bool],
-                       ns_dtype: str = "float32", frozen: Sequence[bool] | None = None
-                       ) -> list[jax.Array]:
+                       ns_dtype: str = "float32", frozen: Sequence[bool] | None = None,
+                       ns_schedule: str = "spec") -> list[jax.Array]:
   """`orthogonalize` of every array, with one batched Newton–Schulz per distinct matrix shape
   (and per frozen-or-not: a batch of `frozen` arrays is skipped while all of it is zero)."""
   ns_dtype, iterate = _iterator(ns_dtype)
+  sched = schedule(ns_schedule)
   frozen = [False] * len(gs) if frozen is None else list(frozen)
   mats = [_as_matrices(g, h) for g, h in zip(gs, headwise)]
   by_key: dict[tuple[int, int, bool], list[int]] = {}
@@ -203,10 +253,10 @@ def orthogonalize_many(gs: Sequence[jax.Array], headwise: Sequence[bool],
   out: list[jax.Array | None] = [None] * len(mats)
   for (_, _, skippable), idx in by_key.items():
     # Each item normalized, then rounded once to the iterate's dtype.
-    items = [_normalized(mats[i]).astype(_iterate_dtype(ns_dtype)) for i in idx]
+    items = [_normalized(mats[i], sched.margin).astype(_iterate_dtype(ns_dtype)) for i in idx]
     sizes = np.cumsum([w.shape[0] for w in items])[:-1]
     x = jnp.concatenate(items, axis=0)
-    run = lambda x: iterate(x, NS_COEFFS)
+    run = lambda x: iterate(x, sched.coeffs)
     if skippable:
       x = jax.lax.cond(jnp.any(x != 0), run,
                        lambda x: jnp.zeros(x.shape, jnp.float32), x)
@@ -217,9 +267,10 @@ def orthogonalize_many(gs: Sequence[jax.Array], headwise: Sequence[bool],
   return out
 
 
-def orthogonalize(g: jax.Array, headwise: bool, ns_dtype: str = "float32") -> jax.Array:
+def orthogonalize(g: jax.Array, headwise: bool, ns_dtype: str = "float32",
+                  ns_schedule: str = "spec") -> jax.Array:
   """Newton–Schulz over the last two axes, or over (in, head_dim) per head for `headwise`."""
-  return orthogonalize_many([g], [headwise], ns_dtype)[0]
+  return orthogonalize_many([g], [headwise], ns_dtype, ns_schedule=ns_schedule)[0]
 
 
 def matrix_dims(shape: tuple[int, ...], headwise: bool) -> tuple[int, int]:
@@ -234,10 +285,10 @@ def rms_scale(shape: tuple[int, ...], headwise: bool, update_rms: float) -> floa
 
 
 def muon_direction(d: jax.Array, headwise: bool, update_rms: float,
-                   ns_dtype: str = "float32") -> jax.Array:
+                   ns_dtype: str = "float32", ns_schedule: str = "spec") -> jax.Array:
   """Orthogonalized direction scaled to RMS `update_rms` (√max(m, n) · update_rms · UVᵀ)."""
   scale = rms_scale(d.shape, headwise, update_rms)
-  return (orthogonalize(d, headwise, ns_dtype) * scale).astype(d.dtype)
+  return (orthogonalize(d, headwise, ns_dtype, ns_schedule) * scale).astype(d.dtype)
 
 
 class MuonState(NamedTuple):
@@ -245,10 +296,11 @@ class MuonState(NamedTuple):
 
 
 def scale_by_muon(momentum: float, update_rms: float, headwise: Callable[[str], bool],
-                  ns_dtype: str = "auto", frozen: Callable[[str], bool] = lambda path: False
-                  ) -> optax.GradientTransformation:
-  """Nesterov momentum + Newton–Schulz + RMS rescaling; `headwise(path)` picks the variant,
-  `frozen(path)` marks parameters whose direction is zero while frozen (module docstring).
+                  ns_dtype: str = "auto", frozen: Callable[[str], bool] = lambda path: False,
+                  ns_schedule: str = "spec") -> optax.GradientTransformation:
+  """Nesterov momentum + Newton–Schulz (schedule `ns_schedule`) + RMS rescaling; `headwise(path)`
+  picks the variant, `frozen(path)` marks parameters whose direction is zero while frozen (module
+  docstring).
 
   All parameters' matrices are orthogonalized together (`orthogonalize_many`)."""
 
@@ -264,7 +316,7 @@ def scale_by_muon(momentum: float, update_rms: float, headwise: Callable[[str], 
     paths = [table_lib.path_str(p) for p, _ in flat_g]
     hw = [headwise(p) for p in paths]
     dirs = [g + momentum * m for (_, g), m in zip(flat_g, flat_m)]
-    orth = orthogonalize_many(dirs, hw, ns_dtype, [frozen(p) for p in paths])
+    orth = orthogonalize_many(dirs, hw, ns_dtype, [frozen(p) for p in paths], ns_schedule)
     out = [(o * rms_scale(d.shape, h, update_rms)).astype(d.dtype)
            for o, d, h in zip(orth, dirs, hw)]
     return jax.tree.unflatten(treedef, out), MuonState(momentum=new_m)
