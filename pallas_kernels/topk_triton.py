@@ -104,7 +104,11 @@ def triton_topk(scores_BxTxN: jax.Array, visible_BxTxN: jax.Array, k: int, *,
   width = n_pad if interpret else k_pad
   rows = keys.shape[0]
   warps = num_warps or int(np.clip(n_pad // 512, 4, 16))
-  out = pl.pallas_call(
+  # Called through `jax.jit`: remat's partial evaluation stages a bare `pallas_call` into the
+  # recomputed forward even when every input is known, so the named selection below could not be
+  # saved and layer remat would select (and score) again in the backward; a jitted call's rule
+  # keeps it in the forward (tests/pallas_kernels/test_topk_triton.py).
+  out = jax.jit(pl.pallas_call(
       functools.partial(_select_kernel, k_slots=k_pad),
       out_shape=jax.ShapeDtypeStruct((rows, width), jnp.int32),
       grid=(rows,),
@@ -112,5 +116,5 @@ def triton_topk(scores_BxTxN: jax.Array, visible_BxTxN: jax.Array, k: int, *,
                 pl.BlockSpec((None, 1), lambda r: (r, 0))],
       out_specs=pl.BlockSpec((None, width), lambda r: (r, 0)),
       compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
-      interpret=interpret, name="triton_topk")(keys, need)
+      interpret=interpret, name="triton_topk"))(keys, need)
   return checkpoint_name(out[:, :k_eff].reshape(*lead, k_eff), _ops.SELECTION)

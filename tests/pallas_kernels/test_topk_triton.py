@@ -62,3 +62,25 @@ def test_wide_rows_are_refused_and_it_lowers_for_cuda():
   v = jax.ShapeDtypeStruct((4, 4096, 4096), jnp.bool_)
   lowered = lower_for_cuda(lambda a, b: triton_topk(a, b, 256, interpret=False), s, v)
   assert triton_calls(lowered) == 1
+
+
+def test_layer_remat_keeps_the_selection_instead_of_selecting_again():
+  # Under the model's remat policy the named selection is saved: the gradient's program holds the
+  # Triton select once (the forward's), as for the radix select (a bare pallas_call was staged
+  # into the recomputed forward, so the indexer scored and selected twice per layer).
+  from dsv41_jax.model import remat_policy
+  rng = np.random.default_rng(3)
+  s = jnp.asarray(rng.standard_normal((2, 16, 32)), jnp.float32)
+  z = jnp.asarray(rng.standard_normal((2, 16, 32)), jnp.float32)
+  vis = s > -1.0
+
+  def loss(z, select):
+    idx = select(jax.lax.stop_gradient(z) + s, vis, 4)
+    return jnp.sum(jnp.sin(jnp.take_along_axis(z, jnp.maximum(idx, 0), axis=-1)))
+
+  for select in (triton_topk, radix_topk):
+    f = jax.checkpoint(lambda z, select=select: loss(z, select), policy=remat_policy)
+    text = str(jax.make_jaxpr(jax.grad(f))(z))
+    assert text.count("pallas_call[") == (1 if select is triton_topk else 0), select
+    np.testing.assert_array_equal(np.asarray(jax.grad(f)(z)),
+                                  np.asarray(jax.grad(lambda z: loss(z, radix_topk))(z)))
