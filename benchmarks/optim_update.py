@@ -51,6 +51,9 @@ def _args():
   ap.add_argument("--seq", type=int, default=4096)
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--json", default=None)
+  ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                  help="config keys of every tree, e.g. optim.ns_schedule=polar_express "
+                       "(benchmarks.common.set_overrides; a key a tree lacks stops its run)")
   ap.add_argument("--profile", default=None, metavar="DIR",
                   help="also profile each program (GPU; command buffers off) and print its kernel "
                        "time by source as benchmarks/gpu_profile.py does; traces and HLO in DIR")
@@ -124,6 +127,7 @@ def programs(names) -> dict:
   from optim import muon, sinkhorn, table
 
   cfg = small.get_config(ARGS.size)
+  _common().set_overrides(cfg, ARGS.set)
   cfg.data.seq_len, cfg.data.batch_size, cfg.model.seq_len = ARGS.seq, ARGS.batch, ARGS.seq
   if "grad_accum_steps" in cfg.train:
     cfg.train.grad_accum_steps = 1
@@ -156,8 +160,9 @@ def programs(names) -> dict:
 
   def newton_schulz_program():
     mats = sorted(p for p, r in rows.items() if r.group == "muon")
+    schedule = {"ns_schedule": o.ns_schedule} if hasattr(o, "ns_schedule") else {}  # older trees
     return _flat(lambda gs: muon.orthogonalize_many(
-        [gs[p] for p in mats], [rows[p].headwise for p in mats], "kernel"),
+        [gs[p] for p in mats], [rows[p].headwise for p in mats], "kernel", **schedule),
         {p: flat[p] for p in mats})
 
   build = {"update": lambda: _flat(update, (params, opt_state, params)),
@@ -250,7 +255,8 @@ def main() -> None:
              os.path.abspath(root),   # the child runs in the tree: a relative root would not resolve
              "--programs", *ARGS.programs, "--size", ARGS.size, "--batch", str(ARGS.batch),
              "--seq", str(ARGS.seq), "--reps", str(ARGS.reps),
-             *(["--profile", os.path.abspath(ARGS.profile)] if ARGS.profile else [])]
+             *(["--profile", os.path.abspath(ARGS.profile)] if ARGS.profile else []),
+             *(["--set", *ARGS.set] if ARGS.set else [])]
       subprocess.run(cmd, check=True, cwd=os.path.abspath(root))
       with open(tmp.name) as f:
         rows += json.load(f)
