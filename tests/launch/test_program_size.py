@@ -13,7 +13,9 @@ from dsv41_jax import model as M
 from dsv41_jax.layer_plan import build_layer_plan
 from launch.step import TrainState, engram_sub_tables, make_train_step
 from optim.chain import build_optimizer
+from optim import muon
 from optim.config import optim_config
+from tests.optim import refs
 
 
 def _tiny_at_depth(layers: int):
@@ -68,4 +70,6 @@ def test_optimizer_program_does_not_grow_with_same_shaped_parameters():
   # Newton–Schulz is one loop (3 products) per distinct matrix shape, however many parameters
   # share it: 3 shapes here (64×32, 32×16 per head, 64×64). Unbatched and unrolled, 16 layers
   # would hold 16 · 3 · 10 · 3 = 1440 products.
-  assert update_dots(2) == update_dots(16) == 3 * 3
+  # (Each step's products appear once per body the lowered loop holds: `refs.lowered_loop_bodies`.)
+  assert update_dots(2) == update_dots(16) == 3 * 3 * refs.lowered_loop_bodies(
+      len(muon.NS_COEFFS))

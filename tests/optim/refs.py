@@ -82,3 +82,16 @@ def adam(g_steps, b1, b2, eps):
 def rms(x) -> float:
   x = np.asarray(x, np.float64)
   return float(np.sqrt(np.mean(x * x)))
+
+
+def lowered_loop_bodies(trip_count: int) -> int:
+  """How many copies of a loop body the lowered text of `optim.muon`'s Newton–Schulz loops holds
+  for `trip_count` steps: jax 0.11 writes `fori_loop(..., unroll=muon._UNROLL)` as that many
+  bodies in the while loop plus the remainder's, jax 0.10 keeps one body (counted on a one-product
+  loop, so tests can count products per Newton–Schulz step)."""
+  import jax
+  import jax.numpy as jnp
+  from optim import muon
+  x = jax.ShapeDtypeStruct((2, 2), jnp.float32)
+  loop = lambda x: jax.lax.fori_loop(0, trip_count, lambda i, y: y @ y, x, unroll=muon._UNROLL)
+  return jax.jit(loop).lower(x).as_text().count("dot_general")

@@ -141,8 +141,11 @@ def test_equal_shapes_share_one_batched_newton_schulz_chain():
   text = jax.jit(lambda gs: muon.orthogonalize_many(gs, [True, False, False, False], "bfloat16")
                  ).lower(gs).as_text()
   dots = [line.split("->")[-1].strip() for line in text.splitlines() if "dot_general" in line]
-  per_batch = lambda n, m, k: ([f"tensor<{n}x{k}x{k}xf32>"] * 3 + [f"tensor<{n}x{k}x{k}xbf16>"]
-                               + [f"tensor<{n}x{m}xbf16>", f"tensor<{n}x{m}xf32>"])
+  bodies = refs.lowered_loop_bodies(len(muon.NS_COEFFS) - 1)   # the loop's steps; then the last
+  loop = lambda n, m, k: [f"tensor<{n}x{k}x{k}xf32>", f"tensor<{n}x{k}x{k}xbf16>",
+                          f"tensor<{n}x{m}xbf16>"] * bodies
+  last = lambda n, m, k: [f"tensor<{n}x{k}x{k}xf32>"] * 2 + [f"tensor<{n}x{m}xf32>"]
+  per_batch = lambda n, m, k: loop(n, m, k) + last(n, m, k)
   assert sorted(dots) == sorted(per_batch(13, "40x16", 16) + per_batch(2, "16x40", 16)), dots
   assert text.count("stablehlo.while") == 2
   # the only transposes move the head-wise weight's heads next to the batch axes, and back
