@@ -67,6 +67,7 @@ _MAX_CHUNK, _MIN_CHUNK, _ROW_GROUPS = 64, 8, 1024
 
 
 def _divisors(n: int) -> list[int]:
+  """The divisors of n, ascending."""
   small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
   return sorted(set(small + [n // k for k in small]))
 
@@ -91,11 +92,10 @@ class _Blocks:
     self.n_rows = n_rows
     self.sizes = np.asarray([n for _, n in self.blocks], np.float32)           # [B]
     per_group = n_rows // math.gcd(n_rows, _ROW_GROUPS)
-    smallest = min(n for _, n in self.blocks)
-    fits = [k for k in range(_MIN_CHUNK, _MAX_CHUNK + 1) if per_group % k == 0 and k <= smallest]
-    if not fits:   # e.g. m3's Engram table 0, 1024 x 4,691 rows (prime): the largest divisor above
-      fits = [k for k in _divisors(per_group) if _MAX_CHUNK < k <= smallest]
-    self.chunk = max(fits) if fits and not self.whole else None
+    fits = [k for k in _divisors(per_group)
+            if _MIN_CHUNK <= k <= min(n for _, n in self.blocks)]
+    in_range = [k for k in fits if k <= _MAX_CHUNK]   # none for m3's 1024 x 4,691-row table
+    self.chunk = max(in_range or fits) if fits and not self.whole else None
     b = len(self.blocks)
     # Block of each row: how many later blocks start at or before it (rows in no block get a
     # neighbour's). One never-reached start keeps the shape non-empty.

@@ -141,7 +141,9 @@ def _inside(checks, where: str) -> str | None:
 # Sparse attention (`pallas_kernels.csa2_attention`, deterministic backward), forward + backward
 # over the best XLA form on the H200 (RESULTS.md, "CSA2 global attention at s3's shapes"): 1.75x
 # to 5.6x at every measured shape (16 heads x 128, window 128, top-256, ratios 1 and 2, 4K to 64K
-# tokens), forward 2.7-4.4x. Outside that envelope it is not measured, so "auto" keeps the XLA form.
+# tokens), forward 2.7-4.4x; at top-512 (m3, s4; "Command buffers, the Triton select, top-512")
+# 2.93x (ratio 1) and 1.74x (ratio 2) at 4K. Outside that envelope it is not measured, so "auto"
+# keeps the XLA form.
 SPARSE_ATTENTION_MEASURED = dict(head_dim=128, max_heads=16, max_window=128, max_topk=512,
                                  min_tokens=4096)
 
@@ -164,9 +166,9 @@ def _sparse_attention_faster(args, kwargs) -> str | None:
 
 # The indexer's Triton kernel (scores, the radix select, the KL backward through the K selected
 # entries), forward + backward over the XLA reference on the H200 (RESULTS.md, "The s3 step by
-# source, kernels on and off"): 1.83x at 4 x 4,096 tokens, 16 index heads x 128, top-256
-# (forward 1.15x); in the s3 step the indexer's kernel time fell 63.2 -> 52.8 ms. Only that
-# shape is measured, so "auto" keeps the XLA form elsewhere.
+# source, kernels on and off"; "Command buffers, the Triton select, top-512"): with the Triton
+# select, 2.86x at 4 x 4,096 tokens, 16 index heads x 128, top-256 (forward 2.17x) and 1.83x at
+# top-512. Only those shapes are measured, so "auto" keeps the XLA form elsewhere.
 INDEXER_MEASURED = dict(head_dim=128, max_heads=16, max_topk=512, min_tokens=4096)
 
 
