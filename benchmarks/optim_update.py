@@ -30,12 +30,14 @@ take the same leaves get the same values. Timing: this checkout's `benchmarks.co
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib.util
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 
 PROGRAMS = ("update", "update_donated", "sinkhorn", "newton_schulz")
 
@@ -103,7 +105,6 @@ def _time_donated(fn, args, n_fixed: int, reps: int) -> tuple[float, float, list
   """`time_calls` for a program that donates its inputs past the first `n_fixed`: each call gets
   the fixed inputs and the last call's outputs (median seconds, first call's seconds, the inputs
   for a next call: the donated ones are gone)."""
-  import time
   fixed, carry = list(args[:n_fixed]), list(args[n_fixed:])
   t0 = time.perf_counter()
   carry = jax.block_until_ready(fn(*fixed, *carry))
@@ -202,7 +203,6 @@ def _common():
 def _profile(name: str, fn, args, n_fixed: int | None, median_s: float) -> None:
   """Two calls of one program under the profiler, its kernel time by source (gpu_profile's
   grouping: the tree's own frames; a base tree's frames fall in "other")."""
-  import glob
   prof, summary = _load("gpu_profile"), _load("trace_summary")
   out = os.path.join(os.path.abspath(ARGS.profile), name)
   os.makedirs(out, exist_ok=True)
