@@ -54,16 +54,19 @@ Blocks = tuple[tuple[int, int], ...]    # (offset, rows) of each sub-table along
 _HI = jax.lax.Precision.HIGHEST
 
 
-# Block sums by chunks of rows: at most _MAX_CHUNK rows (the partials are 2/chunk of the table), at
-# least _MIN_CHUNK (below, the partials outweigh the one-hot form's [R, B] operand); where no size
-# in that range fits, the largest divisor above it that fits (no longer than the smallest block):
-# the one-hot product over millions of rows is split and padded by XLA inside the loop (m3's Engram
-# table 0, 1024 x 4,691 rows: a 2.46 GB pad of X0^2 at each of 11 column steps, RESULTS.md). A chunk
-# must lie within one device's rows however the rows are sharded: the model pads Engram tables to a
-# multiple of _ROW_GROUPS rows so that they split evenly over any power-of-two row group up to
-# that size (`dsv41_jax.engram.lookup.ROW_PAD_MULTIPLE`), so the chunk divides R / _ROW_GROUPS
-# (R / the largest power of two up to _ROW_GROUPS that divides R, for other tables).
-_MAX_CHUNK, _MIN_CHUNK, _ROW_GROUPS = 64, 8, 1024
+# Block sums by chunks of rows: the largest chunk that fits (no longer than the smallest block, so a
+# chunk meets at most two blocks), at least _MIN_CHUNK rows (below, the partials outweigh the one-hot
+# form's [R, B] operand). Long chunks make each block sum one streaming column reduction of the table
+# ([R/chunk, chunk, C] over its middle axis) to [R/chunk, C] per side: on the H200 chunks of 43-51
+# rows ran that reduction at ~1 TB/s (s3: 21.8 of the Sinkhorn's 32 ms, RESULTS.md). Where no chunk
+# fits, the one-hot product over millions of rows is split and padded by XLA inside the loop (m3's
+# Engram table 0, 1024 x 4,691 rows, before chunks above 64 rows were allowed: a 2.46 GB pad of X0^2
+# at each of 11 column steps). A chunk must lie within one device's rows however the rows are
+# sharded: the model pads Engram tables to a multiple of _ROW_GROUPS rows so that they split evenly
+# over any power-of-two row group up to that size (`dsv41_jax.engram.lookup.ROW_PAD_MULTIPLE`), so
+# the chunk divides R / _ROW_GROUPS (R / the largest power of two up to _ROW_GROUPS that divides R,
+# for other tables).
+_MIN_CHUNK, _ROW_GROUPS = 8, 1024
 
 
 def _divisors(n: int) -> list[int]:
@@ -94,8 +97,7 @@ class _Blocks:
     per_group = n_rows // math.gcd(n_rows, _ROW_GROUPS)
     fits = [k for k in _divisors(per_group)
             if _MIN_CHUNK <= k <= min(n for _, n in self.blocks)]
-    in_range = [k for k in fits if k <= _MAX_CHUNK]   # none for m3's 1024 x 4,691-row table
-    self.chunk = max(in_range or fits) if fits and not self.whole else None
+    self.chunk = max(fits) if fits and not self.whole else None
     b = len(self.blocks)
     # Block of each row: how many later blocks start at or before it (rows in no block get a
     # neighbour's). One never-reached start keeps the shape non-empty.
@@ -124,10 +126,12 @@ class _Blocks:
     if self.chunk is None:
       return jnp.einsum("...rb,...rc->...bc", w_R[..., None] * self.onehot(), s_RxC, precision=_HI)
     n, k = self.n_rows // self.chunk, self.chunk
-    on_side = (self.side[..., None] == jnp.arange(2, dtype=jnp.int8)).astype(jnp.float32)
-    w = w_R.reshape(*w_R.shape[:-1], n, k, 1) * on_side                        # [..., n, k, 2]
-    s = s_RxC.reshape(*s_RxC.shape[:-2], n, k, 1, s_RxC.shape[-1])
-    partial = jnp.sum(w[..., None] * s, axis=-3)                               # [..., n, 2, C]
+    w = w_R.reshape(*w_R.shape[:-1], n, k, 1)
+    s = s_RxC.reshape(*s_RxC.shape[:-2], n, k, s_RxC.shape[-1])
+    # One reduction per side, each [..., n, k, C] over k (siblings over the same read of the table),
+    # rather than one over a [..., n, k, 2, C] broadcast.
+    partial = jnp.stack([jnp.sum(jnp.where(self.side[:, :, None] == side, w * s, 0.0), axis=-2)
+                         for side in (0, 1)], axis=-2)                         # [..., n, 2, C]
     return jnp.einsum("...nsc,nsb->...bc", partial, self.owner, precision=_HI)
 
   def mean_of_rows(self, v_R: jax.Array) -> jax.Array:
