@@ -144,14 +144,15 @@ def _window_dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, segq_ref, kv_ref, segk
   dkv_ref[...] = jax.lax.fori_loop(0, n_q, chunk, jnp.zeros(k.shape, _F32))
 
 
-def _entry_sum_kernel(lo_ref, hi_ref, order_ref, c_ref, o_ref, *, be, zero_row):
+def _entry_sum_kernel(lo_ref, hi_ref, order_ref, c_ref, o_ref, *, be):
   lo = jnp.min(lo_ref[...])
   hi = jnp.max(hi_ref[...])
 
   def chunk(i, acc):
     pos = lo + i * be + jax.lax.broadcasted_iota(jnp.int32, (be,), 0)
-    idx = jnp.where(pos < hi, order_ref[pl.ds(lo + i * be, be)], zero_row)
-    return acc + c_ref[idx, :].astype(_F32)
+    ok = pos < hi
+    idx = jnp.where(ok, order_ref[pl.ds(lo + i * be, be)], 0)
+    return acc + jnp.where(ok[:, None], c_ref[idx, :].astype(_F32), 0.0)
 
   n = (hi - lo + be - 1) // be
   acc = jax.lax.fori_loop(0, n, chunk, jnp.zeros((be, o_ref.shape[-1]), _F32))
@@ -228,16 +229,16 @@ def _slot_order(ids, n_entries, bounds: str = "count", sort: str = "rows"):
 
 def _entry_sums(contrib, order, lo, hi, *, be, interpret, num_warps, num_stages):
   """d(entries) [B, N, D] float32: Σ of contrib rows [B, R, D] over order[lo[n]:hi[n]], added in
-  row order (one program per entry)."""
+  row order (one program per entry). Lanes past an entry's last slot add 0.0 (a select, not a
+  padded zero row: padding contrib copied all of it, 1 GB per s3 indexer layer)."""
   B, R, D = contrib.shape
   n_entries = lo.shape[1]
-  order = jnp.pad(order, ((0, 0), (0, be)), constant_values=R)       # row R: zeros
-  contrib = jnp.pad(contrib, ((0, 0), (0, 1), (0, 0)))
+  order = jnp.pad(order, ((0, 0), (0, be)))       # read past the last slot, never added
   bound = pl.BlockSpec((None, None, 16), lambda b, n: (b, n, 0))
   return pl.pallas_call(
-      functools.partial(_entry_sum_kernel, be=be, zero_row=R), grid=(B, n_entries),
+      functools.partial(_entry_sum_kernel, be=be), grid=(B, n_entries),
       in_specs=[bound, bound, pl.BlockSpec((None, R + be), lambda b, n: (b, 0)),
-                pl.BlockSpec((None, R + 1, D), lambda b, n: (b, 0, 0))],
+                pl.BlockSpec((None, R, D), lambda b, n: (b, 0, 0))],
       out_specs=pl.BlockSpec((None, None, D), lambda b, n: (b, n, 0)),
       out_shape=jax.ShapeDtypeStruct((B, n_entries, D), _F32),
       compiler_params=_params(interpret, num_warps, num_stages), interpret=interpret,
