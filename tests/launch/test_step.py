@@ -1,11 +1,14 @@
-"""launch/step.py: a step whose loss or gradients are not finite applies nothing, even though every
-parameter is finite (docs/design.md §T2, §T6); the evaluation step's sums against float64.
+"""launch/step.py: a step whose loss, gradients or update norm are not finite applies nothing
+(parameters, optimizer state and MoE bias come back bit for bit), even though every parameter is
+finite (docs/design.md §T2, §T6); the evaluation step's sums against float64.
 
 The step is generic in the model: it merges the graphdef it is given and reads the model's call
 interface (`(logits, aux)` from `(inputs, moe_bias, train_vit=...)`). A toy module with that
-interface makes the two cases exact and cheap to compile:
+interface makes the cases exact and cheap to compile:
 * a NaN injected into the gradient of one leaf (`w`) while the loss stays finite;
-* an infinite loss from one row: finite logits ±3e38 whose cross-entropy overflows float32.
+* an infinite loss from one row: finite logits ±3e38 whose cross-entropy overflows float32;
+* finite loss and gradients with an update norm that is not: Σu² overflowing while every update
+  is finite, or a NaN in Adam's state.
 """
 
 import jax
@@ -88,7 +91,9 @@ def _batch(rng, huge_row: bool = False):
 
 
 def _leaves_equal(a, b):
-  return all(np.array_equal(np.asarray(x), np.asarray(y))
+  """Bit for bit: NaN equals the same NaN, −0 differs from +0."""
+  return all(np.asarray(x).dtype == np.asarray(y).dtype
+             and np.asarray(x).tobytes() == np.asarray(y).tobytes()
              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
@@ -116,6 +121,39 @@ def test_nonfinite_step_with_finite_params_applies_nothing(case):
   assert _leaves_equal(new_params, params)
   assert _leaves_equal(new_opt, opt_state)
   assert _leaves_equal(new_bias, bias)
+
+
+@pytest.mark.parametrize("case", ["norm_overflows", "nan_adam_state"])
+def test_nonfinite_update_norm_with_finite_loss_and_gradients_applies_nothing(case):
+  """The third condition of the guard: loss and gradient norm finite, the update norm not.
+  * norm_overflows: every update is finite, only Σu² overflows float32. scale[0] = 1e37 is read
+    by nothing (embed[:, 0] = 0 and w[0] = 0 zero its product and both its gradients), so the
+    loss and gradients stay as usual, while its weight decay −lr·0.1·1e37 = −1e34 squares past
+    float32's 3.4e38. A guard that tested the updates elementwise would apply this step.
+  * nan_adam_state: a NaN in Adam's second moment (optimizer state gone bad) makes a NaN update
+    from finite gradients; the state, NaN included, must come back as it was."""
+  step, params, opt_state = _setup(poison=False)
+  bias = jnp.asarray(np.random.default_rng(1).normal(size=(L, 2, E)), jnp.float32)
+  if case == "norm_overflows":
+    params["embed"] = params["embed"].at[:, 0].set(0.0)
+    params["w"] = params["w"].at[0].set(0.0)
+    params["scale"] = params["scale"].at[0].set(1e37)
+  else:
+    poison = lambda path, x: (x.at[0].set(jnp.nan) if "nu" in jax.tree_util.keystr(path)
+                              and "scale" in jax.tree_util.keystr(path) else x)
+    opt_state = jax.tree_util.tree_map_with_path(poison, opt_state)
+    assert not all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(opt_state))
+  state = TrainState(params, opt_state, bias)
+  before = jax.tree.map(np.asarray, state)      # the step donates nothing here; kept as numpy
+  new, m = step(state, _batch(np.random.default_rng(0)))
+  assert not bool(m["finite"])
+  assert np.isfinite(float(m["loss"])) and np.isfinite(float(m["grad_norm"]))
+  assert not np.isfinite(float(m["update_norm"]))
+  if case == "norm_overflows":
+    assert float(m["update_norm"]) == np.inf
+  assert _leaves_equal(new.params, before.params)
+  assert _leaves_equal(new.opt_state, before.opt_state)
+  assert _leaves_equal(new.moe_bias, before.moe_bias)
 
 
 def test_finite_step_applies_everything():
