@@ -19,11 +19,12 @@ Selection is the exact radix threshold select (the set `lax.top_k` picks, ties t
 index, in ascending index order) over I, in chunks of rows that keep I under `max_score_bytes`:
 one Triton program per row (`pallas_kernels.topk_triton`) where it holds the row, else the XLA form
 (`pallas_kernels.topk_select.radix_topk`); the two give the same slots.
-`scores_at_topk` is recomputed in XLA from the k selected entries (a [rows, K, D_I] gather, in
-chunks of `query_chunk` rows, rematerialised in the backward pass): that is the indexer KL loss's
-gradient path to q, w and the index keys, through the K selected entries only (`scores_at`'s
-backward; the keys' gradient summed per entry after a sort of the slots, not scattered); the
-scores kernel itself is forward only.
+`scores_at_topk` is recomputed from the K selected entries by two more Triton kernels, one
+program per query gathering its selected keys by index (`scores_at`, in chunks of `query_chunk`
+rows): that is the indexer KL loss's gradient path to q, w and the index keys, through the K
+selected entries only (`scores_at`'s backward: dq and dw per query in registers, the keys'
+gradient summed per entry after a sort of the slots, not scattered); the scores kernel itself is
+forward only.
 
 Backend: Triton via `pl.pallas_call` with explicit `plt.CompilerParams`; `interpret=True` on CPU.
 """
@@ -153,41 +154,176 @@ def _selected_logits(q_BxTxHxI, index_k_BxNxI, topk_BxTxK):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def scores_at(q_BxTxHxI, w_BxTxH, index_k_BxNxI, topk_BxTxK, interpret: bool = False):
-  """I at the selected entries [B, T, K] float32 (0 at empty slots), differentiable in q, w, k.
-
-  The backward reads the K selected entries only (the indexer KL loss's gradient lives there):
-  with c = g · D_I^{-1/2} at the valid slots and l = q · k_sel,
-    dw_{t,h} = Σ_k c_{t,k} ReLU(l_{t,h,k}),   a_{t,h,k} = c_{t,k} w_{t,h} [l_{t,h,k} > 0]
-    dq_{t,h} = Σ_k a_{t,h,k} k_sel_{t,k},     dk_n = Σ_{(t,k): topk = n} Σ_h a_{t,h,k} q_{t,h}
-  and dk's sum over the slots that name an entry runs as the attention kernel's: the slots
-  sorted by entry, one program per entry adding its rows in order (no scatter, no atomics;
-  `pallas_kernels.csa2_attention`)."""
-  return _scores_at_fwd(q_BxTxHxI, w_BxTxH, index_k_BxNxI, topk_BxTxK, interpret)[0]
+def scores_at_xla(q_BxTxHxI, w_BxTxH, index_k_BxNxI, topk_BxTxK, interpret: bool = False):
+  """`scores_at` in XLA (the form before the Triton kernels; benchmarks time the two side by
+  side): gathers the selected keys [B, T, K, I] and writes them, the float32 logits and each
+  slot's keys' gradient [B, T, K, I] to memory, forward and backward."""
+  return _scores_at_xla_fwd(q_BxTxHxI, w_BxTxH, index_k_BxNxI, topk_BxTxK, interpret)[0]
 
 
-def _scores_at_fwd(q, w, k, topk, interpret):
+def _scores_at_xla_fwd(q, w, k, topk, interpret):
   _, logits = _selected_logits(q, k, topk)
   s = jnp.einsum("bthk,bth->btk", jax.nn.relu(logits), w.astype(_F32)) * (q.shape[-1] ** -0.5)
   return jnp.where(topk >= 0, s, 0.0), (q, w, k, topk)
 
 
-def _scores_at_bwd(interpret, res, g_BxTxK):
+def _scores_at_xla_bwd(interpret, res, g_BxTxK):
   q, w, k, topk = res
   B, T, H, I = q.shape
-  N = k.shape[1]
   k_sel, logits = _selected_logits(q, k, topk)
   c = jnp.where(topk >= 0, g_BxTxK, 0.0) * (I ** -0.5)                # [B, T, K]
   dw = jnp.einsum("bthk,btk->bth", jax.nn.relu(logits), c)
   a = jnp.where(logits > 0, w.astype(_F32)[..., None] * c[:, :, None, :], 0.0).astype(q.dtype)
   dq = jnp.einsum("bthk,btki->bthi", a, k_sel, preferred_element_type=_F32)
   contrib = jnp.einsum("bthk,bthi->btki", a, q, preferred_element_type=_F32)   # [B, T, K, I]
-  contrib = contrib.astype(jnp.bfloat16 if q.dtype == jnp.bfloat16 else _F32)
-  ids = topk.reshape(B, -1)
-  order, lo, hi = _ca._slot_order(ids, N)
-  dk = _ca._entry_sums(contrib.reshape(B, -1, I), order, lo, hi, be=16, interpret=interpret,
-                      num_warps=4, num_stages=2)
+  dk = _key_grad(contrib.astype(_contrib_dtype(q.dtype)), topk, k.shape[1], interpret)
   return dq.astype(q.dtype), dw.astype(w.dtype), dk.astype(k.dtype), None
+
+
+scores_at_xla.defvjp(_scores_at_xla_fwd, _scores_at_xla_bwd)
+
+
+def _contrib_dtype(dtype):
+  return jnp.bfloat16 if dtype == jnp.bfloat16 else _F32
+
+
+def _key_grad(contrib_BxTxKxI, topk_BxTxK, n_entries, interpret):
+  """dk [B, N, I] float32: each slot's contribution summed at its entry (−1 slots dropped), by
+  csa2_attention's entry-sum kernel after a stable sort of the slots (no scatter, no atomics)."""
+  B, T, K, I = contrib_BxTxKxI.shape
+  order, lo, hi = _ca._slot_order(topk_BxTxK.reshape(B, T * K), n_entries)
+  return _ca._entry_sums(contrib_BxTxKxI.reshape(B, T * K, I), order, lo, hi, be=16,
+                         interpret=interpret, num_warps=4, num_stages=2)
+
+
+def _pow2_at_least(n: int, lo: int) -> int:
+  return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _sel_fwd_kernel(q_ref, w_ref, topk_ref, k_ref, s_ref, *, bk, n_chunks, scale):
+  q = q_ref[...]                                                  # [hp, I]
+  w = w_ref[...]                                                  # [hp] float32
+  for c in range(n_chunks):
+    idx = topk_ref[pl.ds(c * bk, bk)]
+    k = k_ref[jnp.maximum(idx, 0), :]                             # [bk, I] gathered rows
+    l = _ca._dot(q, k, _ca._NT)                                   # [hp, bk] float32
+    s = jnp.sum(w[:, None] * jnp.maximum(l, 0.0), axis=0) * scale
+    s_ref[pl.ds(c * bk, bk)] = jnp.where(idx >= 0, s, 0.0)
+
+
+def _sel_bwd_kernel(q_ref, w_ref, topk_ref, g_ref, k_ref, dq_ref, dw_ref, c_ref, *, bk, n_chunks,
+                    scale):
+  q = q_ref[...]
+  w = w_ref[...]
+
+  def chunk(c, carry):
+    dq, dw = carry
+    idx = topk_ref[pl.ds(c * bk, bk)]
+    k = k_ref[jnp.maximum(idx, 0), :]
+    l = _ca._dot(q, k, _ca._NT)                                   # [hp, bk]
+    g = jnp.where(idx >= 0, g_ref[pl.ds(c * bk, bk)], 0.0) * scale
+    dw = dw + jnp.sum(jnp.maximum(l, 0.0) * g[None, :], axis=1)
+    a = jnp.where(l > 0, w[:, None] * g[None, :], 0.0).astype(q.dtype)
+    c_ref[pl.ds(c * bk, bk), :] = _ca._dot(a, q, _ca._TN).astype(c_ref.dtype)   # [bk, I]
+    return dq + _ca._dot(a, k, _ca._NN), dw
+
+  hp, d = q.shape
+  dq, dw = jax.lax.fori_loop(0, n_chunks, chunk,
+                             (jnp.zeros((hp, d), _F32), jnp.zeros((hp,), _F32)))
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+  dw_ref[...] = dw
+
+
+def _sel_layout(q, w, topk, block_k):
+  """q, w with the heads padded to hp (a power of two ≥ 16: Triton dot tiles; zero weights add
+  nothing), top-k with the slots padded to Kp = a multiple of bk (−1), and (hp, bk, Kp)."""
+  B, T, H, I = q.shape
+  K = topk.shape[-1]
+  hp = _pow2_at_least(H, 16)
+  bk = min(block_k, _pow2_at_least(K, 16))
+  kp = -(-K // bk) * bk
+  if hp != H:
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, hp - H), (0, 0)))
+  w = jnp.pad(w.astype(_F32), ((0, 0), (0, 0), (0, hp - H)))
+  topk = jnp.pad(topk.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - K)), constant_values=-1)
+  return q, w, topk, hp, bk, kp
+
+
+_SEL_STATIC = ("block_k", "interpret", "num_warps", "num_stages")
+
+
+@functools.partial(jax.jit, static_argnames=_SEL_STATIC)
+def _scores_at_kernel_fwd(q, w, k, topk, *, block_k, interpret, num_warps, num_stages):
+  B, T, H, I = q.shape
+  N, K = k.shape[1], topk.shape[-1]
+  qp, wp, tp, hp, bk, kp = _sel_layout(q, w, topk, block_k)
+  tok = lambda *s: pl.BlockSpec((None, None) + s, lambda b, t: (b, t) + (0,) * len(s))
+  s = pl.pallas_call(
+      functools.partial(_sel_fwd_kernel, bk=bk, n_chunks=kp // bk, scale=I ** -0.5),
+      grid=(B, T),
+      in_specs=[tok(hp, I), tok(hp), tok(kp), pl.BlockSpec((None, N, I), lambda b, t: (b, 0, 0))],
+      out_specs=tok(kp),
+      out_shape=jax.ShapeDtypeStruct((B, T, kp), _F32),
+      compiler_params=None if interpret else _triton_params(num_warps, num_stages),
+      interpret=interpret, name="indexer_at_topk")(qp, wp, tp, k)
+  return s[..., :K]
+
+
+@functools.partial(jax.jit, static_argnames=_SEL_STATIC)
+def _scores_at_kernel_bwd(q, w, k, topk, g, *, block_k, interpret, num_warps, num_stages):
+  B, T, H, I = q.shape
+  N, K = k.shape[1], topk.shape[-1]
+  qp, wp, tp, hp, bk, kp = _sel_layout(q, w, topk, block_k)
+  gp = jnp.pad(g.astype(_F32), ((0, 0), (0, 0), (0, kp - K)))
+  tok = lambda *s: pl.BlockSpec((None, None) + s, lambda b, t: (b, t) + (0,) * len(s))
+  dq, dw, contrib = pl.pallas_call(
+      functools.partial(_sel_bwd_kernel, bk=bk, n_chunks=kp // bk, scale=I ** -0.5),
+      grid=(B, T),
+      in_specs=[tok(hp, I), tok(hp), tok(kp), tok(kp),
+                pl.BlockSpec((None, N, I), lambda b, t: (b, 0, 0))],
+      out_specs=[tok(hp, I), tok(hp), tok(kp, I)],
+      out_shape=[jax.ShapeDtypeStruct((B, T, hp, I), q.dtype),
+                 jax.ShapeDtypeStruct((B, T, hp), _F32),
+                 jax.ShapeDtypeStruct((B, T, kp, I), _contrib_dtype(q.dtype))],
+      compiler_params=None if interpret else _triton_params(num_warps, num_stages),
+      interpret=interpret, name="indexer_at_topk_bwd")(qp, wp, tp, gp, k)
+  dk = _key_grad(contrib, tp, N, interpret)
+  return dq[:, :, :H], dw[..., :H], dk
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def scores_at(q_BxTxHxI, w_BxTxH, index_k_BxNxI, topk_BxTxK, interpret: bool = False,
+              block_k: int = 64, num_warps: int = 4, num_stages: int = 2):
+  """I at the selected entries [B, T, K] float32 (0 at empty slots), differentiable in q, w, k.
+
+  The backward reads the K selected entries only (the indexer KL loss's gradient lives there):
+  with c = g · D_I^{-1/2} at the valid slots and l = q · k_sel,
+    dw_{t,h} = Σ_k c_{t,k} ReLU(l_{t,h,k}),   a_{t,h,k} = c_{t,k} w_{t,h} [l_{t,h,k} > 0]
+    dq_{t,h} = Σ_k a_{t,h,k} k_sel_{t,k},     dk_n = Σ_{(t,k): topk = n} Σ_h a_{t,h,k} q_{t,h}
+  Two Triton kernels, one program per query, its heads the rows of each tile: the forward
+  gathers the query's selected keys `block_k` slots at a time ([bk, I] rows read by index) and
+  writes the K scores; the backward gathers them again, keeps dq and dw in registers and writes
+  each slot's key gradient Σ_h a q [Kp, I] (bfloat16 for bfloat16 inputs). Nothing [K, I] or
+  [H, K] per query is written in the forward. dk's sum over the slots that name an entry runs as
+  the attention kernel's: the slots sorted by entry, one program per entry adding its rows in
+  order (no scatter, no atomics; `pallas_kernels.csa2_attention`). `scores_at_xla` is the XLA
+  form of the same function."""
+  return _scores_at_kernel_fwd(q_BxTxHxI, w_BxTxH, index_k_BxNxI, topk_BxTxK, block_k=block_k,
+                               interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+
+
+def _scores_at_fwd(q, w, k, topk, interpret, block_k, num_warps, num_stages):
+  s = _scores_at_kernel_fwd(q, w, k, topk, block_k=block_k, interpret=interpret,
+                            num_warps=num_warps, num_stages=num_stages)
+  return s, (q, w, k, topk)
+
+
+def _scores_at_bwd(interpret, block_k, num_warps, num_stages, res, g_BxTxK):
+  q, w, k, topk = res
+  dq, dw, dk = _scores_at_kernel_bwd(q, w, k, topk, g_BxTxK, block_k=block_k,
+                                     interpret=interpret, num_warps=num_warps,
+                                     num_stages=num_stages)
+  return dq, dw.astype(w.dtype), dk.astype(k.dtype), None
 
 
 scores_at.defvjp(_scores_at_fwd, _scores_at_bwd)

@@ -180,7 +180,45 @@ def test_lowers_for_cuda():
   r = jnp.ones((B, T, K), jnp.float32)
   sel = lambda q, w, k: kx.score_and_select(q, w, k, kv.entry_segment_BxN, kv.entry_last_BxN, seg,
                                             k=K, interpret=False)[1]
+  fwd = lower_for_cuda(lambda q, w, k: jnp.sum(sel(q, w, k) * r), q, w, k)
   lowered = lower_for_cuda(jax.grad(lambda q, w, k: jnp.sum(sel(q, w, k) * r), argnums=(0, 1, 2)),
                            q, w, k)
-  # The scores kernel and the backward's entry sums (the keys' gradient): no fallback to XLA.
-  assert triton_calls(lowered) == 2
+  # Forward: the scores kernel and the selected entries' scores. Gradient: the scores kernel (the
+  # selection), the scores_at backward and its entry sums (the keys' gradient); no XLA fallback.
+  assert triton_calls(fwd) == 2 and 'name = "indexer_at_topk"' in fwd.as_text()
+  assert triton_calls(lowered) == 3
+  assert all(f'name = "{n}"' in lowered.as_text()
+             for n in ("indexer_scores", "indexer_at_topk_bwd", "csa2_entry_sums"))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_scores_at_kernels_equal_the_xla_form(dtype):
+  # The Triton scores_at (forward and VJP) against its XLA form on the same inputs: 16 heads,
+  # K = 40 slots in chunks of 16 (the last ragged), −1 slots, entries named by several slots of a
+  # row and by many rows. bf16: the same bf16 rounding of a and of the slot contributions, so dq
+  # and dk agree bit for bit here. Otherwise every float32 sum runs in another order (~1 ulp of
+  # values up to ~10).
+  rng = np.random.default_rng(7)
+  b, t, h, i, n, k = 2, 9, 16, 32, 13, 40
+  q = jnp.asarray(rng.standard_normal((b, t, h, i)), dtype)
+  w = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+  keys = jnp.asarray(rng.standard_normal((b, n, i)), dtype)
+  topk = jnp.asarray(rng.integers(-1, n, (b, t, k)), jnp.int32)
+  r = jnp.asarray(rng.standard_normal((b, t, k)), jnp.float32)
+
+  def run(fn):
+    loss = lambda q, w, keys: jnp.sum(fn(q, w, keys) * r)
+    return fn(q, w, keys), jax.grad(loss, argnums=(0, 1, 2))(q, w, keys)
+
+  got = run(lambda q, w, keys: kx.scores_at(q, w, keys, topk, True, 16))
+  want = run(lambda q, w, keys: kx.scores_at_xla(q, w, keys, topk, True))
+  assert np.all(np.asarray(got[0])[np.asarray(topk) < 0] == 0)
+  close = lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32),
+                                                  np.asarray(b, np.float32), rtol=1e-6, atol=2e-6)
+  close(got[0], want[0])
+  for j, (g, h_) in enumerate(zip(got[1], want[1])):
+    assert g.dtype == h_.dtype and float(jnp.max(jnp.abs(h_.astype(jnp.float32)))) > 0.1
+    if dtype == jnp.bfloat16 and j != 1:
+      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h_, np.float32))
+    else:
+      close(g, h_)
