@@ -34,10 +34,11 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from pallas_kernels.notices import log_once
-from pallas_kernels.ops.mhc import collapse, expand, hc_mix
+from pallas_kernels.ops.mhc import MIX, collapse, expand, hc_mix
 from pallas_kernels.ops.norm import rms_norm
 
 _F32 = jnp.float32
@@ -204,8 +205,10 @@ def hc_coefficients(X_BxTxNxD, fn, base, scale, *, iters: int, hc_eps: float, no
   s = scale.astype(_F32)
   scale_cols = jnp.concatenate([jnp.full((n,), s[0]), jnp.full((n,), s[1]),
                                 jnp.full((n * n,), s[2])])
-  out = gates(mix * scale_cols + base.astype(_F32),
-              (n, iters, hc_eps, block_tokens, _interpret(interpret)))
+  # Named for remat like the mix (`ops.mhc.MIX`): the gates' backward needs only their logits, so
+  # layer remat need not run the forward kernel again for the recomputed expand and collapse.
+  out = checkpoint_name(gates(mix * scale_cols + base.astype(_F32),
+                              (n, iters, hc_eps, block_tokens, _interpret(interpret))), MIX)
   return out[..., :n], out[..., n:2 * n], out[..., 2 * n:].reshape(*lead, n, n)
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dsv41_jax import model as M
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layers import mhc
 from pallas_kernels import dispatch
@@ -103,6 +104,21 @@ def _ref_gates(z, n=4, iters=20, eps=1e-6):
   post = 2.0 * jax.nn.sigmoid(z[..., n:2 * n])
   comb = mhc.sinkhorn_project(z[..., 2 * n:].reshape(*z.shape[:-1], n, n), iters, eps)
   return jnp.concatenate([pre, post, comb.reshape(*z.shape[:-1], n * n)], -1)
+
+
+def _eqns(jaxpr, name: str, keep=lambda eqn: True) -> list:
+  """Equations of primitive `name` (those `keep` accepts) in a jaxpr and every jaxpr nested in it."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == name and keep(eqn):
+      found.append(eqn)
+    for v in eqn.params.values():
+      for sub in (v if isinstance(v, (list, tuple)) else (v,)):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          found += _eqns(sub.jaxpr, name, keep)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          found += _eqns(sub, name, keep)
+  return found
 
 
 # --- the gate kernels --------------------------------------------------------------------------
@@ -201,6 +217,30 @@ def test_site_matches_reference_forward_and_gradients(dtype):
     kw = dict(KW, iters=5)
     _close_grads(_vjp_all(lambda *a: mhc_kernel.hc_site(*a, **kw), args),
                  _vjp_all(lambda *a: mhc.hc_site(*a, **kw), args), SITE)
+
+
+@pytest.mark.parametrize("site", [mhc.hc_site, mhc_kernel.hc_site])
+def test_layer_remat_keeps_the_mix_and_gates(site):
+  """Under the model's remat policy a site's gradient program reads the streams for the mix as
+  often as without remat: the float32 mix GEMM once forward (plus its two backward products), the
+  mean square over x̂ once, and (kernel) the gate kernel once forward; the three are named
+  `ops.mhc.MIX` (without the names: 4 products, 2 mean squares, 2 gate kernels)."""
+  args = _inputs(5, lead=(2, 9))
+  n_d = args[0].shape[-2] * args[0].shape[-1]
+  kw = dict(KW, iters=5)
+
+  def loss(*a):
+    return sum(jnp.sum(jnp.sin(o.astype(jnp.float32))) for o in site(*a, **kw))
+
+  def counts(f):
+    g = jax.make_jaxpr(jax.grad(f, argnums=(0, 5)))(*args).jaxpr
+    mean_square = lambda e: e.invars[0].aval.shape[-1] == n_d  # noqa: E731 (x̂ [.., n·d])
+    return (len(_eqns(g, "dot_general")), len(_eqns(g, "reduce_sum", mean_square)),
+            len(_eqns(g, "pallas_call", lambda e: "'mhc_gates'" in str(e.params))))
+
+  plain = counts(loss)
+  assert plain == (3, 1, int(site is mhc_kernel.hc_site))
+  assert counts(jax.checkpoint(loss, prevent_cse=False, policy=M.remat_policy)) == plain
 
 
 # --- the dispatcher's rows and the model -------------------------------------------------------
