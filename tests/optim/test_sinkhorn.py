@@ -298,11 +298,12 @@ def test_block_sums_stream_the_table_into_chunk_partials():
 
 
 def test_tables_no_small_chunk_fits_take_a_larger_divisor_not_the_one_hot_product():
-  """A table of 1024 · 67 rows (67 prime, above the chunk range; m3's Engram table 0 is 1024 ·
-  4,691): the block sums run by chunks of 67 rows, not the one-hot product over every row (which
-  XLA split and padded inside the loop on the GPU), and the direction equals the float64
-  restatement with zero rows and the padding zero; a table whose per-group rows have no divisor
-  in range that fits its smallest block keeps the one-hot form."""
+  """A table of 1024 · 67 rows (67 prime; m3's Engram table 0 is 1024 · 4,691): the block sums run
+  by chunks of 67 rows (the longest divisor of rows / 1024 that fits the smallest block), not the
+  one-hot product over every row (which XLA split and padded inside the loop on the GPU), and the
+  direction equals the float64 restatement with zero rows and the padding zero; a table whose
+  per-group rows have no divisor of at least 8 that fits its smallest block keeps the one-hot
+  form."""
   rows, blocks = 1024 * 67, ((0, 20011), (20011, 30011), (50022, 18000))
   blk = sinkhorn._Blocks(rows, blocks)
   assert blk.chunk == 67
