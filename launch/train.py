@@ -162,8 +162,9 @@ class _Stop:
   the main thread is in a gc callback (jax runs one at every collection), where Python would
   print the exception as "Exception ignored in gc callback" and drop it: there it is only noted,
   and `check()` raises it at the next start-up point (the compilation's wait polls it). In the
-  loop it sets a flag read after the step in flight: save, then exit 0. A second SIGINT exits at
-  once. With several processes they must stop after the same step (the save is collective), so
+  loop it sets a flag read after the step in flight: save, then exit 0. A second SIGINT (a second
+  Ctrl-C) exits at once; a SIGINT after a SIGTERM does not (a supervisor that sends both, e.g.
+  `timeout`'s group SIGINT after a SIGTERM, still gets the checkpoint). With several processes they must stop after the same step (the save is collective), so
   `agreed()` asks every process and stops all of them when any one was signalled."""
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -171,11 +172,14 @@ class _Stop:
   def __init__(self):
     self.requested: str | None = None
     self.in_loop = False
+    self._sigints = 0
     self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
   def _handle(self, signum, frame):
     name = signal.Signals(signum).name
-    if self.requested is not None and signum == signal.SIGINT:
+    if signum == signal.SIGINT:
+      self._sigints += 1
+    if self._sigints > 1 and signum == signal.SIGINT:
       sys.stderr.write(f"\n{name} again: exiting now, without waiting for the checkpoint\n")
       sys.stderr.flush()
       os._exit(130)

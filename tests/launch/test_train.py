@@ -596,6 +596,31 @@ def test_second_ctrl_c_exits_at_once(monkeypatch):
   assert signal.getsignal(signal.SIGINT) is not stop._handle
 
 
+def test_sigint_after_sigterm_still_saves(monkeypatch):
+  """Only a second SIGINT means "now": a SIGTERM then a SIGINT in the loop (a supervisor's
+  SIGTERM, then `timeout`'s group SIGINT) keeps waiting for the checkpoint; a further SIGINT
+  exits with 130."""
+  from launch import train as train_lib
+  exits = []
+
+  def fake_exit(code):
+    exits.append(code)
+    raise SystemExit(code)
+  monkeypatch.setattr(train_lib.os, "_exit", fake_exit)
+  stop = train_lib._Stop()
+  try:
+    stop.in_loop = True
+    stop._handle(signal.SIGTERM, None)
+    stop._handle(signal.SIGTERM, None)
+    stop._handle(signal.SIGINT, None)
+    assert stop.requested == "SIGINT" and stop.agreed() and exits == []
+    with pytest.raises(SystemExit):
+      stop._handle(signal.SIGINT, None)
+    assert exits == [130]
+  finally:
+    stop.restore()
+
+
 def test_signal_in_a_gc_callback_is_not_lost(monkeypatch):
   """A signal handled while the main thread runs a gc callback (jax runs one at every
   collection) used to raise there, where Python prints "Exception ignored in gc callback" and
