@@ -22,7 +22,8 @@
    scores, `lax.top_k`, query_chunk 512) and its XLA kernel (the same scores, the radix select,
    `pallas_kernels.topk_select.score_and_select`); the speedup of each forward over the
    reference's. FLOPs: 2·B·T·N·H_I·D_I (all pairs; the causal half is the useful part, which the
-   Triton kernel skips block-wise).
+   Triton kernel skips block-wise). Then `scores_at` alone (the selected entries' scores and the
+   KL loss's gradient path), its Triton kernels against its XLA form, fwd and fwd+bwd.
 4. Selection alone (`--cases topk-4k`): `lax.top_k` against the radix threshold select of
    `pallas_kernels.topk_select` over [4, 4096, 4096] causal scores, and whether the sets agree.
 Rates are against the 790 TFLOP/s bf16 matmul ceiling measured on this H200. Median of `--reps`.
@@ -357,11 +358,39 @@ def idx_bench(T, interp, reps, xla=True, H=32, I=128, K=512, variants=((64, 64, 
         if t:
           rate(name, mode, t)
           times[(name, mode)] = t[0]
+  at_bench(q, w, idx_k, seg, pos, K, interp, reps, shape)
   base = times.get(("xla chunk512", "fwd (scores+top-k)"))
   for (name, mode), t in times.items():
     if base and mode == "fwd (scores+top-k)" and name != "xla chunk512":
       emit(kind="check", what="indexer scores + selection over the XLA reference's",
            shape=shape, impl=name, speedup=base / t)
+
+
+def at_bench(q, w, idx_k, seg, pos, K, interp, reps, shape):
+  """The selected entries' scores alone (`scores_at`, the KL loss's gradient path), in 512-row
+  chunks as `score_and_select` runs it, on the kernel's own selection: the Triton kernels against
+  the XLA form (`scores_at_xla`), forward and forward + backward (r · scores), and the two
+  gradients' agreement. Useful FLOPs: 2 products of B·T·K·H_I·D_I forward, ×3 with the backward."""
+  topk, _ = jax.jit(partial(kx.score_and_select, k=K, interpret=interp))(q, w, idx_k, seg, pos,
+                                                                          seg)
+  B, T, H, I = q.shape
+  r = jax.random.normal(jax.random.PRNGKey(11), topk.shape, jnp.float32)
+  fl = 4.0 * B * T * topk.shape[-1] * H * I
+  grads = {}
+  for name, fn in (("scores_at triton", kx.scores_at), ("scores_at xla", kx.scores_at_xla)):
+    at = lambda q, w, k, fn=fn: kx._row_chunks(lambda q, w, i: fn(q, w, k, i, interp), T, 512,
+                                               (q, w, topk))
+    g = jax.jit(jax.grad(lambda q, w, k, at=at: jnp.sum(at(q, w, k) * r), argnums=(0, 1, 2)))
+    grads[name] = guarded(f"idx {shape} {name} grads", lambda: g(q, w, idx_k))
+    for mode, f, n_fl in (("fwd", jax.jit(at), fl), ("fwd+bwd", g, 3 * fl)):
+      t = guarded(f"idx {shape} {name} {mode}", lambda: time_calls(f, q, w, idx_k, reps=reps))
+      if t:
+        emit(kind="indexer", shape=shape, impl=name, mode=mode, ms=1e3 * t[0], first_s=t[1],
+             tflops=n_fl / t[0] / 1e12, of_ceiling=n_fl / t[0] / CEILING)
+  a, b = grads["scores_at triton"], grads["scores_at xla"]
+  if a is not None and b is not None:
+    emit(kind="check", what="scores_at Triton vs XLA gradients (bf16)", shape=shape,
+         rel_dq=rel(a[0], b[0]), rel_dw=rel(a[1], b[1]), rel_dk=rel(a[2], b[2]))
 
 
 def topk_bench(B, T, K, interp, reps):
