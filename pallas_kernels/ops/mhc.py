@@ -117,7 +117,14 @@ def _expand_bwd(res, g):
     gX = gX + c[..., :, k, None] * g[..., k:k + 1, :]
     gF = gF + p[..., k, None] * g[..., k, :]
   gpost = jnp.sum(g * F32[..., None, :], axis=-1)
-  gcomb = jnp.stack([jnp.sum(g * X32[..., j:j + 1, :], axis=-1) for j in range(n)], axis=-2)
+  gcols = [jnp.sum(g * X32[..., j:j + 1, :], axis=-1) for j in range(n)]
+  # The n + 1 row sums over d leave through a barrier, so each is a reduction kernel's output. On
+  # the H200 XLA put n of them in one multi-output reduction and fused the last into its
+  # consumer, the gates' padded input, as a loop fusion: one thread per (token, k) summing d
+  # values 4·d bytes apart from its neighbours', ~0.3 ms a site against ~0.08 by its bytes at
+  # s3 (12.6 ms a step, benchmarks/gpu_runs/2026-12-02b/prof_s3.json, pallas_kernels/mhc.py:207).
+  gpost, *gcols = jax.lax.optimization_barrier((gpost, *gcols))
+  gcomb = jnp.stack(gcols, axis=-2)
   return (gX.astype(X.dtype), gpost.astype(post.dtype), gcomb.astype(comb.dtype),
           gF.astype(F.dtype))
 

@@ -186,6 +186,18 @@ def test_expand_and_collapse_forward_and_vjps(dtype):
     _close_grads(_vjp_all(mhc.collapse, (X, p)), _vjp_all(_einsum_collapse, (X, p)), ["X", "pre"])
 
 
+def test_expand_vjp_materialises_its_coefficient_sums():
+  """The expand VJP's n + 1 row sums (post's and comb's cotangents) leave through one
+  optimization barrier, so that XLA cannot fuse a sum over d into the gates' padded input as a
+  loop fusion (what it did on the H200: ops.mhc._expand_bwd). Its values are the test above's."""
+  X, F, post, comb, *_ = _inputs(1, lead=(2, 9))
+  n = X.shape[-2]
+  vjp = lambda *a: jax.vjp(mhc.expand, *a[:4])[1](a[4])  # noqa: E731
+  barriers = _eqns(jax.make_jaxpr(vjp)(X, post, comb, F, X).jaxpr, "optimization_barrier")
+  assert len(barriers) == 1
+  assert [v.aval.shape for v in barriers[0].invars] == [(2, 9, n)] * (n + 1)
+
+
 # --- the ops' kernels --------------------------------------------------------------------------
 
 def test_coefficients_match_float64_and_gradients_the_reference():
