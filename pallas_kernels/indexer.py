@@ -360,7 +360,9 @@ def score_and_select(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry
   """(topk_BxTxK int32, scores_at_topk_BxTxK float32): the kernel's form of the model function.
 
   The selection runs on I from the kernel (no gradient); `scores_at_topk` is recomputed from the
-  selected entries in XLA and carries the gradient to q, w and index_k. `select`: "radix" (the XLA
+  selected entries (`scores_at`, `query_chunk` rows at a time, fewer where one chunk's slot
+  gradients [B, rows, Kp, I] would reach 2^31 elements: Triton's 32-bit offsets) and carries the
+  gradient to q, w and index_k. `select`: "radix" (the XLA
   radix select, `pallas_kernels.topk_select`), "triton" (the same slots from one Triton program
   per row, `pallas_kernels.topk_triton`: 0.95 ms against the radix select's 4.57 and
   `lax.top_k`'s 4.26 at 4 × 4,096 × top-256 on the H200, RESULTS.md) or "auto" (triton where one
@@ -390,6 +392,7 @@ def score_and_select(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry
   topk = _row_chunks(select, T, rows_per_chunk,
                      (qs, ws, segment_ids_BxT, jnp.arange(T, dtype=jnp.int32)))
   c = T if not query_chunk else int(query_chunk)
+  c = max(1, min(c, ((1 << 31) - 1) // (B * (k_eff + 64) * I)))   # Kp ≤ K + 63
   picked = _row_chunks(lambda q, w, i: scores_at(q, w, index_k_BxNxI, i, interpret), T, c,
                        (q_BxTxHxI, w_BxTxH, topk))
   return topk, picked

@@ -222,3 +222,30 @@ def test_scores_at_kernels_equal_the_xla_form(dtype):
       np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h_, np.float32))
     else:
       close(g, h_)
+
+
+def test_scores_at_chunks_keep_triton_offsets_below_2_31():
+  # One row of 65,536 queries, top-512, query_chunk None: a single chunk's slot gradients
+  # [1, 65536, 512, 128] would be 2^32 elements; score_and_select takes fewer rows per chunk.
+  b, t, h, i, k = 1, 65536, 4, 128, 512
+  n = t // 4
+  spec = lambda *s, d=jnp.bfloat16: jax.ShapeDtypeStruct(s, d)
+  fn = lambda q, w, keys, eseg, last, seg: kx.score_and_select(
+      q, w, keys, eseg, last, seg, k=k, query_chunk=None, interpret=False)
+  jaxpr = jax.make_jaxpr(fn)(spec(b, t, h, i), spec(b, t, h, d=jnp.float32), spec(b, n, i),
+                             spec(b, n, d=jnp.int32), spec(b, n, d=jnp.int32),
+                             spec(b, t, d=jnp.int32))
+
+  def at_topk(jx):
+    for e in jx.eqns:
+      if e.primitive.name == "pallas_call" and "indexer_at_topk" in str(e.params):
+        yield e.outvars[0].aval.shape
+      for v in e.params.values():
+        for sub in (v if isinstance(v, (list, tuple)) else (v,)):
+          if isinstance(sub, jax.extend.core.ClosedJaxpr):
+            yield from at_topk(sub.jaxpr)
+          elif isinstance(sub, jax.extend.core.Jaxpr):
+            yield from at_topk(sub)
+
+  shapes = list(at_topk(jaxpr.jaxpr))
+  assert shapes and all(s[0] * s[1] * s[2] * i < 2 ** 31 and s[1] < t for s in shapes), shapes
