@@ -377,7 +377,13 @@ def at_bench(q, w, idx_k, seg, pos, K, interp, reps, shape):
   r = jax.random.normal(jax.random.PRNGKey(11), topk.shape, jnp.float32)
   fl = 4.0 * B * T * topk.shape[-1] * H * I
   grads = {}
-  for name, fn in (("scores_at triton", kx.scores_at), ("scores_at xla", kx.scores_at_xla)):
+  # The Triton kernels at their defaults (block_k 64, 4 warps: "scores_at triton") and at other
+  # slot chunks / warps, then the XLA form.
+  forms = [("scores_at triton", kx.scores_at)] + [
+      (f"scores_at triton k{bk} w{nw}",
+       lambda q, w, k, i, interp, bk=bk, nw=nw: kx.scores_at(q, w, k, i, interp, bk, nw))
+      for bk, nw in ((128, 4), (32, 4), (64, 8))] + [("scores_at xla", kx.scores_at_xla)]
+  for name, fn in forms:
     at = lambda q, w, k, fn=fn: kx._row_chunks(lambda q, w, i: fn(q, w, k, i, interp), T, 512,
                                                (q, w, topk))
     g = jax.jit(jax.grad(lambda q, w, k, at=at: jnp.sum(at(q, w, k) * r), argnums=(0, 1, 2)))
