@@ -162,7 +162,7 @@ def attn_check(interp):
 # plan's own time is a row of its own, "slot plan").
 KERNELS = {"pallas csa2": ca.sparse_attend, "csa2 planned": ca.sparse_attend}
 # Tile variants of the deterministic kernel, timed at 4K only.
-VARIANTS = {"csa2 flat sort": partial(ca.sparse_attend, sort="flat"),
+VARIANTS = {"csa2 rows sort": partial(ca.sparse_attend, sort="rows"),
             "csa2 f32c search": partial(ca.sparse_attend, contrib_dtype=jnp.float32,
                                          bounds="search"),
             "csa2 search": partial(ca.sparse_attend, bounds="search"),
@@ -219,7 +219,7 @@ def attn_breakdown(B, T, m, interp, reps, H=16, D=128, W=128, K=256):
             num_warps=4, num_stages=2)
   o, lse, plan = ca._sa._forward(q, kv, seg, sink, g, topk, **fw)
   do = jax.random.normal(jax.random.PRNGKey(7), o.shape, o.dtype)
-  bw = dict(fw, block_k=64, block_kw=64, block_e=16, sum_warps=4, bounds="count", sort="rows",
+  bw = dict(fw, block_k=64, block_kw=64, block_e=16, sum_warps=4, bounds="count", sort="flat",
             max_contrib_elems=1 << 29, contrib_dtype=jnp.bfloat16)
   row = lambda name, t: emit(kind="stage", shape=shape, stage=name, ms=1e3 * t[0])
   slots = slot_plan_fn(W, D)(q, kv, g, sink, seg, topk)
@@ -246,7 +246,8 @@ def attn_breakdown(B, T, m, interp, reps, H=16, D=128, W=128, K=256):
   t = guarded("stage sort", lambda: time_calls(sort_only, ids, reps=reps))
   if t:
     row("slot sort alone", t)
-  for bounds, sort in (("count", "rows"), ("search", "rows"), ("count", "flat")):
+  for bounds, sort in (("count", "rows"), ("search", "rows"), ("count", "flat"),
+                       ("search", "flat")):
     f = jax.jit(lambda i, b_=bounds, s_=sort: ca._slot_order(i, T // m, b_, s_))
     t = guarded("stage sort", lambda: time_calls(f, ids, reps=reps))
     if t:

@@ -192,15 +192,22 @@ def _window_dkv(qp, dop, lse, delta, seg, kv, *, window, scale, hp, bkw, interpr
   return dkv[:, :T]
 
 
-def _slot_order(ids, n_entries, bounds: str = "count", sort: str = "rows"):
+def _slot_order(ids, n_entries, bounds: str = "count", sort: str = "flat"):
   """The slots [B, R] (entry ids, −1 empty) sorted by entry, stable: (order [B, R] of row numbers,
   lo and hi [B, N, 16]: entry n's slots are order[lo[n]:hi[n]], in lanes of 16 copies that the
   kernel reads as a block and reduces to a scalar). `bounds`: "count" (a histogram of the ids,
   integer adds, and its running sum) or "search" (binary search of the sorted ids). `sort`:
   "rows" (one sort per batch row) or "flat" (one sort of all B·R slots, the row folded into the
-  key); both give the same order."""
+  key); both give the same order. "flat" is the default: XLA on the GPU rewrites a 1-D stable
+  key-value sort into CUB's radix sort (the s3 step's HLO of 2026-12-02b: `jnp.argsort`'s sorts
+  are `cub_sort_pairs` custom calls), while the batched [B, R] sort stays its own sort fusion
+  (5.1 ms per s3 step); 4 × 2^20 slots on the H200 with count bounds: 0.73 ms flat vs 1.74 ms
+  rows (benchmarks/gpu_runs/2026-12-02/call2.log). "flat" falls back to "rows" where the folded
+  keys or positions would reach 2^31."""
   B, R = ids.shape
   ids = jnp.where(ids >= 0, ids, n_entries).astype(jnp.int32)
+  if sort == "flat" and max(B * (n_entries + 1), B * R) >= _MAX_ELEMS:
+    sort = "rows"
   if sort == "rows":
     rank = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 1)
     sorted_ids, order = jax.lax.sort((ids, rank), dimension=1, is_stable=True, num_keys=1)
@@ -259,7 +266,7 @@ def _piece_ids(topkp, g_n, t0, P):
 
 def slot_plan(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, global_kv_BxNxD=None,
               topk_BxTxK=None, *, block_h: int | None = None, block_k_bwd: int | None = 64,
-              bounds: str = "count", sort: str = "rows", max_contrib_elems: int = 1 << 29,
+              bounds: str = "count", sort: str = "flat", max_contrib_elems: int = 1 << 29,
               **_) -> tuple | None:
   """The backward's slot order for this selection (the op's arguments; only the shapes of all
   but `topk_BxTxK` are read): per piece of query rows, `_slot_order` of its slots, (order
@@ -381,7 +388,7 @@ def sparse_attend(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, global_kv_Bx
                   query_chunk: int | None = None, interpret: bool | None = None,
                   block_h: int | None = None, block_k: int | None = None,
                   block_k_bwd: int | None = 64, block_kw: int = 64, block_e: int = 16,
-                  sum_warps: int = 4, bounds: str = "count", sort: str = "rows",
+                  sum_warps: int = 4, bounds: str = "count", sort: str = "flat",
                   max_contrib_elems: int = 1 << 29, contrib_dtype=None, num_warps: int = 4,
                   num_stages: int = 2, plan: tuple | None = None):
   """(o, global_probs) of `attend` (the op's arguments and results), deterministic backward.

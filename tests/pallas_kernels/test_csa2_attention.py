@@ -79,7 +79,7 @@ def test_forward_gradients_and_determinism(m):
     np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-5, atol=1e-5 * scale)
   # No atomics: the sums run in a fixed order, so the other ways of ordering the slots give the
   # same bits (two GPU runs are compared by benchmarks/csa2_kernels_gpu.py).
-  for a, b in zip(got, _grads(_kernel, x, r, bounds="search", sort="flat")):
+  for a, b in zip(got, _grads(_kernel, x, r, bounds="search", sort="rows")):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # The slot plan made apart (once per selection, shared by the layers that read it): the same bits.
   plan = ca.slot_plan(x["q"], x["kv"], x["seg"], x["sink"], x["g"], x["topk"], **TILES)
@@ -142,6 +142,12 @@ def test_slot_order():
       rows = order[b, lo[b, n, 0]:hi[b, n, 0]]
       assert (ids[b, rows] == n).all() and (np.diff(rows) > 0).all()
       assert len(rows) == (ids[b] == n).sum()
+  # "flat" (the default) folds the batch row into one 1-D sort; past 2^31 folded positions it
+  # sorts per row instead.
+  sort_ranks = lambda shape: [e.params["dimension"] for e in jax.make_jaxpr(
+      lambda i: ca._slot_order(i, 50))(jax.ShapeDtypeStruct(shape, jnp.int32)).jaxpr.eqns
+      if e.primitive.name == "sort"]
+  assert sort_ranks((3, 997)) == [0] and sort_ranks((4, 1 << 29)) == [1]
 
 
 def _op(policy, x, D=32):
