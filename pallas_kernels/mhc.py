@@ -6,8 +6,9 @@ references except for the gates:
 
 - `gates` (sigmoids + the Sinkhorn projection, logits z [.., (2+n)n] -> pre | post | comb) is one
   Triton kernel with the iterations in registers (`gate_rows`), and its backward a second kernel
-  that recomputes the iterates in registers (no stored iterates). The reference's `fori_loop` of
-  [T, 4, 4] reductions is a device loop of small launches: on the H200 at s3's shapes
+  that rebuilds the iterates in registers by segment checkpointing (no iterates in memory,
+  O(iters) normalisations). The reference's `fori_loop` of [T, 4, 4] reductions is a device
+  loop of small launches: on the H200 at s3's shapes
   [16384, 24] it took 0.41–0.67 ms forward and 0.77–0.87 ms forward+backward against the kernels'
   0.08 and 0.34 (benchmarks/RESULTS.md, issue 27). Unrolled as XLA code it is ~4,000 tiny ops
   whose CPU compile alone took 3 minutes.
@@ -30,6 +31,7 @@ further groups are padding. Triton blocks are powers of two, so on the GPU n mus
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -117,7 +119,7 @@ def _gates_kernel(z_ref, o_ref, *, n: int, groups: int, iters: int, hc_eps: floa
   o_ref[...] = gate_rows(z_ref[...], n=n, groups=groups, iters=iters, hc_eps=hc_eps)
 
 
-# --- backward: the Sinkhorn iterates recomputed in registers -----------------------------------
+# --- backward: the Sinkhorn iterates rebuilt in registers --------------------------------------
 
 def _gates_bwd_kernel(z_ref, g_ref, o_ref, *, n: int, groups: int, iters: int, hc_eps: float):
   bt = z_ref.shape[0]
@@ -135,25 +137,35 @@ def _gates_bwd_kernel(z_ref, g_ref, o_ref, *, n: int, groups: int, iters: int, h
   c0 = jnp.where(is_comb, prob + hc_eps, 0.0)
   steps = 2 * iters - 1  # step t normalises columns (t even) or rows (t odd)
 
-  def pair(_, c):  # steps 2m and 2m + 1
-    return _row_norm(_col_norm(c, hc_eps), hc_eps)
+  def step(t, c):
+    return _col_norm(c, hc_eps) if t % 2 == 0 else _row_norm(c, hc_eps)
 
   def norm_bwd(c, gc, axis):  # c' = c / (Σ_axis c + eps): gc = (gc' − Σ_axis gc'·c') / (Σ + eps)
     s = jnp.sum(c, axis=axis, keepdims=True) + hc_eps
     return (gc - jnp.sum(gc * (c / s), axis=axis, keepdims=True)) / s
 
-  def back(i, gc):
-    t = steps - 1 - i
-    # The input of step t, rebuilt from the softmax: t // 2 pairs, then one column step if t is
-    # odd (O(iters²) tiny n×n work). Parity by bit operations: Triton's lowering of `%` rejects
-    # this loop index (seen on the H200).
-    odd = jax.lax.bitwise_and(t, 1) == 1
-    c = jax.lax.fori_loop(0, jax.lax.shift_right_logical(t, 1), pair, c0)
-    c = jnp.where(odd, _col_norm(c, hc_eps), c)
-    gc = jnp.where(odd, norm_bwd(c, gc, 2), norm_bwd(c, gc, 1))
-    return jnp.where(is_comb, gc, 0.0)  # padding groups carry nothing (their c is 0)
-
-  gc = jax.lax.fori_loop(0, steps, back, jnp.where(is_comb, g3, 0.0))
+  # Each step's input by segment checkpointing, unrolled (static parities): one forward sweep
+  # keeps the first input of every segment of `seg` = ⌊√steps⌋ steps, and a segment's other
+  # inputs are rebuilt from it just before its backward. At 20 iterations that is 68
+  # normalisations and 39 backward steps in sequence, against 741 and 39 when each step's input
+  # was rebuilt from the softmax (a loop of loops); the same operations per step (within 2.4e-7
+  # of that kernel's gradients, interpreted: the compiler's contractions differ). Registers:
+  # ~2√steps iterates of the [bt, groups, n] tile.
+  seg = max(1, math.isqrt(steps))
+  starts = list(range(0, steps, seg))
+  firsts, c = [c0], c0
+  for t in range(starts[-1]):
+    c = step(t, c)
+    if (t + 1) % seg == 0:
+      firsts.append(c)
+  gc = jnp.where(is_comb, g3, 0.0)
+  for start, c in reversed(list(zip(starts, firsts))):
+    inputs = [c]
+    for t in range(start, min(start + seg, steps) - 1):
+      inputs.append(step(t, inputs[-1]))
+    for t in reversed(range(start, start + len(inputs))):
+      gc = norm_bwd(inputs[t - start], gc, 1 if t % 2 == 0 else 2)
+      gc = jnp.where(is_comb, gc, 0.0)  # padding groups carry nothing (their c is 0)
   g_soft = prob * (gc - jnp.sum(gc * prob, axis=2, keepdims=True))
   o_ref[...] = (g_gates + jnp.where(is_comb, g_soft, 0.0)).reshape(bt, groups * n)
 

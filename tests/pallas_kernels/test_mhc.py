@@ -139,14 +139,17 @@ def test_gates_kernel_matches_reference_float64_and_autodiff():
                _vjp_all(_ref_gates, (z,)), ["z"])
 
 
-def test_gates_backward_kernel_matches_autodiff_other_stream_count():
-  # n = 2 (the gate rows' padding groups differ from n = 4's): the recomputing backward against
-  # jax.vjp of the reference gates with 20 iterations.
+@pytest.mark.parametrize("iters", [1, 2, 3, 20])
+def test_gates_backward_kernel_matches_autodiff_other_stream_count(iters):
+  # n = 2 (the gate rows' padding groups differ from n = 4's): the backward against jax.vjp of the
+  # reference gates, across the backward's segments of ⌊√steps⌋ steps: 1 iteration is 1 step,
+  # 2 are 3 steps in segments of 1, 3 are 5 steps in segments of 2, 2, 1, and 20 are 39 steps in
+  # six segments of 6 and a last of 3.
   n, rng = 2, np.random.default_rng(5)
   z = jnp.asarray(3 * rng.standard_normal((2, 9, (2 + n) * n)), jnp.float32)
   g = jnp.asarray(rng.standard_normal(z.shape), jnp.float32)
-  want = jax.vjp(lambda z: _ref_gates(z, n=n), z)[1](g)[0]
-  got = mhc_kernel.gates_vjp(z, g, n=n, iters=20, hc_eps=1e-6, block_tokens=8, interpret=True)
+  want = jax.vjp(lambda z: _ref_gates(z, n=n, iters=iters), z)[1](g)[0]
+  got = mhc_kernel.gates_vjp(z, g, n=n, iters=iters, hc_eps=1e-6, block_tokens=8, interpret=True)
   # Same float32 operations in the same order per step; 39 steps accumulate ~1e-6 relative.
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
