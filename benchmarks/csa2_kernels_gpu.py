@@ -109,11 +109,14 @@ def attn_inputs(B, T, H, D, m, K, dtype, seed=0):
   return q, kv, g, sink, seg, topk
 
 
-def attn_fns(fn, W, D):
+def attn_fns(fn, W, D, global_branch=True):
   """Jitted forward and value-and-grad of `fn` (the op's signature); both take the kernel's slot
-  plan as a last argument where one is given (`csa2 planned`)."""
+  plan as a last argument where one is given (`csa2 planned`). Without `global_branch`, the
+  window alone (s3's two SWA layers): g and topk are not passed."""
   def fwd(q, kv, g, sink, seg, topk, *plan):
     kw = dict(plan=plan[0]) if plan else {}
+    if not global_branch:
+      g = topk = None
     return fn(q, kv, seg, sink, window=W, scale=D ** -0.5, global_kv_BxNxD=g, topk_BxTxK=topk,
               **kw)
 
@@ -161,27 +164,40 @@ def attn_check(interp):
 # layer alone) and handed the plan made apart ("csa2 planned": a Reuse layer of the selection; the
 # plan's own time is a row of its own, "slot plan").
 KERNELS = {"pallas csa2": ca.sparse_attend, "csa2 planned": ca.sparse_attend}
-# Tile variants of the deterministic kernel, timed at 4K only.
-VARIANTS = {"csa2 rows sort": partial(ca.sparse_attend, sort="rows"),
-            "csa2 f32c search": partial(ca.sparse_attend, contrib_dtype=jnp.float32,
-                                         bounds="search"),
-            "csa2 search": partial(ca.sparse_attend, bounds="search"),
-            "csa2 sw1 be32": partial(ca.sparse_attend, sum_warps=1, block_e=32),
-            "csa2 sw2 be32": partial(ca.sparse_attend, sum_warps=2, block_e=32)}
+# Variants of the deterministic kernel, timed at 4K m1 only. The defaults: global_probs written
+# by the forward kernel, the flat slot sort with count bounds, block_k 64 (forward), block_k_bwd
+# 64, block_kw 64, 4 warps and 2 stages in every kernel. ("4k-m1-variants": the ways of making
+# global_probs and the slot order; the bfloat16 contributions, entry sums at 16-64 rows and 1-4
+# warps were measured before: RESULTS.md, issue 26.)
+VARIANTS = {"csa2 probs apart": partial(ca.sparse_attend, fused_probs=False),
+            "csa2 rows sort": partial(ca.sparse_attend, sort="rows"),
+            "csa2 search": partial(ca.sparse_attend, bounds="search")}
+# "4k-m1-tiles": tiles and launch settings at s3's shapes, one change from the defaults each.
+TILES = {"csa2 fwd bk32": partial(ca.sparse_attend, block_k=32),
+         "csa2 fwd bk128": partial(ca.sparse_attend, block_k=128),
+         "csa2 dq bk32": partial(ca.sparse_attend, block_k_bwd=32),
+         "csa2 dq bk128": partial(ca.sparse_attend, block_k_bwd=128),
+         "csa2 band bkw32": partial(ca.sparse_attend, block_kw=32),
+         "csa2 band bkw128": partial(ca.sparse_attend, block_kw=128),
+         "csa2 warps8": partial(ca.sparse_attend, num_warps=8),
+         "csa2 stages1": partial(ca.sparse_attend, num_stages=1),
+         "csa2 stages3": partial(ca.sparse_attend, num_stages=3)}
 
 
 def attn_bench(B, T, m, interp, reps, xla_impls=(("masked", None),), kernels=tuple(KERNELS), H=16,
-               D=128, W=128, K=256):
-  """Forward and forward + backward of every form at one shape; returns {(impl, mode): s}."""
+               D=128, W=128, K=256, global_branch=True):
+  """Forward and forward + backward of every form at one shape; returns {(impl, mode): s}.
+  `global_branch` False: the window alone (no entries, no top-k)."""
   x = attn_inputs(B, T, H, D, m, K, jnp.bfloat16)
-  fl = 4.0 * B * T * H * D * (W + K)
-  shape = f"{B}x{T} m{m} H{H} D{D} N{T // m} K{K}"
+  fl = 4.0 * B * T * H * D * (W + (K if global_branch else 0))
+  shape = (f"{B}x{T} m{m} H{H} D{D} N{T // m} K{K}" if global_branch
+           else f"{B}x{T} window only H{H} D{D} W{W}")
   res = {}
   forms = [(f"xla {i}" + (f" qc{c}" if c else ""), partial(sa.attend, impl=i, query_chunk=c))
            for i, c in xla_impls]
-  forms += [(k, partial({**KERNELS, **VARIANTS}[k], interpret=interp)) for k in kernels]
+  forms += [(k, partial({**KERNELS, **VARIANTS, **TILES}[k], interpret=interp)) for k in kernels]
   plan = ()
-  if "csa2 planned" in kernels:
+  if "csa2 planned" in kernels and global_branch:
     make = slot_plan_fn(W, D)
     r = guarded(f"attn {shape} slot plan", lambda: time_calls(make, *x, reps=reps))
     if r:
@@ -192,7 +208,7 @@ def attn_bench(B, T, m, interp, reps, xla_impls=(("masked", None),), kernels=tup
     if name == "csa2 planned" and not plan:
       continue
     args = x + plan if name == "csa2 planned" else x
-    fwd, grad = attn_fns(fn, W, D)
+    fwd, grad = attn_fns(fn, W, D, global_branch)
     for mode, f, mult in (("fwd", fwd, 1), ("fwd+bwd", grad, 3)):
       r = guarded(f"attn {shape} {name} {mode}", lambda: time_calls(f, *args, reps=reps))
       if r:
@@ -217,7 +233,7 @@ def attn_breakdown(B, T, m, interp, reps, H=16, D=128, W=128, K=256):
   shape = f"{B}x{T} m{m} H{H} D{D} N{T // m} K{K}"
   fw = dict(window=W, scale=D ** -0.5, block_h=None, block_k=None, interpret=interp,
             num_warps=4, num_stages=2)
-  o, lse, plan = ca._sa._forward(q, kv, seg, sink, g, topk, **fw)
+  o, lse, _, plan = ca._sa._forward(q, kv, seg, sink, g, topk, **fw)
   do = jax.random.normal(jax.random.PRNGKey(7), o.shape, o.dtype)
   bw = dict(fw, block_k=64, block_kw=64, block_e=16, sum_warps=4, bounds="count", sort="flat",
             max_contrib_elems=1 << 29, contrib_dtype=jnp.bfloat16)
@@ -448,6 +464,10 @@ def main():
   if ARGS.smoke:
     attn_bench(1, 64, 2, interp, 1, xla_impls=(("masked", None), ("gather", None)), H=4, D=32,
                W=8, K=8)
+    attn_bench(1, 64, 2, interp, 1, (), kernels=("csa2 probs apart", "csa2 fwd bk32"), H=4,
+               D=32, W=8, K=8)
+    attn_bench(1, 64, 2, interp, 1, H=4, D=32, W=8, K=8, kernels=("pallas csa2",),
+               global_branch=False)
     idx_bench(64, interp, 1, H=4, I=32, K=8, variants=((16, 16, 4),), B=2)
     attn_breakdown(1, 64, 2, interp, 1, H=4, D=32, W=8, K=8)
     topk_bench(2, 64, 8, interp, 1)
@@ -461,8 +481,13 @@ def main():
       "4k-m1": lambda: attn_bench(4, 4096, 1, interp, reps, both),
       "4k-m1-variants": lambda: attn_bench(4, 4096, 1, interp, reps, (),
                                            kernels=("pallas csa2",) + tuple(VARIANTS)),
+      "4k-m1-tiles": lambda: attn_bench(4, 4096, 1, interp, reps, (),
+                                        kernels=("pallas csa2",) + tuple(TILES)),
       "4k-m1-stages": lambda: attn_breakdown(4, 4096, 1, interp, reps),
       "4k-m2": lambda: attn_bench(4, 4096, 2, interp, reps, both),
+      # s3's two SWA layers run the reference ("auto": window-only is outside the envelope).
+      "4k-swa": lambda: attn_bench(4, 4096, 1, interp, reps, (("masked", None),),
+                                   kernels=("pallas csa2",), global_branch=False),
       "topk-4k": lambda: topk_bench(4, 4096, 256, interp, reps),
       "idx-4k": lambda: idx_bench(4096, interp, reps, H=16, I=128, K=256, B=4),
       # m3's and s4's top-512 (configs/small.py): the measured envelopes stop at top-256.

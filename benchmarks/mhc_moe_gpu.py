@@ -24,7 +24,9 @@ MoE (s3: 48 experts, top-4, 1024 -> 512, 16,384 tokens, skewed routing with two 
 `moe_dispatch.routed_experts` dropless forward and forward+backward (gradients w.r.t. x and the
 three weights), this tree's code vs `--baseline-moe` (the module file of an earlier tree, loaded
 under another name) vs capacity mode (factor 1.25). Useful FLOPs: 3 products × 2·pairs·D·F forward,
-3× that forward+backward.
+3× that forward+backward. Then the whole MoE layer (router, routed and shared experts) as the step
+runs it, 4 layers in a scan under layer remat, with the model's remat policy and without its MoE
+names (`moe_remat_cases`).
 
 Ceilings: 4.3 TB/s copy and 790 TFLOP/s bf16 matrix rate (the H200 as measured here, KINDS.md).
 Imports only jax/numpy/flax and this repository (runs on the GPU image without the data stack).
@@ -224,6 +226,53 @@ def moe_cases(tokens, d, f, e, k, reps, budget_s, impl):
     _save(ARGS.json)
 
 
+def moe_remat_cases(tokens, d, f, e, k, reps, budget_s, impl, layers=4):
+  """The MoE layer as the step runs it: `layers` layers (one weight set, stacked) in a `lax.scan`
+  under layer remat, x <- x + MoE(x) with the router, dropless routed experts and the shared
+  expert; forward+backward (gradients w.r.t. x and every weight). The model's remat policy
+  against the same policy without `moe_dispatch.KEPT` (the router logits, the pair sort and the
+  layer output recomputed in the backward, as before it). Useful FLOPs: the routed and shared
+  experts' products and the router's, 3× forward (recomputed products not counted)."""
+  from flax import nnx
+  from dsv41_jax import model as model_lib
+  from dsv41_jax.config import ModelConfig
+  from dsv41_jax.layers.moe import MoE
+  cfg = ModelConfig(hidden_size=d, n_routed_experts=e, num_experts_per_tok=k,
+                    moe_intermediate_size=f, n_shared_experts=1, dtype="bfloat16",
+                    moe_dispatch="dropless",
+                    ops=dict(grouped_matmul={"ragged_dot": "reference"}.get(impl, impl)))
+  graphdef, state = nnx.split(MoE(cfg, nnx.Rngs(0)))
+  stacked = jax.tree.map(lambda a: jnp.stack([a] * layers), state)
+  b = 4 if tokens % 4 == 0 else 1
+  seg = jnp.ones((b, tokens // b), jnp.int32)
+  image = jnp.zeros((b, tokens // b), bool)
+  bias = jnp.zeros((2, e), jnp.float32)
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((b, tokens // b, d)), jnp.bfloat16)
+
+  def body(x, p):
+    y, aux = nnx.merge(graphdef, p)(x, segment_ids_BxT=seg, image_mask_BxT=image, bias_2xE=bias)
+    return (x + y).astype(x.dtype), aux["balance_loss"]
+
+  without = jax.checkpoint_policies.save_only_these_names(
+      *(n for n in model_lib.SAVED_NAMES if n != moe_dispatch.KEPT))
+  policies = {"model remat policy": model_lib.remat_policy,
+              "without moe_dispatch.KEPT": lambda prim, *a, **kw: (prim.name == "top_k"
+                                                                  or without(prim, *a, **kw))}
+  fl = layers * 3 * (2 * tokens * d * f * (3 * k + 3) + 2 * tokens * d * e)
+  ref = None
+  for name, policy in policies.items():
+    if elapsed() > budget_s:
+      break
+    step = jax.checkpoint(body, prevent_cse=False, policy=policy)
+    run = lambda x, p, step=step: jax.lax.scan(step, x, p)
+    grad = _loss_grad(run, (x, stacked))
+    if ref is None:
+      ref = grad(x, stacked)
+    time_case(f"moe layer x{layers} scan+remat fwd+bwd", name, grad, (x, stacked), reps, flops=fl,
+              ref=ref)
+    _save(ARGS.json)
+
+
 def main():
   global ARGS
   ap = argparse.ArgumentParser()
@@ -252,6 +301,8 @@ def main():
   if ARGS.only in ("", "moe") and not ARGS.quick:
     moe_cases(*moe, reps=reps, budget_s=ARGS.budget_s * 0.7,
               impl="ragged_dot" if cpu else "auto")
+    moe_remat_cases(*moe, reps=reps, budget_s=ARGS.budget_s * 0.9,
+                    impl="ragged_dot" if cpu else "auto")
   if ARGS.only in ("", "mhc") and not ARGS.quick:
     mhc_cases(lead, n, d, reps, ARGS.budget_s, cpu, ("kernel gates block 64",), True)
   _save(ARGS.json)

@@ -29,6 +29,7 @@ from dsv41_jax.layer_plan import LayerPlan, Run, build_layer_plan
 from dsv41_jax.layers import mhc
 from dsv41_jax.layers.attention import selection_plan
 from dsv41_jax.layers.engram import Engram
+from dsv41_jax.layers.moe_dispatch import KEPT as MOE_KEPT
 from dsv41_jax.layers.norm import RMSNorm
 from dsv41_jax.layers.types import CompressedKV
 from pallas_kernels.ops.indexer import SELECTION
@@ -39,14 +40,16 @@ def remat_policy(prim, *args, **params) -> bool:
   """Layer remat (cfg.remat) recomputes a layer's forward in its backward except the outputs of
   `top_k` and the values named `SAVED_NAMES`: the indexer's selection and candidate pool (a sort
   of [T, N] scores per indexing layer, or the radix select), the attention op's plan of the
-  selection (a sort of its slots), the MoE routing and each mHC site's mix product and mean square
+  selection (a sort of its slots), the MoE routing, the MoE layer's router logits, pair sort and
+  output (`moe_dispatch.KEPT`: the output is what the mHC site's backward reads; recomputing it
+  re-ran the down-projections and the combine) and each mHC site's mix product and mean square
   (`ops.mhc.MIX`, [.., (2+n)n] + [.., 1] per token; kernel: also its gate rows) are kept, not
   recomputed: the float32 mix GEMM and the mean square each read all n·d channels of the streams
   (docs/design.md §5.4)."""
   return prim.name == "top_k" or _saved_names(prim, *args, **params)
 
 
-SAVED_NAMES = (ATTENTION_PLAN, SELECTION, MIX)
+SAVED_NAMES = (ATTENTION_PLAN, SELECTION, MIX, MOE_KEPT)
 _saved_names = jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES)
 
 

@@ -1,9 +1,10 @@
 """Sparse attention (window ∪ selected entries ∪ sink) with a deterministic backward (docs/design.md §4.3, §14).
 
 The kernel of the op `sparse_attention` (`pallas_kernels.ops.sparse_attention.attend`; tests
-compare the two): the forward and global_probs kernels of `pallas_kernels.sparse_attention`,
-and a backward that has no atomic adds, so two runs are bitwise equal and no float32 atomic sits
-on a popular row. For query t, head h (s = (q·k)·scale, K = V):
+compare the two): the forward kernel of `pallas_kernels.sparse_attention`, which also writes
+global_probs (or, with `fused_probs=False`, its separate global_probs kernel), and a backward
+that has no atomic adds, so two runs are bitwise equal and no float32 atomic sits on a popular
+row. For query t, head h (s = (q·k)·scale, K = V):
 
   p_{t,h,j} = exp(s_{t,h,j} − lse_{t,h})      lse: log of the softmax denominator, sink included
   Δ_{t,h}   = Σ_d dO_{t,h,d} · O_{t,h,d}        ds = p · (dO·k_j − Δ)
@@ -357,7 +358,8 @@ def _backward(q, kv, seg, sink, gkv, topk, o, lse, do, slots=None, *, window, sc
 
 # --- the op ----------------------------------------------------------------------------------------
 
-_FWD_KEYS = ("window", "scale", "block_h", "block_k", "interpret", "num_warps", "num_stages")
+_FWD_KEYS = ("window", "scale", "block_h", "block_k", "interpret", "num_warps", "num_stages",
+             "with_probs")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -367,15 +369,16 @@ def _attn(q, kv, seg, sink, gkv, topk, slots, static):
 
 def _attn_fwd(q, kv, seg, sink, gkv, topk, slots, static):
   st = dict(static)
-  o, lse, _ = _sa._forward(q, kv, seg, sink, gkv, topk, **{k: st[k] for k in _FWD_KEYS})
-  return (o, lse), (q, kv, seg, sink, gkv, topk, slots, o, lse)
+  o, lse, probs, _ = _sa._forward(q, kv, seg, sink, gkv, topk, **{k: st[k] for k in _FWD_KEYS})
+  return (o, lse, probs), (q, kv, seg, sink, gkv, topk, slots, o, lse)
 
 
 def _attn_bwd(static, res, cts):
   q, kv, seg, sink, gkv, topk, slots, o, lse = res
-  do, _ = cts   # lse is used only under stop_gradient (global_probs): its cotangent is zero
+  do = cts[0]   # lse and global_probs are used only under stop_gradient: their cotangents are 0
   st = dict(static)
   st["block_k"] = st.pop("block_k_bwd")
+  del st["with_probs"]
   dq, dkv, dsink, dg = _backward(q, kv, seg, sink, gkv, topk, o, lse, do, slots, **st)
   return dq, dkv, None, dsink, dg, None, None
 
@@ -390,7 +393,7 @@ def sparse_attend(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, global_kv_Bx
                   block_k_bwd: int | None = 64, block_kw: int = 64, block_e: int = 16,
                   sum_warps: int = 4, bounds: str = "count", sort: str = "flat",
                   max_contrib_elems: int = 1 << 29, contrib_dtype=None, num_warps: int = 4,
-                  num_stages: int = 2, plan: tuple | None = None):
+                  num_stages: int = 2, fused_probs: bool = True, plan: tuple | None = None):
   """(o, global_probs) of `attend` (the op's arguments and results), deterministic backward.
 
   `impl`, `query_chunk`: the reference's XLA form and chunking, ignored (no such intermediate).
@@ -404,6 +407,9 @@ def sparse_attend(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, global_kv_Bx
   float32 otherwise).
   `plan`: `slot_plan` of these arguments (with the same `block_h`, `block_k_bwd`, `bounds`,
   `sort`), computed once per selection and shared; None computes it in the backward.
+  `fused_probs`: the forward kernel writes global_probs from the scores it already holds (True),
+  or a second kernel recomputes them from lse, gathering the selected keys again (False; the
+  s3 step's 36 such calls, its forward and the remat's, took 8.7 ms on the H200). The same sums.
   """
   del impl, query_chunk
   if (global_kv_BxNxD is None) != (topk_BxTxK is None):
@@ -419,14 +425,17 @@ def sparse_attend(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, global_kv_Bx
             ("sort", sort),
             ("max_contrib_elems", int(max_contrib_elems)),
             ("contrib_dtype", None if contrib_dtype is None else jnp.dtype(contrib_dtype)),
-            ("interpret", bool(interpret)), ("num_warps", num_warps), ("num_stages", num_stages))
+            ("interpret", bool(interpret)), ("num_warps", num_warps), ("num_stages", num_stages),
+            ("with_probs", bool(fused_probs)))
   if plan is not None and global_kv_BxNxD is None:
     raise ValueError("a slot plan belongs to a global branch; this call has none")
-  o, lse = _attn(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, global_kv_BxNxD, topk_BxTxK,
-                 plan, static)
+  o, lse, probs = _attn(q_BxTxHxD, swa_kv_BxTxD, segment_ids_BxT, sink_H, global_kv_BxNxD,
+                        topk_BxTxK, plan, static)
   if global_kv_BxNxD is None:
     return o, None
   sg = jax.lax.stop_gradient
+  if fused_probs:
+    return o, sg(probs)
   probs = _sa._global_probs(sg(q_BxTxHxD), sg(global_kv_BxNxD), topk_BxTxK, sg(lse), scale=scale,
                             block_h=block_h, block_k=block_k, interpret=bool(interpret),
                             num_warps=num_warps, num_stages=num_stages)

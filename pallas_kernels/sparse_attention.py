@@ -21,6 +21,8 @@ Kernels:
   `_probs`  global_probs [B, T, K]: Σ_h exp(s − lse) at each selected slot, recomputed from lse
             (a separate call, so a consumer that drops it costs nothing). Its inputs are
             stop_gradient'ed: the model uses it only as the detached indexer-loss target.
+            `_fwd` with `with_probs` writes the same sums itself: its selected-slot chunks are
+            unrolled and their scores kept until lse is known, so no key is gathered twice.
 A repeated slot in a row counts twice (as `attend`'s "gather" form; `lax.top_k` makes them
 distinct).
 
@@ -82,9 +84,10 @@ def _window_rows(t, c, wb: int, bkw: int, window: int, seg_ref, seg_t):
 
 
 def _fwd_kernel(q_ref, kv_ref, seg_ref, sink_ref, *rest, scale, window, wb, bkw, bk, n_chunks,
-                has_global):
+                has_global, n_heads=None, hb=None):
+  with_probs = n_heads is not None
   if has_global:
-    gkv_ref, topk_ref, o_ref, lse_ref = rest
+    gkv_ref, topk_ref, o_ref, lse_ref, *p_ref = rest
   else:
     o_ref, lse_ref = rest
   t = pl.program_id(1)
@@ -92,9 +95,10 @@ def _fwd_kernel(q_ref, kv_ref, seg_ref, sink_ref, *rest, scale, window, wb, bkw,
   seg_t = seg_ref[pl.ds(t + wb, 1)]                                 # [1]
   sink = sink_ref[...]                                              # [Hb] f32
 
-  def update(carry, k, ok):
+  def update(carry, k, ok, s=None):
     m, l, acc = carry
-    s = _dot(q, k, _NT) * scale                                     # [Hb, bk]
+    if s is None:
+      s = _dot(q, k, _NT) * scale                                   # [Hb, bk]
     s = jnp.where(ok[None, :], s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     alpha = jnp.exp(m - m_new)
@@ -111,7 +115,15 @@ def _fwd_kernel(q_ref, kv_ref, seg_ref, sink_ref, *rest, scale, window, wb, bkw,
 
   carry = (sink, jnp.ones_like(sink), jnp.zeros(q.shape, _F32))
   carry = jax.lax.fori_loop(0, wb // bkw, window_chunk, carry)
-  if has_global:
+  scores = []
+  if has_global and with_probs:
+    # Unrolled, so that each chunk's scores stay in registers until lse is known.
+    for c in range(n_chunks):
+      idx = topk_ref[pl.ds(c * bk, bk)]
+      k = gkv_ref[jnp.maximum(idx, 0), :]
+      scores.append((_dot(q, k, _NT) * scale, idx >= 0))
+      carry = update(carry, k, scores[-1][1], scores[-1][0])
+  elif has_global:
     def global_chunk(c, carry):
       idx = topk_ref[pl.ds(c * bk, bk)]
       ok = idx >= 0
@@ -119,7 +131,14 @@ def _fwd_kernel(q_ref, kv_ref, seg_ref, sink_ref, *rest, scale, window, wb, bkw,
     carry = jax.lax.fori_loop(0, n_chunks, global_chunk, carry)
   m, l, acc = carry
   o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = m + jnp.log(l)
+  lse = m + jnp.log(l)
+  lse_ref[...] = lse
+  if scores:
+    # global_probs of this head group: `_probs_kernel`'s sums from the same scores and lse.
+    real = (pl.program_id(2) * hb + jax.lax.broadcasted_iota(jnp.int32, (hb,), 0)) < n_heads
+    for c, (s, ok) in enumerate(scores):
+      p = jnp.where(real[:, None] & ok[None, :], jnp.exp(s - lse[:, None]), 0.0)
+      p_ref[0][pl.ds(c * bk, bk)] = jnp.sum(p, axis=0)
 
 
 def _probs_kernel(q_ref, gkv_ref, topk_ref, lse_ref, p_ref, *, scale, bk, n_chunks, n_heads, hb):
@@ -192,26 +211,35 @@ def _prepare(q, kv, seg, sink, gkv, topk, plan):
 
 
 def _forward(q, kv, seg, sink, gkv, topk, *, window, scale, block_h, block_k, interpret, num_warps,
-             num_stages):
+             num_stages, with_probs: bool = False):
+  """(o, lse, global_probs or None, plan); `with_probs`: the forward kernel also writes
+  global_probs (the global branch only), from the scores it holds once lse is known."""
   B, T, H, D = q.shape
   has_global = gkv is not None
+  with_probs = with_probs and has_global
   K = topk.shape[-1] if has_global else 0
   N = gkv.shape[1] if has_global else 0
   plan = _Plan(H, D, K, window, block_h, block_k)
   qp, kvp, segp, sinkp, glob = _prepare(q, kv, seg, sink, gkv, topk, plan)
   q_spec, kv_spec, seg_spec, h_spec, glob_specs = _specs(plan, B, T, D, N, has_global)
   kernel = functools.partial(_fwd_kernel, scale=scale, window=window, wb=plan.wb, bkw=plan.bkw,
-                             bk=plan.bk, n_chunks=plan.n_chunks, has_global=has_global)
-  o, lse = _call(
+                             bk=plan.bk, n_chunks=plan.n_chunks, has_global=has_global,
+                             **(dict(n_heads=H, hb=plan.hb) if with_probs else {}))
+  out_specs = [q_spec, h_spec]
+  out_shape = [jax.ShapeDtypeStruct(qp.shape, q.dtype),
+               jax.ShapeDtypeStruct((B, T, plan.hp), _F32)]
+  if with_probs:
+    out_specs.append(pl.BlockSpec((None, None, None, plan.kp), lambda b, t, g: (b, t, g, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((B, T, plan.g, plan.kp), _F32))
+  outs = _call(
       kernel, grid=(B, T, plan.g),
       in_specs=[q_spec, kv_spec, seg_spec, pl.BlockSpec((plan.hb,), lambda b, t, g: (g,))]
       + glob_specs,
-      out_specs=[q_spec, h_spec],
-      out_shape=[jax.ShapeDtypeStruct(qp.shape, q.dtype),
-                 jax.ShapeDtypeStruct((B, T, plan.hp), _F32)],
+      out_specs=out_specs, out_shape=out_shape,
       interpret=interpret, num_warps=num_warps, num_stages=num_stages,
       name="sparse_attention_fwd")(qp, kvp, segp, sinkp, *glob)
-  return o[:, :, :H], lse, plan
+  probs = jnp.sum(outs[2], axis=2)[..., :K] if with_probs else None
+  return outs[0][:, :, :H], outs[1], probs, plan
 
 
 def _global_probs(q, gkv, topk, lse, *, scale, block_h, block_k, interpret, num_warps, num_stages):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from dsv41_jax import sharding
 from dsv41_jax.config import ModelConfig
@@ -140,9 +141,13 @@ class MoE(nnx.Module):
 
   def __call__(self, x_BxTxD, *, segment_ids_BxT, image_mask_BxT, bias_2xE):
     """Returns (y_BxTxD in x's dtype, aux dict: balance_loss, load_2xE, dropped_fraction)."""
-    logits = jnp.einsum("btd,de->bte", x_BxTxD.astype(jnp.float32),
-                        self.router[...].astype(jnp.float32),
-                        precision=jax.lax.Precision.HIGHEST)
+    # Kept under layer remat (`moe_dispatch.KEPT`): the logits (B·T·E float32), whose HIGHEST
+    # float32 product the backward would run again, and the output (B·T·D in x's dtype), which the
+    # mHC site's backward reads: recomputing it re-ran both down-projections and the combine,
+    # whose own gradients need only their inputs.
+    logits = checkpoint_name(jnp.einsum("btd,de->bte", x_BxTxD.astype(jnp.float32),
+                                        self.router[...].astype(jnp.float32),
+                                        precision=jax.lax.Precision.HIGHEST), moe_dispatch.KEPT)
     bias_BxTxE = jnp.where(image_mask_BxT[..., None], bias_2xE[1], bias_2xE[0])
     weights, experts, scores = route(logits, bias_BxTxE, self.k, self.route_scale, self.gate_temp)
     valid = segment_ids_BxT != 0
@@ -159,4 +164,4 @@ class MoE(nnx.Module):
         load_2xE=expert_load(experts, segment_ids_BxT, image_mask_BxT, self.n_experts),
         dropped_fraction=dropped.sum() / jnp.maximum(n_pairs, 1).astype(jnp.float32),
     )
-    return y.astype(x_BxTxD.dtype), aux
+    return checkpoint_name(y.astype(x_BxTxD.dtype), moe_dispatch.KEPT), aux

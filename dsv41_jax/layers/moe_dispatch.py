@@ -49,11 +49,17 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from dsv41_jax import sharding
 from pallas_kernels import dispatch
 
 MODES = ("dropless", "capacity")
+
+# Remat name of the MoE layer's kept values (`dsv41_jax.model.remat_policy` saves them): here the
+# pair sort's permutation, its inverse and the group sizes (3 · N·K + E int32 a layer), so layer
+# remat does not sort again; in `moe.MoE` the router logits and the layer's output.
+KEPT = "moe_kept"
 
 
 def clamped_swiglu(a, u, limit: float):
@@ -151,9 +157,9 @@ def _sort_pairs(experts_NxK, valid_N, n_experts: int):
   e_P = jnp.where(valid_N[None, :], experts_NxK.T, n_experts).reshape(-1).astype(jnp.int32)
   order = jnp.argsort(e_P, stable=True)
   inv = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
-  e_sorted = e_P[order]
   group_sizes = jnp.zeros((n_experts + 1,), jnp.int32).at[e_P].add(1)[:n_experts]
-  return order, inv, e_sorted, order % n, group_sizes
+  order, inv, group_sizes = checkpoint_name((order, inv, group_sizes), KEPT)
+  return order, inv, e_P[order], order % n, group_sizes
 
 
 def _combine(y_pairs_PxD, k: int):

@@ -71,6 +71,11 @@ def test_forward_gradients_and_determinism(m):
   # float32 throughout (HIGHEST dots): only the summation order differs.
   np.testing.assert_allclose(np.asarray(o), np.asarray(ro), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(probs), np.asarray(rprobs), rtol=1e-5, atol=1e-6)
+  # global_probs written by the forward kernel (the default) and recomputed by the separate
+  # kernel from lse: the same scores and lse, the same bits.
+  o_apart, probs_apart = _run(_kernel, x, fused_probs=False)
+  np.testing.assert_array_equal(np.asarray(o), np.asarray(o_apart))
+  np.testing.assert_array_equal(np.asarray(probs), np.asarray(probs_apart))
   r = jnp.asarray(np.random.default_rng(m).standard_normal(o.shape), jnp.float32)
   got = _grads(_kernel, x, r)
   for g, want in zip(got, _grads(sa.attend_reference, x, r)):
@@ -98,6 +103,8 @@ def test_bfloat16_window_only_and_bad_input():
   o, probs = _run(_kernel, x, D=64)
   ro, rprobs = _run(sa.attend_reference, x32, D=64)
   assert o.dtype == jnp.bfloat16 and rel(o, ro) < 1e-2 and rel(probs, rprobs) < 1e-2
+  np.testing.assert_array_equal(np.asarray(probs), np.asarray(_run(_kernel, x, D=64,
+                                                                    fused_probs=False)[1]))
   ow, none = ca.sparse_attend(x["q"], x["kv"], x["seg"], x["sink"], window=W, scale=0.125,
                               interpret=True)
   rw, _ = sa.attend_reference(x32["q"], x32["kv"], x["seg"], x["sink"], window=W, scale=0.125)

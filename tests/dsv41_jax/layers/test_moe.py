@@ -163,3 +163,44 @@ def test_padding_load_and_balance_loss():
   assert float(aux2["balance_loss"]) == float(aux["balance_loss"])
   shared_only = np_moe(p, x2, np.zeros((*seg.shape, K)), sel, np.zeros_like(valid), LIMIT)
   np.testing.assert_allclose(np.asarray(y2)[~valid], shared_only[~valid], rtol=1e-5, atol=2e-6)
+
+
+def _count(jaxpr, name: str, param: str = "") -> int:
+  """Equations of primitive `name` (whose params mention `param`) in a jaxpr and every jaxpr
+  nested in it."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += eqn.primitive.name == name and param in str(eqn.params)
+    for v in eqn.params.values():
+      for sub in (v if isinstance(v, (list, tuple)) else (v,)):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          n += _count(sub.jaxpr, name, param)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          n += _count(sub, name, param)
+  return n
+
+
+def test_layer_remat_keeps_the_logits_sort_and_output():
+  """Under the model's remat policy (the router logits, the dispatch's pair sort and the layer's
+  output named `moe_dispatch.KEPT`) the layer's gradient program sorts the pairs once, does not
+  run the float32 router product again, and of the expert products recomputes only the gate/up
+  ones, whose outputs the SwiGLU backward reads, not the routed down-projection. Without the
+  name: 2 sorts, 8 grouped products and 4 router products."""
+  from dsv41_jax import model as M
+  cfg = moe_cfg(n_shared_experts=1, dtype="bfloat16", ops=dict(grouped_matmul="reference"))
+  graphdef, state = nnx.split(MoE(cfg, nnx.Rngs(0)))
+  x, seg, image, bias = moe_inputs(0)
+
+  def loss(p, x):
+    y, aux = nnx.merge(graphdef, p)(x, segment_ids_BxT=seg, image_mask_BxT=image, bias_2xE=bias)
+    return jnp.sum(jnp.sin(y.astype(jnp.float32))) + aux["balance_loss"]
+
+  def counts(f):
+    g = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(state, jnp.asarray(x, jnp.bfloat16)).jaxpr
+    return (_count(g, "sort"), _count(g, "ragged_dot_general"),
+            _count(g, "dot_general", "HIGHEST"))   # the router's float32 product
+
+  # forward: gate/up and down; backward: dx, dw of each; the router's forward, dx, dw
+  assert counts(loss) == (1, 6, 3)
+  remat = jax.checkpoint(loss, prevent_cse=False, policy=M.remat_policy)
+  assert counts(remat) == (1, 7, 3)      # + the gate/up product only
