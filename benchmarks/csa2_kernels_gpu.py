@@ -15,7 +15,10 @@
    its slot plan in the call ("pallas csa2", a selecting layer) and handed it ("csa2 planned", a
    Reuse layer; the plan's own time is the "slot plan" row), and the ratios of each over the best
    XLA form and over "masked", flagged where any XLA form is faster. Useful FLOPs: 4·B·T·H·D·(W + K) forward (QK + PV at
-   the keys attended), ×3 with the backward.
+   the keys attended), ×3 with the backward. At 4K m1 also: the kernel's variants and tiles
+   ("4k-m1-variants", "-tiles", "-launch", one change from the defaults each), the window alone
+   ("4k-swa", s3's SWA layers) and forward + backward under layer remat ("4k-m1-remat": the
+   model's policy, which keeps the forward's results, against nothing kept).
 3. Indexer (s3: H_I 16, D_I 128, top-256, m 1, one document, 4 × 4096): the Triton kernel's
    scores alone, scores + selection (the forward `score_and_select`, radix select), and forward +
    backward of Σ_n r_n · (scores_at_topk summed at entry n), against the op's reference (XLA
@@ -172,7 +175,8 @@ KERNELS = {"pallas csa2": ca.sparse_attend, "csa2 planned": ca.sparse_attend}
 VARIANTS = {"csa2 probs apart": partial(ca.sparse_attend, fused_probs=False),
             "csa2 rows sort": partial(ca.sparse_attend, sort="rows"),
             "csa2 search": partial(ca.sparse_attend, bounds="search")}
-# "4k-m1-tiles": tiles and launch settings at s3's shapes, one change from the defaults each.
+# Tiles and launch settings at s3's shapes, one change from the defaults each: "4k-m1-tiles" the
+# first four (forward and dq slot blocks), "4k-m1-launch" the rest (band, warps, stages).
 TILES = {"csa2 fwd bk32": partial(ca.sparse_attend, block_k=32),
          "csa2 fwd bk128": partial(ca.sparse_attend, block_k=128),
          "csa2 dq bk32": partial(ca.sparse_attend, block_k_bwd=32),
@@ -225,6 +229,30 @@ def attn_bench(B, T, m, interp, reps, xla_impls=(("masked", None),), kernels=tup
                           if any("masked" in n for n in xla) else None),
              slower_than_an_xla_form=any(v < res[(k, mode)] for v in xla.values()))
   return res
+
+
+def attn_remat(B, T, m, interp, reps, H=16, D=128, W=128, K=256):
+  """Forward + backward of the planned kernel under layer remat (`jax.checkpoint`), as the model
+  runs it: the model's policy (keeps `ops.sparse_attention.OUTPUT`: one forward kernel) against
+  nothing kept (the forward kernel again in the backward)."""
+  from dsv41_jax.model import remat_policy
+  x = attn_inputs(B, T, H, D, m, K, jnp.bfloat16)
+  shape = f"{B}x{T} m{m} H{H} D{D} N{T // m} K{K}"
+  plan = slot_plan_fn(W, D)(*x)
+
+  def loss(q, kv, g, sink, seg, topk, plan):
+    o, p = ca.sparse_attend(q, kv, seg, sink, g, topk, window=W, scale=D ** -0.5, plan=plan,
+                            interpret=interp)
+    return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(jnp.sin(jax.lax.stop_gradient(p)))
+
+  for name, policy in (("remat keeps output", remat_policy),
+                       ("remat recomputes", jax.checkpoint_policies.nothing_saveable)):
+    f = jax.jit(jax.grad(jax.checkpoint(loss, policy=policy), argnums=(0, 1, 2, 3)))
+    r = guarded(f"attn {shape} {name}", lambda: time_calls(f, *x, plan, reps=reps))
+    if r:
+      fl = 3 * 4.0 * B * T * H * D * (W + K)
+      emit(kind="attn", shape=shape, impl=f"csa2 planned, {name}", mode="fwd+bwd",
+           ms=1e3 * r[0], first_s=r[1], tflops=fl / r[0] / 1e12, of_ceiling=fl / r[0] / CEILING)
 
 
 def attn_breakdown(B, T, m, interp, reps, H=16, D=128, W=128, K=256):
@@ -469,6 +497,7 @@ def main():
     attn_bench(1, 64, 2, interp, 1, H=4, D=32, W=8, K=8, kernels=("pallas csa2",),
                global_branch=False)
     idx_bench(64, interp, 1, H=4, I=32, K=8, variants=((16, 16, 4),), B=2)
+    attn_remat(1, 64, 2, interp, 1, H=4, D=32, W=8, K=8)
     attn_breakdown(1, 64, 2, interp, 1, H=4, D=32, W=8, K=8)
     topk_bench(2, 64, 8, interp, 1)
     table()
@@ -482,8 +511,11 @@ def main():
       "4k-m1-variants": lambda: attn_bench(4, 4096, 1, interp, reps, (),
                                            kernels=("pallas csa2",) + tuple(VARIANTS)),
       "4k-m1-tiles": lambda: attn_bench(4, 4096, 1, interp, reps, (),
-                                        kernels=("pallas csa2",) + tuple(TILES)),
+                                        kernels=("pallas csa2",) + tuple(TILES)[:4]),
+      "4k-m1-launch": lambda: attn_bench(4, 4096, 1, interp, reps, (),
+                                         kernels=("pallas csa2",) + tuple(TILES)[4:]),
       "4k-m1-stages": lambda: attn_breakdown(4, 4096, 1, interp, reps),
+      "4k-m1-remat": lambda: attn_remat(4, 4096, 1, interp, reps),
       "4k-m2": lambda: attn_bench(4, 4096, 2, interp, reps, both),
       # s3's two SWA layers run the reference ("auto": window-only is outside the envelope).
       "4k-swa": lambda: attn_bench(4, 4096, 1, interp, reps, (("masked", None),),

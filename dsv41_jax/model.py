@@ -34,6 +34,7 @@ from dsv41_jax.layers.norm import RMSNorm
 from dsv41_jax.layers.types import CompressedKV
 from pallas_kernels.ops.indexer import SELECTION
 from pallas_kernels.ops.mhc import MIX
+from pallas_kernels.ops.sparse_attention import OUTPUT as ATTENTION_OUTPUT
 
 
 def remat_policy(prim, *args, **params) -> bool:
@@ -42,14 +43,16 @@ def remat_policy(prim, *args, **params) -> bool:
   of [T, N] scores per indexing layer, or the radix select), the attention op's plan of the
   selection (a sort of its slots), the MoE routing, the MoE layer's router logits, pair sort and
   output (`moe_dispatch.KEPT`: the output is what the mHC site's backward reads; recomputing it
-  re-ran the down-projections and the combine) and each mHC site's mix product and mean square
-  (`ops.mhc.MIX`, [.., (2+n)n] + [.., 1] per token; kernel: also its gate rows) are kept, not
-  recomputed: the float32 mix GEMM and the mean square each read all n·d channels of the streams
-  (docs/design.md §5.4)."""
+  re-ran the down-projections and the combine), the attention kernel's output, log-sum-exp and
+  global_probs (`ops.sparse_attention.OUTPUT`, [B, T, H, D] + [B, T, H] + [B, T, K] a layer: its
+  backward reads them, so keeping them saves a second forward kernel per global layer) and each
+  mHC site's mix product and mean square (`ops.mhc.MIX`, [.., (2+n)n] + [.., 1] per token;
+  kernel: also its gate rows) are kept, not recomputed: the float32 mix GEMM and the mean square
+  each read all n·d channels of the streams (docs/design.md §5.4)."""
   return prim.name == "top_k" or _saved_names(prim, *args, **params)
 
 
-SAVED_NAMES = (ATTENTION_PLAN, SELECTION, MIX, MOE_KEPT)
+SAVED_NAMES = (ATTENTION_PLAN, SELECTION, MIX, MOE_KEPT, ATTENTION_OUTPUT)
 _saved_names = jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES)
 
 

@@ -36,9 +36,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from pallas_kernels import sparse_attention as _sa
+from pallas_kernels.ops.sparse_attention import OUTPUT
 
 _F32 = jnp.float32
 _NT = _sa._NT                        # a · bᵀ
@@ -370,6 +372,9 @@ def _attn(q, kv, seg, sink, gkv, topk, slots, static):
 def _attn_fwd(q, kv, seg, sink, gkv, topk, slots, static):
   st = dict(static)
   o, lse, probs, _ = _sa._forward(q, kv, seg, sink, gkv, topk, **{k: st[k] for k in _FWD_KEYS})
+  # Named (`ops.sparse_attention.OUTPUT`): a remat policy that keeps them runs no second forward
+  # kernel in the backward (the kernel is called through `jax.jit`, `sparse_attention._call`).
+  o, lse, probs = checkpoint_name((o, lse, probs), OUTPUT)
   return (o, lse, probs), (q, kv, seg, sink, gkv, topk, slots, o, lse)
 
 

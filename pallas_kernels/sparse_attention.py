@@ -189,10 +189,13 @@ def _specs(plan, B, T, D, N, has_global):
 
 def _call(kernel, *, grid, in_specs, out_specs, out_shape, interpret, num_warps, num_stages,
           name):
-  return pl.pallas_call(
+  # Through `jax.jit`: remat's partial evaluation stages a bare `pallas_call` into the recomputed
+  # forward even when its named results are kept (`ops.sparse_attention.OUTPUT`); a jitted call
+  # stays in the forward (as `topk_triton`'s select).
+  return jax.jit(pl.pallas_call(
       kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       compiler_params=None if interpret else _triton_params(num_warps, num_stages),
-      interpret=interpret, name=name)
+      interpret=interpret, name=name))
 
 
 def _prepare(q, kv, seg, sink, gkv, topk, plan):

@@ -33,6 +33,10 @@ import jax
 import jax.numpy as jnp
 
 _F32 = jnp.float32
+# The name a kernel gives its forward's results (`jax.ad_checkpoint.checkpoint_name`: the output,
+# the log-sum-exp its backward reads, global_probs), so that layer remat can keep them
+# (`dsv41_jax.model.remat_policy`) instead of running the forward kernel again in the backward.
+OUTPUT = "sparse_attention_output"
 # Score of a masked key. Finite (exp(−1e30 − M) is exactly 0 for any finite M ≥ sink), so no −inf
 # reaches the exponent: on CPU, exp of −inf runs a slow path (the masked forward took twice as long).
 _MASKED = -1e30

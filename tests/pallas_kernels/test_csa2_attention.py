@@ -133,6 +133,42 @@ def test_lowers_for_cuda():
   assert triton_calls(lowered) > 0   # the kernels, not a fallback to the reference
 
 
+def _count(jaxpr, named: str) -> int:
+  """`pallas_call` equations whose name holds `named`, in a jaxpr and every jaxpr nested in it."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += eqn.primitive.name == "pallas_call" and named in str(eqn.params)
+    for v in eqn.params.values():
+      for sub in (v if isinstance(v, (list, tuple)) else (v,)):
+        if isinstance(sub, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
+          n += _count(getattr(sub, "jaxpr", sub), named)
+  return n
+
+
+def test_remat_keeps_the_named_forward():
+  # Under the model's remat policy, which keeps `ops.sparse_attention.OUTPUT`, the gradient's
+  # program runs the forward kernel once (global_probs with it) and no second time for the
+  # backward's o and lse; with nothing kept it runs twice (also with the name kept, when the
+  # kernel is a bare pallas_call, not called through jax.jit). The same bits either way.
+  from dsv41_jax.model import remat_policy
+  x = _inputs(40, 2)
+  r = jnp.asarray(np.random.default_rng(4).standard_normal((B, T, H, 32)), jnp.float32)
+
+  def loss(q, g):
+    o, p = _run(_kernel, dict(x, q=q, g=g))
+    return jnp.sum(o * r) + jnp.sum(jnp.sin(jax.lax.stop_gradient(p)))
+
+  def grads(policy):
+    f = jax.grad(jax.checkpoint(loss, policy=policy), argnums=(0, 1))
+    calls = _count(jax.make_jaxpr(f)(x["q"], x["g"]).jaxpr, "sparse_attention_fwd")
+    return calls, jax.jit(f)(x["q"], x["g"])
+  kept, g_kept = grads(remat_policy)
+  again, g_again = grads(jax.checkpoint_policies.nothing_saveable)
+  assert (kept, again) == (1, 2)
+  for a, b in zip(g_kept, g_again):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_slot_order():
   # Every way of ordering the slots by entry gives the same order: each entry's slots, ascending,
   # and all of them (−1 slots in none).
