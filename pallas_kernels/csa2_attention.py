@@ -121,7 +121,7 @@ def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, kv_ref, seg_ref, *rest, scale,
 
 
 def _window_dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, segq_ref, kv_ref, segk_ref, dkv_ref, *,
-                       scale, window, hp, bkw, rows, n_q):
+                       scale, window, hp, bkw, rows, n_q, t_len):
   j0 = pl.program_id(1) * bkw
   k = kv_ref[pl.ds(j0, bkw), :]                                     # [bkw, D]
   segk = segk_ref[pl.ds(j0, bkw)]
@@ -144,7 +144,10 @@ def _window_dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, segq_ref, kv_ref, segk
     return (dk + _dot(ds.astype(qc.dtype), qc, _NN) * scale
             + _dot(p.astype(doc.dtype), doc, _NN))
 
-  dkv_ref[...] = jax.lax.fori_loop(0, n_q, chunk, jnp.zeros(k.shape, _F32))
+  # Unpadded queries (t_len: their count): the tiles past the last query are not read (each
+  # would add exactly 0, as a padded tile does).
+  n = n_q if t_len is None else jnp.minimum(n_q, (t_len - j0) // (rows // hp))
+  dkv_ref[...] = jax.lax.fori_loop(0, n, chunk, jnp.zeros(k.shape, _F32))
 
 
 def _entry_sum_kernel(lo_ref, hi_ref, order_ref, c_ref, o_ref, *, be):
@@ -165,25 +168,35 @@ def _entry_sum_kernel(lo_ref, hi_ref, order_ref, c_ref, o_ref, *, be):
 # --- backward --------------------------------------------------------------------------------------
 
 def _window_dkv(qp, dop, lse, delta, seg, kv, *, window, scale, hp, bkw, interpret, num_warps,
-                num_stages):
-  """dK + dV of the window keys [B, T, D] float32 (key-outer band kernel)."""
+                num_stages, pad_queries: bool | None = None):
+  """dK + dV of the window keys [B, T, D] float32 (key-outer band kernel). The query rows are
+  read in place (the [B, T, Hp, D] arrays as [B, T·Hp, D], no copy) where whole tiles cover T,
+  else padded to whole tiles past the last key block's window (`pad_queries`: None decides; the
+  s3 step copied q and dO to [B, T + 192, 16, 128] per global layer, loop_pad_fusion at
+  csa2_attention.py:418). The same sums either way."""
   B, T, _, D = qp.shape
   bt, n_q, tq = _band_rows(T, hp, window, bkw)      # tokens per tile, tiles, padded tokens
   rows = bt * hp
   nkb = -(-T // bkw)
-  pad_q = lambda a, v=0: jnp.pad(a, [(0, 0), (0, tq - T)] + [(0, 0)] * (a.ndim - 2),
-                                 constant_values=v)
+  if pad_queries is None:
+    pad_queries = bool(T % bt or bkw % bt)
+  if not pad_queries:
+    tq = T
+  pad_q = lambda a, v=0: a if tq == T else jnp.pad(
+      a, [(0, 0), (0, tq - T)] + [(0, 0)] * (a.ndim - 2), constant_values=v)
   q_flat = pad_q(qp).reshape(B, tq * hp, D)
   do_flat = pad_q(dop).reshape(B, tq * hp, D)
   lse_flat = pad_q(lse).reshape(B, tq * hp)
   delta_flat = pad_q(delta).reshape(B, tq * hp)
   segq = jnp.repeat(pad_q(seg.astype(jnp.int32), -1), hp, axis=1)
-  kvp = jnp.pad(kv, ((0, 0), (0, nkb * bkw - T), (0, 0)))
-  segk = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, nkb * bkw - T)), constant_values=-1)
+  kvp, segk = kv, seg.astype(jnp.int32)
+  if nkb * bkw > T:
+    kvp = jnp.pad(kvp, ((0, 0), (0, nkb * bkw - T), (0, 0)))
+    segk = jnp.pad(segk, ((0, 0), (0, nkb * bkw - T)), constant_values=-1)
   row = lambda n: pl.BlockSpec((None, n, D), lambda b, j: (b, 0, 0))
   vec = lambda n: pl.BlockSpec((None, n), lambda b, j: (b, 0))
   kernel = functools.partial(_window_dkv_kernel, scale=scale, window=window, hp=hp, bkw=bkw,
-                             rows=rows, n_q=n_q)
+                             rows=rows, n_q=n_q, t_len=None if pad_queries else T)
   dkv = pl.pallas_call(
       kernel, grid=(B, nkb),
       in_specs=[row(tq * hp), row(tq * hp), vec(tq * hp), vec(tq * hp), vec(tq * hp),

@@ -133,6 +133,29 @@ def test_lowers_for_cuda():
   assert triton_calls(lowered) > 0   # the kernels, not a fallback to the reference
 
 
+def test_window_band_reads_the_queries_in_place():
+  # Where whole tiles of queries cover T (16 heads: 8 tokens a tile), the band kernel reads q, dO,
+  # lse and Δ in place instead of copies padded past the last key block's window: the same bits
+  # as the padded path (the tiles it no longer reads added exactly 0), and it lowers for CUDA.
+  rng = np.random.default_rng(11)
+  T_, hp, D = 48, 16, 32
+  f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  seg = np.ones((B, T_), np.int32)
+  seg[0, 20:] = 2
+  seg[1, 41:] = 0
+  args = (f(B, T_, hp, D), f(B, T_, hp, D), f(B, T_, hp) + 4.0, f(B, T_, hp), jnp.asarray(seg),
+          f(B, T_, D))
+  for bkw in (8, 16):
+    run = lambda pad, interpret=True: ca._window_dkv(
+        *args, window=W, scale=D ** -0.5, hp=hp, bkw=bkw, interpret=interpret, num_warps=4,
+        num_stages=2, pad_queries=pad)
+    np.testing.assert_array_equal(np.asarray(run(False)), np.asarray(run(True)))
+  assert "pad" not in str(jax.make_jaxpr(lambda: run(None))())
+  assert triton_calls(lower_for_cuda(lambda *a: ca._window_dkv(
+      *a, window=W, scale=D ** -0.5, hp=hp, bkw=16, interpret=False, num_warps=4,
+      num_stages=2), *args)) == 1
+
+
 def _count(jaxpr, named: str) -> int:
   """`pallas_call` equations whose name holds `named`, in a jaxpr and every jaxpr nested in it."""
   n = 0
