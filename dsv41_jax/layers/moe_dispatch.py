@@ -219,13 +219,16 @@ _combine_sorted.defvjp(_combine_sorted_fwd, _combine_sorted_bwd)
 def _dropless_local(x_NxD, weights_NxK, experts_NxK, valid_N, n_experts: int,
                     sorted_ffn: Callable):
   """Exact dispatch; `sorted_ffn(x_sorted_PxD, weight_sorted_P, e_sorted_P, group_sizes_E) ->
-  y_sorted_PxD`. The token gather and the combine are gathers forward and backward (the sort is
-  a permutation: pair p = k·N + n sits at inv[p])."""
+  y_sorted_PxD`, whose rows past Σ group_sizes (the padding pairs and bad ids, sorted last) must
+  be zero: the grouped product's rows past Σ g are. The token gather and the combine are gathers
+  forward and backward (the sort is a permutation: pair p = k·N + n sits at inv[p]).
+
+  No `where(pair is live, y, 0)` here: inside the layer scan JAX hoists its [P, D] float32 zeros
+  out of the loop as a buffer that every layer's combine then read (s3: 256 MB a layer)."""
   order, inv, e_sorted, tok_sorted, group_sizes = _sort_pairs(experts_NxK, valid_N, n_experts)
   inv_KxN = inv.reshape(experts_NxK.shape[1], -1)
   y_sorted = sorted_ffn(_gather_pairs(x_NxD, tok_sorted, inv_KxN),
                         _pair_weights(weights_NxK)[order], e_sorted, group_sizes)
-  y_sorted = jnp.where((e_sorted < n_experts)[:, None], y_sorted, 0.0)
   return _combine_sorted(y_sorted, inv_KxN, tok_sorted), jnp.zeros(experts_NxK.shape, jnp.bool_)
 
 
@@ -249,8 +252,8 @@ def _capacity_local(x_NxD, weights_NxK, experts_NxK, valid_N, n_experts: int, ca
   weight_of_slot = jnp.zeros((n_experts * capacity,), jnp.float32).at[slot_P].set(
       _pair_weights(weights_NxK), mode="drop")
   y_buf = buffer_ffn(buf, weight_of_slot.reshape(n_experts, capacity))
-  y_pairs = jnp.where(kept_P[:, None], _pad_row(y_buf.reshape(n_experts * capacity, -1))[slot_P],
-                      0.0)
+  # dropped and padding pairs read the zero row at slot E·C (no where: see `_dropless_local`)
+  y_pairs = _pad_row(y_buf.reshape(n_experts * capacity, -1))[slot_P]
   dropped_NxK = (valid_P & ~kept_P).reshape(k, n).T
   return _combine(y_pairs, k), dropped_NxK
 
@@ -287,8 +290,9 @@ def _ep_sorted_ffn(w1, w3, w2, *, n_experts: int, n_tokens: int, k: int, limit: 
     y = y[inv].astype(x_sorted_PxD.dtype).reshape(n_shards, s, d)
     back = jax.lax.all_to_all(y, expert_axis, 0, 0, tiled=True).reshape(n_shards * s, d)
     owner = jnp.minimum(e_sorted_P // e_loc, n_shards - 1)
-    idx = owner * s + jnp.arange(n_pairs) - start_G[owner]
-    return back[jnp.clip(idx, 0, n_shards * s - 1)]
+    idx = jnp.clip(owner * s + jnp.arange(n_pairs) - start_G[owner], 0, n_shards * s - 1)
+    # rows past the routed pairs (padding, bad ids) read the zero row, as the local product's do
+    return _pad_row(back)[jnp.where(e_sorted_P < n_experts, idx, n_shards * s)]
 
   return sorted_ffn
 
@@ -354,7 +358,9 @@ def _dispatch_shard(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1, w3, w2
         y = batched_ffn(buf, wbuf, w1, w3, w2, limit)
         return jax.lax.psum(y, tensor_axis) if tensor_axis is not None else y
     y, dropped = _capacity_local(x, g, e, valid, n_experts, capacity, ffn)
-  y = jnp.where((valid & bad_id.any(axis=1))[:, None], jnp.nan, y)
+  # + NaN or + 0 per token (y + 0 = y): a `where` with a [N, D] NaN operand was hoisted out of
+  # the layer scan as a buffer every layer read, like the zeros of `_dropless_local`.
+  y = y + jnp.where(valid & bad_id.any(axis=1), jnp.nan, 0.0)[:, None]
   return y.reshape(b, t, d), dropped.reshape(b, t, k)
 
 

@@ -36,4 +36,6 @@ def grouped_matmul(x_sorted_PxD, w_ExDxF, group_sizes_E):
                      f"{known.min()}, sum {known.astype(np.int64).sum()})")
   bad = jnp.any(sizes < 0) | jnp.any(sizes > n_rows) | (jnp.sum(jnp.clip(sizes, 0, n_rows)) > n_rows)
   y = jax.lax.ragged_dot(x_sorted_PxD, w, sizes, preferred_element_type=jnp.float32)
-  return jnp.where(bad, jnp.nan, y)
+  # + NaN or + 0 (y + 0 = y), not where(bad, NaN, y): inside a layer scan JAX hoists that where's
+  # [M, N] NaN broadcast out of the loop as a buffer every layer then reads.
+  return y + jnp.where(bad, jnp.nan, 0.0)

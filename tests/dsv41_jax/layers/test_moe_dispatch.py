@@ -342,3 +342,36 @@ def test_bf16_moe_backward_has_no_float32_by_bf16_product(mode):
   kinds = {tuple(str(v.aval.dtype) for v in e.invars) for e in dots}
   assert len(dots) >= 12 and ("bfloat16", "bfloat16") in kinds, kinds
   assert kinds <= {("bfloat16", "bfloat16"), ("float32", "float32")}, kinds
+
+
+
+@pytest.mark.parametrize("mode", ["dropless", "capacity"])
+def test_layer_scan_hoists_no_row_sized_constant(mode):
+  """Inside the model's layer scan JAX's partial evaluation hoists loop-invariant values out of
+  the loop, and a `where(live, y, 0)` / `where(bad, NaN, y)` over the pairs' or tokens' rows made
+  its broadcast zeros / NaN such a value: a float32 [rows, D] buffer made once and read by every
+  layer (s3, 2026-12-02b: 256 MB of zeros at [65,536, 1024] and 64 MB of NaN a layer). The
+  gradient of a 2-layer scan of the MoE layer under layer remat passes no constant of rows of D
+  into the loop but the zero row that dropped pairs read (with those wheres, and the reference
+  product's where(bad, NaN, y): float32 [pairs, D] and [tokens, D] ones in either mode)."""
+  from dsv41_jax import model as M
+  cfg = moe_cfg(dtype="bfloat16", moe_dispatch=mode, ops=dict(grouped_matmul="reference"))
+  graphdef, state = nnx.split(MoE(cfg, nnx.Rngs(4)))
+  stacked = jax.tree.map(lambda a: jnp.stack([a, 1.5 * a]), state)
+  x, seg, image, bias = moe_inputs(4)
+
+  def layer(x, p):
+    y, _ = nnx.merge(graphdef, p)(x, segment_ids_BxT=seg, image_mask_BxT=image, bias_2xE=bias)
+    return (x + y).astype(x.dtype), None
+
+  step = jax.checkpoint(layer, prevent_cse=False, policy=M.remat_policy)
+  loss = lambda x, p: jnp.sum(jax.lax.scan(step, x, p)[0].astype(jnp.float32))
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(jnp.asarray(x, jnp.bfloat16),
+                                                          stacked).jaxpr
+  # the scan's loop-invariant inputs: `num_consts` on jax 0.10, the first part of `ft_in` on 0.11
+  n_consts = lambda p: (p["num_consts"] if "num_consts" in p  # noqa: E731
+                        else len(p["ft_in"].unpack()[0]))
+  consts = [v.aval for eqn in jaxpr.eqns if eqn.primitive.name == "scan"
+            for v in eqn.invars[:n_consts(eqn.params)]
+            if v.aval.shape[-1:] == (D,) and v.aval.size > D]
+  assert consts == [], consts
