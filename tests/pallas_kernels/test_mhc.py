@@ -165,6 +165,34 @@ def test_gates_kernels_lower_for_cuda():
     assert "mhc_gates" in lowered.as_text() and triton_calls(lowered) == 1
 
 
+def test_mix_kernel_matches_float64_and_the_op_gradients():
+  # x̂ · fnᵀ and Σ x̂² from one read: 512 columns (4 chunks of the kernel's loop), 21 tokens (a
+  # padded block), against the float64 mix and the op's hc_mix (its VJP is the op's autodiff).
+  X, _, _, _, _, fn, *_ = _inputs(7, lead=(3, 7), d=128)
+  got = mhc_kernel.fused_mix(X, fn, KW["norm_eps"], interpret=True)
+  x64 = np.asarray(X, np.float64).reshape(3, 7, -1)
+  want = (x64 @ np.asarray(fn, np.float64).T
+          / np.sqrt(np.mean(x64 ** 2, -1, keepdims=True) + KW["norm_eps"]))
+  # float32 products over 512 terms, each |x̂_k fn_mk| <= max: ~4e-7 of the largest entry.
+  np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-6 * np.abs(want).max())
+  _close_grads(_vjp_all(lambda X, fn: mhc_kernel.fused_mix(X, fn, KW["norm_eps"],
+                                                             interpret=True), (X, fn)),
+               _vjp_all(lambda X, fn: mhc.hc_mix(X, fn, KW["norm_eps"]), (X, fn)), ["X", "fn"])
+
+
+def test_mix_kernel_lowers_for_cuda_and_falls_back_on_odd_widths():
+  X, _, _, _, _, fn, *_ = _inputs(7, lead=(2, 64), d=32)
+  fwd = lambda X, fn: mhc_kernel.fused_mix(X, fn, 1e-20)  # noqa: E731
+  lowered = lower_for_cuda(fwd, X, fn)
+  assert "mhc_mix" in lowered.as_text() and triton_calls(lowered) == 1
+  grad = lambda X, fn: jax.grad(lambda *a: jnp.sum(fwd(*a)), (0, 1))(X, fn)  # noqa: E731
+  assert triton_calls(lower_for_cuda(grad, X, fn)) == 1
+  # 4 × 6 = 24 columns are no whole chunk of a power of two: the op's XLA mix, bit for bit.
+  X, _, _, _, _, fn, *_ = _inputs(7, lead=(2, 5), d=6)
+  assert "pallas_call" not in str(jax.make_jaxpr(fwd)(X, fn))
+  np.testing.assert_array_equal(np.asarray(fwd(X, fn)), np.asarray(mhc.hc_mix(X, fn, 1e-20)))
+
+
 # --- the ops' expand and collapse --------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -238,8 +266,9 @@ def test_site_matches_reference_forward_and_gradients(dtype):
 def test_layer_remat_keeps_the_mix_and_gates(site):
   """Under the model's remat policy a site's gradient program reads the streams for the mix as
   often as without remat: the float32 mix GEMM once forward (plus its two backward products), the
-  mean square over x̂ once, and (kernel) the gate kernel once forward; the three are named
-  `ops.mhc.MIX` (without the names: 4 products, 2 mean squares, 2 gate kernels)."""
+  mean square over x̂ once, and (kernel) the gate kernel and the mix kernel (the GEMM and the
+  mean square, in its body) once forward; their outputs are named `ops.mhc.MIX` (without the
+  names: 4 products, 2 mean squares, 2 gate kernels)."""
   args = _inputs(5, lead=(2, 9))
   n_d = args[0].shape[-2] * args[0].shape[-1]
   kw = dict(KW, iters=5)
@@ -250,11 +279,13 @@ def test_layer_remat_keeps_the_mix_and_gates(site):
   def counts(f):
     g = jax.make_jaxpr(jax.grad(f, argnums=(0, 5)))(*args).jaxpr
     mean_square = lambda e: e.invars[0].aval.shape[-1] == n_d  # noqa: E731 (x̂ [.., n·d])
+    kernel = lambda name: lambda e: f"'{name}'" in str(e.params)  # noqa: E731
     return (len(_eqns(g, "dot_general")), len(_eqns(g, "reduce_sum", mean_square)),
-            len(_eqns(g, "pallas_call", lambda e: "'mhc_gates'" in str(e.params))))
+            len(_eqns(g, "pallas_call", kernel("mhc_gates"))),
+            len(_eqns(g, "pallas_call", kernel("mhc_mix"))))
 
   plain = counts(loss)
-  assert plain == (3, 1, int(site is mhc_kernel.hc_site))
+  assert plain == (3, 1, *[int(site is mhc_kernel.hc_site)] * 2)
   assert counts(jax.checkpoint(loss, prevent_cse=False, policy=M.remat_policy)) == plain
 
 
