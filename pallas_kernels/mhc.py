@@ -236,7 +236,7 @@ def _mix_rows(x, fn, *, block_tokens: int, interpret: bool):
   """(x̂ · fnᵀ [tokens, m], Σ x̂² [tokens, 1]) of x̂ [tokens, K] float32 by the mix kernel."""
   tokens, k = x.shape
   m = fn.shape[0]
-  p = _next_pow2(m + 1)
+  p = max(16, _next_pow2(m + 1))   # tl.dot asks for dimensions >= 16 (n = 1: 3 + 1 columns)
   padded = _tokens_tiled(tokens, block_tokens, "mhc_mix")
   chunk = min(_MIX_CHUNK, k)
   out = jax.jit(pl.pallas_call(   # through jit: remat keeps the named outputs (see a12d826)
