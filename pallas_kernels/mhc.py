@@ -249,7 +249,8 @@ def _mix_rows(x, fn, *, block_tokens: int, interpret: bool):
       compiler_params=None if interpret else _triton_params(4, 3),
       interpret=interpret,
       name="mhc_mix",
-  ))(jnp.pad(x, ((0, padded - tokens), (0, 0))), jnp.pad(fn, ((0, p - m), (0, 0))))
+  ))(x if padded == tokens else jnp.pad(x, ((0, padded - tokens), (0, 0))),   # no pad op on X
+     jnp.pad(fn, ((0, p - m), (0, 0))))
   return out[:tokens, :m], out[:tokens, m:m + 1]
 
 
