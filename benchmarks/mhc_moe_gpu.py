@@ -17,7 +17,8 @@ projection of all five outputs w.r.t. all nine inputs), for
 and the pieces alone: expand (the einsum form measured as the reference before issue 27; the ops'
 expand is now the broadcast form, so the site rows above were measured with the einsum reference),
 the mix x̂ · fnᵀ with mean(x̂²) (the op's XLA form, a cuBLAS SGEMM and a reduction, against the
-kernel's `fused_mix`, one read of X) and the gates (sigmoids + Sinkhorn) on [T, (2+n)n].
+kernel's `fused_mix`, one read of X, at 32- and 64-token blocks) and the gates (sigmoids +
+Sinkhorn) on [T, (2+n)n].
 Minimum bytes (each input read once, each output written once): forward X, F read, X', x
 written; forward+backward adds X, F, gX', gx read and gX, gF written (X' recomputed, not stored).
 
@@ -163,7 +164,9 @@ def mhc_cases(lead, n, d, reps, budget_s, interpret, impls, pieces):
   fn = args[5]
   for impl, f in (("op (XLA)", lambda X, fn: mhc.hc_mix(X, fn, KW["norm_eps"])),
                   ("kernel", lambda X, fn: mhc_kernel.fused_mix(X, fn, KW["norm_eps"],
-                                                                interpret=interpret))):
+                                                                interpret=interpret)),
+                  ("kernel block 64", lambda X, fn: mhc_kernel.fused_mix(
+                      X, fn, KW["norm_eps"], block_tokens=64, interpret=interpret))):
     time_case("mix (x̂·fnᵀ, mean square) fwd", impl, jax.jit(f), (X, fn), reps,
               nbytes=tokens * n * d * sx)
     time_case("mix (x̂·fnᵀ, mean square) fwd+bwd", impl, _loss_grad(f, (X, fn)), (X, fn), reps,
