@@ -14,9 +14,12 @@ references except for the gates:
   whose CPU compile alone took 3 minutes.
 - `fused_mix` (the op's `hc_mix`) is a Triton kernel reading the streams once for both the
   mix product x̂ · fnᵀ (float32 FMAs, 128-column chunks) and Σ x̂²; its VJP is the op's math in
-  XLA. In the s3 step XLA ran them as a cuBLAS SGEMM (~0.14 ms a site, ~2.2 TB/s) plus, at the
-  attention site, a separate mean-square pass over the 268 MB streams (prof_s3 of 2026-12-02b).
-- `hc_coefficients` is `fused_mix`, then `gates`; `hc_site` composes the op's expand and
+  XLA. It is not used: in the s3 step on the H200 its 40 forward calls took 39.4 ms of kernel time
+  (~1 ms a site) against the op's cuBLAS SGEMM at ~0.14 ms a site plus, at the attention site, a
+  mean-square pass over the 268 MB streams (benchmarks/gpu_runs/2026-12-02b/call4; RESULTS.md,
+  issue 27): Triton's float32 FMA dot is far from the SGEMM. Kept, tested, for
+  `benchmarks/mhc_moe_gpu.py`'s mix rows.
+- `hc_coefficients` is the op's `hc_mix`, then `gates`; `hc_site` composes the op's expand and
   collapse (broadcast multiply-adds with hand VJPs), the norm and these coefficients like the
   reference. At s3's shapes the site was 1.85× the reference forward and 1.21× forward+backward
   with the op's mix (RESULTS.md, issue 27).
@@ -311,7 +314,7 @@ def hc_coefficients(X_BxTxNxD, fn, base, scale, *, iters: int, hc_eps: float, no
                     block_tokens: int = 16, interpret: bool | None = None):
   """Kernel of the op `hc_coefficients`: (pre, post, comb) of one site, float32 (module doc)."""
   *lead, n, _ = X_BxTxNxD.shape
-  mix = fused_mix(X_BxTxNxD, fn, norm_eps, interpret=_interpret(interpret))
+  mix = hc_mix(X_BxTxNxD, fn, norm_eps)
   s = scale.astype(_F32)
   scale_cols = jnp.concatenate([jnp.full((n,), s[0]), jnp.full((n,), s[1]),
                                 jnp.full((n * n,), s[2])])
