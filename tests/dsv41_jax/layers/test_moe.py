@@ -196,7 +196,10 @@ def test_layer_remat_keeps_the_logits_sort_and_output():
     return jnp.sum(jnp.sin(y.astype(jnp.float32))) + aux["balance_loss"]
 
   def counts(f):
-    g = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(state, jnp.asarray(x, jnp.bfloat16)).jaxpr
+    # The process-wide default precision is pinned for the trace: the vision tests set it to
+    # "highest" at import, which would name every product HIGHEST in a shared test process.
+    with jax.default_matmul_precision("default"):
+      g = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(state, jnp.asarray(x, jnp.bfloat16)).jaxpr
     return (_count(g, "sort"), _count(g, "ragged_dot_general"),
             _count(g, "dot_general", "HIGHEST"))   # the router's float32 product
 
