@@ -3,12 +3,18 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from dsv41_jax.vision import projector
 from dsv41_jax.vision.config import VisionConfig
 
-jax.config.update("jax_default_matmul_precision", "highest")
+@pytest.fixture(autouse=True)
+def _highest_matmul_precision():
+  """Full-precision products for this module's tests only (a process-wide setting leaked into
+  every later test of the same worker)."""
+  with jax.default_matmul_precision("highest"):
+    yield
 
 
 def test_pixel_unshuffle_concatenates_the_nine_neighbours_in_row_major_order():

@@ -9,7 +9,12 @@ from flax import nnx
 from dsv41_jax.vision import rope2d, vit
 from dsv41_jax.vision.config import VisionConfig
 
-jax.config.update("jax_default_matmul_precision", "highest")
+@pytest.fixture(autouse=True)
+def _highest_matmul_precision():
+  """Full-precision products for this module's tests only (a process-wide setting leaked into
+  every later test of the same worker)."""
+  with jax.default_matmul_precision("highest"):
+    yield
 
 VCFG = VisionConfig(num_layers=2, hidden_size=32, num_heads=4, intermediate_size=48,
                     projector_hidden=40, max_image_size=168, remat=False)
