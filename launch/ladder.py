@@ -505,6 +505,11 @@ def _raise_interrupt(signum, frame):
 
 
 if __name__ == "__main__":
+  # SIGINT too, explicitly: a process started in the background by a non-interactive shell
+  # (`cmd &` in a script, nohup) inherits SIGINT ignored, and Python then installs no
+  # KeyboardInterrupt handler, so `timeout -s INT` or a supervisor's SIGINT would not stop the
+  # points (launch.train installs its own handlers the same way).
+  signal.signal(signal.SIGINT, _raise_interrupt)
   signal.signal(signal.SIGTERM, _raise_interrupt)
   _define_flags()
   app.run(main, flags_parser=cli.parse_flags)
