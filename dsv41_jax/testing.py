@@ -532,3 +532,22 @@ def compile_sharded(fn: Callable, args: Sequence[Any], mesh: Mesh,
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s),
                             list(args), shardings)
     return jax.jit(fn).lower(*abstract).compile()
+
+
+# --- programs ----------------------------------------------------------------------------------
+
+def jaxpr_eqns(jaxpr, name: str, keep: Callable[[Any], bool] = lambda eqn: True) -> list:
+  """The equations of primitive `name` that `keep` accepts, in a jaxpr (or closed jaxpr) and in
+  every jaxpr nested in an equation's parameters (scans, conds, remat, custom VJPs, jit), in
+  program order: what a test counts to tell whether a kernel, sort or product runs once or twice."""
+  if isinstance(jaxpr, jax.extend.core.ClosedJaxpr):
+    jaxpr = jaxpr.jaxpr
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == name and keep(eqn):
+      found.append(eqn)
+    for v in eqn.params.values():
+      for sub in (v if isinstance(v, (list, tuple)) else (v,)):
+        if isinstance(sub, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
+          found += jaxpr_eqns(sub, name, keep)
+  return found

@@ -282,19 +282,8 @@ def test_remat_keeps_the_selection(cfg, scan):
 
 
 def _count(jaxpr, name: str, named: str | None = None) -> int:
-  """Equations of primitive `name` (a `pallas_call` whose name holds `named`) in a jaxpr and
-  every jaxpr nested in it."""
-  n = 0
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == name and (named is None or named in str(eqn.params)):
-      n += 1
-    for v in eqn.params.values():
-      for sub in (v if isinstance(v, (list, tuple)) else (v,)):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          n += _count(sub.jaxpr, name, named)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          n += _count(sub, name, named)
-  return n
+  """Equations of primitive `name` (a `pallas_call` whose name holds `named`), nested included."""
+  return len(testing.jaxpr_eqns(jaxpr, name, lambda e: named is None or named in str(e.params)))
 
 
 @pytest.mark.parametrize("scan", [True, False])

@@ -571,16 +571,23 @@ def test_signal_during_compilation_stops_at_once(env, tmp_path):
   assert not os.path.exists(workdir)  # as it was: no config.json, no empty checkpoints/
 
 
-def test_second_ctrl_c_exits_at_once(monkeypatch):
+@pytest.fixture
+def exits(monkeypatch):
+  """The exit codes `os._exit` was called with in launch.train (each call raises SystemExit)."""
+  from launch import train as train_lib
+  codes = []
+
+  def fake_exit(code):
+    codes.append(code)
+    raise SystemExit(code)
+  monkeypatch.setattr(train_lib.os, "_exit", fake_exit)
+  return codes
+
+
+def test_second_ctrl_c_exits_at_once(exits):
   """The handler itself: before the loop a signal raises Interrupted; in the loop the first
   Ctrl-C only asks for a stop (saved after the step in flight), the second exits with 130."""
   from launch import train as train_lib
-  exits = []
-
-  def fake_exit(code):
-    exits.append(code)
-    raise SystemExit(code)
-  monkeypatch.setattr(train_lib.os, "_exit", fake_exit)
   stop = train_lib._Stop()
   try:
     with pytest.raises(train_lib.Interrupted):
@@ -596,17 +603,11 @@ def test_second_ctrl_c_exits_at_once(monkeypatch):
   assert signal.getsignal(signal.SIGINT) is not stop._handle
 
 
-def test_sigint_after_sigterm_still_saves(monkeypatch):
+def test_sigint_after_sigterm_still_saves(exits):
   """Only a second SIGINT means "now": a SIGTERM then a SIGINT in the loop (a supervisor's
   SIGTERM, then `timeout`'s group SIGINT) keeps waiting for the checkpoint; a further SIGINT
   exits with 130."""
   from launch import train as train_lib
-  exits = []
-
-  def fake_exit(code):
-    exits.append(code)
-    raise SystemExit(code)
-  monkeypatch.setattr(train_lib.os, "_exit", fake_exit)
   stop = train_lib._Stop()
   try:
     stop.in_loop = True

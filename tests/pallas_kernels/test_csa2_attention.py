@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dsv41_jax import testing
 from dsv41_jax.layers.indexer import select_topk
 from dsv41_jax.layers.types import CompressedKV, entry_visible
 from pallas_kernels import csa2_attention as ca
@@ -157,15 +158,8 @@ def test_window_band_reads_the_queries_in_place():
 
 
 def _count(jaxpr, named: str) -> int:
-  """`pallas_call` equations whose name holds `named`, in a jaxpr and every jaxpr nested in it."""
-  n = 0
-  for eqn in jaxpr.eqns:
-    n += eqn.primitive.name == "pallas_call" and named in str(eqn.params)
-    for v in eqn.params.values():
-      for sub in (v if isinstance(v, (list, tuple)) else (v,)):
-        if isinstance(sub, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
-          n += _count(getattr(sub, "jaxpr", sub), named)
-  return n
+  """`pallas_call` equations whose name holds `named`, nested jaxprs included."""
+  return len(testing.jaxpr_eqns(jaxpr, "pallas_call", lambda e: named in str(e.params)))
 
 
 def test_remat_keeps_the_named_forward():

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dsv41_jax import testing
 from dsv41_jax.layers import indexer as ix
 from dsv41_jax.layers.types import CompressedKV, entry_visible
 from pallas_kernels import dispatch
@@ -236,16 +237,6 @@ def test_scores_at_chunks_keep_triton_offsets_below_2_31():
                              spec(b, n, d=jnp.int32), spec(b, n, d=jnp.int32),
                              spec(b, t, d=jnp.int32))
 
-  def at_topk(jx):
-    for e in jx.eqns:
-      if e.primitive.name == "pallas_call" and "indexer_at_topk" in str(e.params):
-        yield e.outvars[0].aval.shape
-      for v in e.params.values():
-        for sub in (v if isinstance(v, (list, tuple)) else (v,)):
-          if isinstance(sub, jax.extend.core.ClosedJaxpr):
-            yield from at_topk(sub.jaxpr)
-          elif isinstance(sub, jax.extend.core.Jaxpr):
-            yield from at_topk(sub)
-
-  shapes = list(at_topk(jaxpr.jaxpr))
+  shapes = [e.outvars[0].aval.shape for e in testing.jaxpr_eqns(
+      jaxpr, "pallas_call", lambda e: "indexer_at_topk" in str(e.params))]
   assert shapes and all(s[0] * s[1] * s[2] * i < 2 ** 31 and s[1] < t for s in shapes), shapes

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsv41_jax import model as M
+from dsv41_jax import model as M, testing
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layers import mhc
 from pallas_kernels import dispatch
@@ -104,21 +104,6 @@ def _ref_gates(z, n=4, iters=20, eps=1e-6):
   post = 2.0 * jax.nn.sigmoid(z[..., n:2 * n])
   comb = mhc.sinkhorn_project(z[..., 2 * n:].reshape(*z.shape[:-1], n, n), iters, eps)
   return jnp.concatenate([pre, post, comb.reshape(*z.shape[:-1], n * n)], -1)
-
-
-def _eqns(jaxpr, name: str, keep=lambda eqn: True) -> list:
-  """Equations of primitive `name` (those `keep` accepts) in a jaxpr and every jaxpr nested in it."""
-  found = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == name and keep(eqn):
-      found.append(eqn)
-    for v in eqn.params.values():
-      for sub in (v if isinstance(v, (list, tuple)) else (v,)):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          found += _eqns(sub.jaxpr, name, keep)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          found += _eqns(sub, name, keep)
-  return found
 
 
 # --- the gate kernels --------------------------------------------------------------------------
@@ -224,7 +209,7 @@ def test_expand_vjp_materialises_its_coefficient_sums():
   X, F, post, comb, *_ = _inputs(1, lead=(2, 9))
   n = X.shape[-2]
   vjp = lambda *a: jax.vjp(mhc.expand, *a[:4])[1](a[4])  # noqa: E731
-  barriers = _eqns(jax.make_jaxpr(vjp)(X, post, comb, F, X).jaxpr, "optimization_barrier")
+  barriers = testing.jaxpr_eqns(jax.make_jaxpr(vjp)(X, post, comb, F, X).jaxpr, "optimization_barrier")
   assert len(barriers) == 1
   assert [v.aval.shape for v in barriers[0].invars] == [(2, 9, n)] * (n + 1)
 
@@ -280,9 +265,9 @@ def test_layer_remat_keeps_the_mix_and_gates(site):
     g = jax.make_jaxpr(jax.grad(f, argnums=(0, 5)))(*args).jaxpr
     mean_square = lambda e: e.invars[0].aval.shape[-1] == n_d  # noqa: E731 (x̂ [.., n·d])
     kernel = lambda name: lambda e: f"'{name}'" in str(e.params)  # noqa: E731
-    return (len(_eqns(g, "dot_general")), len(_eqns(g, "reduce_sum", mean_square)),
-            len(_eqns(g, "pallas_call", kernel("mhc_gates"))),
-            len(_eqns(g, "pallas_call", kernel("mhc_mix"))))
+    return (len(testing.jaxpr_eqns(g, "dot_general")), len(testing.jaxpr_eqns(g, "reduce_sum", mean_square)),
+            len(testing.jaxpr_eqns(g, "pallas_call", kernel("mhc_gates"))),
+            len(testing.jaxpr_eqns(g, "pallas_call", kernel("mhc_mix"))))
 
   plain = counts(loss)
   assert plain == (3, 1, int(site is mhc_kernel.hc_site), 0)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsv41_jax import testing
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layers.moe import MoE, route
 
@@ -166,18 +167,8 @@ def test_padding_load_and_balance_loss():
 
 
 def _count(jaxpr, name: str, param: str = "") -> int:
-  """Equations of primitive `name` (whose params mention `param`) in a jaxpr and every jaxpr
-  nested in it."""
-  n = 0
-  for eqn in jaxpr.eqns:
-    n += eqn.primitive.name == name and param in str(eqn.params)
-    for v in eqn.params.values():
-      for sub in (v if isinstance(v, (list, tuple)) else (v,)):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          n += _count(sub.jaxpr, name, param)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          n += _count(sub, name, param)
-  return n
+  """Equations of primitive `name` whose params mention `param` (nested jaxprs included)."""
+  return len(testing.jaxpr_eqns(jaxpr, name, lambda e: param in str(e.params)))
 
 
 def test_layer_remat_keeps_the_logits_sort_and_output():
