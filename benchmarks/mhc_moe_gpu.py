@@ -16,8 +16,7 @@ projection of all five outputs w.r.t. all nine inputs), for
   `kernel` was retired); `kernel gates block 64`: the same with 64-token gate blocks;
 and the pieces alone: expand (the einsum form measured as the reference before issue 27; the ops'
 expand is now the broadcast form, so the site rows above were measured with the einsum reference),
-the mix x̂ · fnᵀ with mean(x̂²) (the op's XLA form, a cuBLAS SGEMM and a reduction, against the
-kernel's `fused_mix`, one read of X, at 32- and 64-token blocks) and the gates (sigmoids +
+the mix x̂ · fnᵀ with mean(x̂²) (the op's XLA form, a cuBLAS SGEMM and a reduction) and the gates (sigmoids +
 Sinkhorn) on [T, (2+n)n].
 Minimum bytes (each input read once, each output written once): forward X, F read, X', x
 written; forward+backward adds X, F, gX', gx read and gX, gF written (X' recomputed, not stored).
@@ -162,15 +161,11 @@ def mhc_cases(lead, n, d, reps, budget_s, interpret, impls, pieces):
     time_case("expand fwd+bwd", impl, _loss_grad(f, e_args), e_args, reps,
               nbytes=e_bytes + tokens * (3 * n * d * sx + 2 * d * sf))
   fn = args[5]
-  for impl, f in (("op (XLA)", lambda X, fn: mhc.hc_mix(X, fn, KW["norm_eps"])),
-                  ("kernel", lambda X, fn: mhc_kernel.fused_mix(X, fn, KW["norm_eps"],
-                                                                interpret=interpret)),
-                  ("kernel block 64", lambda X, fn: mhc_kernel.fused_mix(
-                      X, fn, KW["norm_eps"], block_tokens=64, interpret=interpret))):
-    time_case("mix (x̂·fnᵀ, mean square) fwd", impl, jax.jit(f), (X, fn), reps,
-              nbytes=tokens * n * d * sx)
-    time_case("mix (x̂·fnᵀ, mean square) fwd+bwd", impl, _loss_grad(f, (X, fn)), (X, fn), reps,
-              nbytes=tokens * n * d * sx * 4)   # + backward: x̂ read twice, dx̂ written
+  f = lambda X, fn: mhc.hc_mix(X, fn, KW["norm_eps"])  # noqa: E731
+  time_case("mix (x̂·fnᵀ, mean square) fwd", "op (XLA)", jax.jit(f), (X, fn), reps,
+            nbytes=tokens * n * d * sx)
+  time_case("mix (x̂·fnᵀ, mean square) fwd+bwd", "op (XLA)", _loss_grad(f, (X, fn)), (X, fn),
+            reps, nbytes=tokens * n * d * sx * 4)   # + backward: x̂ read twice, dx̂ written
   z = jnp.asarray(2 * rng.standard_normal((tokens, (2 + n) * n)), jnp.float32)
   gate_ref = lambda z: _ref_gates(z, n)
   gate_fast = lambda z: mhc_kernel.gates(z, (n, 20, 1e-6, 16, interpret))

@@ -12,13 +12,9 @@ references except for the gates:
   [16384, 24] it took 0.41–0.67 ms forward and 0.77–0.87 ms forward+backward against the kernels'
   0.08 and 0.34 (benchmarks/RESULTS.md, issue 27). Unrolled as XLA code it is ~4,000 tiny ops
   whose CPU compile alone took 3 minutes.
-- `fused_mix` (the op's `hc_mix`) is a Triton kernel reading the streams once for both the
-  mix product x̂ · fnᵀ (float32 FMAs, 128-column chunks) and Σ x̂²; its VJP is the op's math in
-  XLA. It is not used: in the s3 step on the H200 its 40 forward calls took 39.4 ms of kernel time
-  (~1 ms a site) against the op's cuBLAS SGEMM at ~0.14 ms a site plus, at the attention site, a
-  mean-square pass over the 268 MB streams (benchmarks/gpu_runs/2026-12-02b/call4; RESULTS.md,
-  issue 27): Triton's float32 FMA dot is far from the SGEMM. Kept, tested, for
-  `benchmarks/mhc_moe_gpu.py`'s mix rows.
+- The mix x̂ · fnᵀ stays the op's `hc_mix` (a cuBLAS SGEMM, ~0.14 ms a site at s3): a Triton
+  kernel computing it and Σ x̂² in one read of the streams with float32 FMA dots took 43.9 ms of
+  the s3 step against 19.9 (benchmarks/RESULTS.md, 2026-12-02 second session) and was removed.
 - `hc_coefficients` is the op's `hc_mix`, then `gates`; `hc_site` composes the op's expand and
   collapse (broadcast multiply-adds with hand VJPs), the norm and these coefficients like the
   reference. At s3's shapes the site was 1.85× the reference forward and 1.21× forward+backward
@@ -208,100 +204,6 @@ def _gates_bwd(static, z, g):
 
 
 gates.defvjp(_gates_fwd, _gates_bwd)
-
-
-# --- the mix product and mean square in one read of the streams ------------------------------
-
-_MIX_CHUNK = 128   # columns of x̂ per step of the mix kernel's loop (Triton blocks: powers of two)
-
-
-def _mix_kernel(x_ref, fn_ref, o_ref, *, m: int, chunk: int):
-  """o [bt, P]: columns < m the mix product x̂ · fnᵀ, column m Σ x̂², from x̂ [bt, K] in chunks."""
-  bt, k = x_ref.shape
-  p = fn_ref.shape[0]
-
-  def body(i, carry):
-    acc, sq = carry
-    x = x_ref[:, pl.ds(i * chunk, chunk)]
-    w = fn_ref[:, pl.ds(i * chunk, chunk)]
-    acc = acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
-                                    precision=jax.lax.Precision.HIGHEST,
-                                    preferred_element_type=_F32)
-    return acc, sq + jnp.sum(x * x, axis=1, keepdims=True)
-
-  acc, sq = jax.lax.fori_loop(0, k // chunk, body,
-                              (jnp.zeros((bt, p), _F32), jnp.zeros((bt, 1), _F32)))
-  col = jax.lax.broadcasted_iota(jnp.int32, (bt, p), 1)
-  o_ref[...] = jnp.where(col == m, sq, acc)
-
-
-def _mix_rows(x, fn, *, block_tokens: int, interpret: bool):
-  """(x̂ · fnᵀ [tokens, m], Σ x̂² [tokens, 1]) of x̂ [tokens, K] float32 by the mix kernel."""
-  tokens, k = x.shape
-  m = fn.shape[0]
-  p = max(16, _next_pow2(m + 1))   # tl.dot asks for dimensions >= 16 (n = 1: 3 + 1 columns)
-  padded = _tokens_tiled(tokens, block_tokens, "mhc_mix")
-  chunk = min(_MIX_CHUNK, k)
-  out = jax.jit(pl.pallas_call(   # through jit: remat keeps the named outputs (see a12d826)
-      functools.partial(_mix_kernel, m=m, chunk=chunk),
-      out_shape=jax.ShapeDtypeStruct((padded, p), _F32),
-      grid=(padded // block_tokens,),
-      in_specs=[pl.BlockSpec((block_tokens, k), lambda i: (i, 0)),
-                pl.BlockSpec((p, k), lambda i: (0, 0))],
-      out_specs=pl.BlockSpec((block_tokens, p), lambda i: (i, 0)),
-      compiler_params=None if interpret else _triton_params(4, 3),
-      interpret=interpret,
-      name="mhc_mix",
-  ))(x if padded == tokens else jnp.pad(x, ((0, padded - tokens), (0, 0))),   # no pad op on X
-     jnp.pad(fn, ((0, p - m), (0, 0))))
-  return out[:tokens, :m], out[:tokens, m:m + 1]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _mix_and_square(x, fn, static):
-  """(x̂ · fnᵀ, Σ x̂²) of x̂ [tokens, K]; static = (block_tokens, interpret). The VJP is the op's
-  math (`ops.mhc.hc_mix`'s autodiff): two float32 products and 2x̂ times Σ's cotangent."""
-  block_tokens, interpret = static
-  return _mix_rows(x, fn, block_tokens=block_tokens, interpret=interpret)
-
-
-def _mix_and_square_fwd(x, fn, static):
-  return _mix_and_square(x, fn, static), (x, fn)
-
-
-def _mix_and_square_bwd(static, res, g):
-  x, fn = res
-  g_y, g_sq = g
-  hi = jax.lax.Precision.HIGHEST
-  g_x = jnp.einsum("tm,mk->tk", g_y, fn, precision=hi) + 2.0 * x * g_sq
-  return g_x, jnp.einsum("tm,tk->mk", g_y, x, precision=hi)
-
-
-_mix_and_square.defvjp(_mix_and_square_fwd, _mix_and_square_bwd)
-
-
-def mix_supported(k: int) -> bool:
-  """Whether the mix kernel takes x̂ rows of k = n·d columns: whole chunks of a power of two ≥ 16
-  (Triton's dot)."""
-  chunk = min(_MIX_CHUNK, k)
-  return chunk >= 16 and chunk & (chunk - 1) == 0 and k % chunk == 0
-
-
-def fused_mix(X_BxTxNxD, fn, norm_eps: float, *, block_tokens: int = 32,
-              interpret: bool = False):
-  """`ops.mhc.hc_mix` with x̂ · fnᵀ and mean(x̂²) from one read of the streams (the mix kernel),
-  both named `MIX` like the op's; streams of other widths take the op's XLA form."""
-  *lead, n, d = X_BxTxNxD.shape
-  if not mix_supported(n * d):
-    log_once(("mhc_mix", n * d), f"mhc_mix: rows of {n * d} columns are not whole chunks of a "
-             "power of two >= 16; the mix runs as the op's XLA code")
-    return hc_mix(X_BxTxNxD, fn, norm_eps)
-  x = X_BxTxNxD.reshape(-1, n * d).astype(_F32)
-  y, sq = _mix_and_square(x, fn.astype(_F32), (block_tokens, interpret))
-  m = fn.shape[0]
-  y = checkpoint_name(y.reshape(*lead, m), MIX)
-  mean_square = checkpoint_name(sq.reshape(*lead, 1) / (n * d) + norm_eps, MIX)
-  return y * jax.lax.rsqrt(mean_square)
 
 
 # --- the ops' kernels --------------------------------------------------------------------------

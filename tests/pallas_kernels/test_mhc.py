@@ -150,34 +150,6 @@ def test_gates_kernels_lower_for_cuda():
     assert "mhc_gates" in lowered.as_text() and triton_calls(lowered) == 1
 
 
-def test_mix_kernel_matches_float64_and_the_op_gradients():
-  # x̂ · fnᵀ and Σ x̂² from one read: 512 columns (4 chunks of the kernel's loop), 21 tokens (a
-  # padded block), against the float64 mix and the op's hc_mix (its VJP is the op's autodiff).
-  X, _, _, _, _, fn, *_ = _inputs(7, lead=(3, 7), d=128)
-  got = mhc_kernel.fused_mix(X, fn, KW["norm_eps"], interpret=True)
-  x64 = np.asarray(X, np.float64).reshape(3, 7, -1)
-  want = (x64 @ np.asarray(fn, np.float64).T
-          / np.sqrt(np.mean(x64 ** 2, -1, keepdims=True) + KW["norm_eps"]))
-  # float32 products over 512 terms, each |x̂_k fn_mk| <= max: ~4e-7 of the largest entry.
-  np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-6 * np.abs(want).max())
-  _close_grads(_vjp_all(lambda X, fn: mhc_kernel.fused_mix(X, fn, KW["norm_eps"],
-                                                             interpret=True), (X, fn)),
-               _vjp_all(lambda X, fn: mhc.hc_mix(X, fn, KW["norm_eps"]), (X, fn)), ["X", "fn"])
-
-
-def test_mix_kernel_lowers_for_cuda_and_falls_back_on_odd_widths():
-  X, _, _, _, _, fn, *_ = _inputs(7, lead=(2, 64), d=32)
-  fwd = lambda X, fn: mhc_kernel.fused_mix(X, fn, 1e-20)  # noqa: E731
-  lowered = lower_for_cuda(fwd, X, fn)
-  assert "mhc_mix" in lowered.as_text() and triton_calls(lowered) == 1
-  grad = lambda X, fn: jax.grad(lambda *a: jnp.sum(fwd(*a)), (0, 1))(X, fn)  # noqa: E731
-  assert triton_calls(lower_for_cuda(grad, X, fn)) == 1
-  # 4 × 6 = 24 columns are no whole chunk of a power of two: the op's XLA mix, bit for bit.
-  X, _, _, _, _, fn, *_ = _inputs(7, lead=(2, 5), d=6)
-  assert "pallas_call" not in str(jax.make_jaxpr(fwd)(X, fn))
-  np.testing.assert_array_equal(np.asarray(fwd(X, fn)), np.asarray(mhc.hc_mix(X, fn, 1e-20)))
-
-
 # --- the ops' expand and collapse --------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
