@@ -142,8 +142,9 @@ def _inside(checks, where: str) -> str | None:
 # over the best XLA form on the H200 (RESULTS.md, "CSA2 global attention at s3's shapes"): 1.75x
 # to 5.6x at every measured shape (16 heads x 128, window 128, top-256, ratios 1 and 2, 4K to 64K
 # tokens), forward 2.7-4.4x; at top-512 (m3, s4; "Command buffers, the Triton select, top-512")
-# 2.93x (ratio 1) and 1.74x (ratio 2) at 4K. Outside that envelope it is not measured, so "auto"
-# keeps the XLA form.
+# 2.93x (ratio 1) and 1.74x (ratio 2) at 4K; with the fused global probabilities (2026-12-02,
+# second session) 5.1x (ratio 1) and 2.6x (ratio 2) at 4K, top-256, making its plan in the call.
+# Outside that envelope it is not measured, so "auto" keeps the XLA form.
 SPARSE_ATTENTION_MEASURED = dict(head_dim=128, max_heads=16, max_window=128, max_topk=512,
                                  min_tokens=4096)
 
@@ -168,7 +169,9 @@ def _sparse_attention_faster(args, kwargs) -> str | None:
 # entries), forward + backward over the XLA reference on the H200 (RESULTS.md, "The s3 step by
 # source, kernels on and off"; "Command buffers, the Triton select, top-512"): with the Triton
 # select, 2.86x at 4 x 4,096 tokens, 16 index heads x 128, top-256 (forward 2.17x) and 1.83x at
-# top-512. Only those shapes are measured, so "auto" keeps the XLA form elsewhere.
+# top-512; with the selected-entry scores as Triton kernels too (2026-12-02, second session),
+# 4.1x at top-256 (forward 3.0x). Only those shapes are measured, so "auto" keeps the XLA form
+# elsewhere.
 INDEXER_MEASURED = dict(head_dim=128, max_heads=16, max_topk=512, min_tokens=4096)
 
 
