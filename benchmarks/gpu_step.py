@@ -3,6 +3,7 @@ step goes (model forward+backward, optimizer, host batch preparation).
 
   PYTHONUNBUFFERED=1 python benchmarks/gpu_step.py --sizes s1 s3 --seq 4096 --batch 8 4
   python benchmarks/gpu_step.py --sizes s1 s1/noremat --batch 8   # remat on vs off
+  python benchmarks/gpu_step.py --sizes s3 s3/saves=projections+experts --batch 4 4  # what remat keeps
   python benchmarks/gpu_step.py --sizes s3 s3 --batch 4 --grad_accum 1 8 --sinkhorn --muon_precision
   python benchmarks/gpu_step.py --sizes s3 --batch 4 --set model.ops.hc_site=reference \
       model.ops.hc_coefficients=reference            # one config key changed for every size
@@ -11,7 +12,9 @@ Per size: the model and optimizer state are created with their shardings (`launc
 timed to ready), the jitted donated train step (`launch.setup.train_step_jit`) is lowered and
 compiled ahead of time (timed), then run `--steps` times on random packed rows (several documents
 per row, Engram ids hashed on the host by the training batch adapter, `launch.setup.BatchAdapter`);
-the median step is reported. The split
+the median step is reported. Variants of one size (remat on / off / what it keeps) reuse the last
+variant's state rather than creating it again; "program GiB" is the compiled step's own memory
+(XLA's memory analysis), since the allocator's peak spans the whole process. The split
 compiles two more programs from the same pieces: the model's forward+backward alone
 (`jax.value_and_grad` of the objective) and the optimizer update alone (`tx.update` +
 `apply_updates` on those gradients); "host" is the batch adapter's work on rows without Engram ids
@@ -32,6 +35,7 @@ Prints one line per size as it goes and a markdown table at the end; `--json PAT
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -78,10 +82,15 @@ def packed_rows(mcfg, B: int, T: int, seed: int) -> dict[str, np.ndarray]:
               positions=pos, image_mask=np.zeros((B, T), bool))
 
 
+# The last state of each (size, rows, seq, overrides), reused by the next variant of it (`bench`).
+_STATES: dict = {}
+
+
 def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str | None = None,
           accum: int = 1, sinkhorn: bool = False, precision: bool = False,
           overrides: tuple[str, ...] = ()) -> dict:
-  """`spec` is a size of configs/small.py, optionally "/noremat" (no layer rematerialisation);
+  """`spec` is a size of configs/small.py, optionally "/noremat" (no layer rematerialisation) or
+  "/saves=projections+experts" (what layer remat keeps besides its fixed set, `model.remat_saves`);
   `B` rows per micro-batch, `accum` micro-batches per step; `overrides` "key=value" items of the
   config (`benchmarks.common.set_overrides`), applied before the benchmark's own settings."""
   size, _, variant = spec.partition("/")
@@ -89,6 +98,10 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str |
   set_overrides(cfg, overrides)
   if variant == "noremat":
     cfg.model.remat = False
+  elif variant.startswith("saves="):
+    cfg.model.remat_saves = tuple(s for s in variant[len("saves="):].split("+") if s)
+  elif variant:
+    raise SystemExit(f"error: size {spec!r}: the variant is noremat or saves=A+B")
   cfg.data.seq_len, cfg.data.batch_size = T, B * accum
   cfg.train.grad_accum_steps = accum
   cfg.model.seq_len = T
@@ -100,10 +113,17 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str |
   mesh = setup.build_mesh(MeshConfig(data=1), [dev])
   out: dict = dict(size=spec, batch=B * accum, accum=accum, seq=T, device=dev.device_kind,
                    jax=jax.__version__, dispatch=mcfg.moe_dispatch, remat=mcfg.remat,
+                   remat_saves=list(mcfg.remat_saves),
                    dtype=mcfg.dtype, overrides=list(overrides))
 
   t0 = time.perf_counter()
-  train_state = setup.init_state(run, mesh)
+  key = (size, B * accum, T, overrides)  # the state does not depend on the remat variant
+  train_state = _STATES.pop(key, None)
+  if train_state is None:
+    train_state = setup.init_state(run, mesh)
+  else:  # the module graph holds the config: this variant's, over the kept arrays
+    train_state = dataclasses.replace(
+        train_state, graphdef=nnx.split(model_lib.abstract_model(mcfg))[0])
   jax.block_until_ready(train_state.state)
   out["init_s"] = time.perf_counter() - t0
   graphdef, tx = train_state.graphdef, train_state.tx
@@ -125,6 +145,12 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str |
     out["lower_s"] = time.perf_counter() - t0
     compiled = lowered.compile()
   out["compile_s"] = time.perf_counter() - t0 - out["lower_s"]
+  mem = compiled.memory_analysis()
+  if mem is not None:  # this program's own need (the allocator's peak spans the process)
+    out["program_gib"] = (mem.temp_size_in_bytes + mem.argument_size_in_bytes
+                          + mem.output_size_in_bytes - mem.alias_size_in_bytes) / 2**30
+    print(f"[{spec}] program memory {out['program_gib']:.1f} GiB "
+          f"(temporaries {mem.temp_size_in_bytes / 2**30:.1f})", flush=True)
   print(f"[{spec}] trace+lower {out['lower_s']:.1f} s, compile {out['compile_s']:.1f} s", flush=True)
 
   state = train_state.state
@@ -135,6 +161,7 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str |
     losses.append(float(m["loss"]))
     times.append(time.perf_counter() - t0)
   out["step_s"] = float(np.median(times[1:]))
+  _STATES[key] = dataclasses.replace(train_state, state=state)
   if profile_dir:  # two more steps under the profiler; benchmarks/trace_summary.py reads them
     os.makedirs(profile_dir, exist_ok=True)
     with open(os.path.join(profile_dir, spec.replace("/", "_") + ".hlo.txt"), "w") as f:

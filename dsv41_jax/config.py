@@ -163,6 +163,10 @@ class ModelConfig:
   scan_layers: bool = True
   # Rematerialise each layer in the backward pass.
   remat: bool = True
+  # What layer remat keeps beyond its fixed set (`dsv41_jax.model.remat_policy`), from
+  # REMAT_SAVES: "projections" (outputs of the dense matmuls: attention, indexer, shared experts,
+  # Engram), "experts" (the routed experts' gate|up product). More memory, less recompute.
+  remat_saves: tuple[str, ...] = ()
   param_dtype: str = "float32"
   dtype: str = "bfloat16"
   # The vision pathway (ViT + projector, `dsv41_jax.vision.config.VisionConfig`); None = text only.
@@ -173,6 +177,7 @@ class ModelConfig:
     for name in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids"):
       object.__setattr__(self, name, tuple(int(i) for i in getattr(self, name)))
     object.__setattr__(self, "ops", OpPolicies.of(self.ops))
+    object.__setattr__(self, "remat_saves", tuple(self.remat_saves))
     _validate(self)
 
   # --- derived sizes ---
@@ -192,6 +197,10 @@ class ModelConfig:
     return dataclasses.replace(self, **changes)
 
 
+# What `ModelConfig.remat_saves` may name (`dsv41_jax.model.remat_policy` reads them).
+REMAT_SAVES = ("projections", "experts")
+
+
 def _validate(c: ModelConfig) -> None:
   errors: list[str] = []
 
@@ -205,6 +214,8 @@ def _validate(c: ModelConfig) -> None:
               "moe_intermediate_size", "hc_mult", "hc_sinkhorn_iters", "seq_len"]
   for name in positive:
     need(getattr(c, name) > 0, f"{name} must be positive (got {getattr(c, name)})")
+  unknown = sorted(set(c.remat_saves) - set(REMAT_SAVES))
+  need(not unknown, f"remat_saves has unknown entries {unknown}; known: {list(REMAT_SAVES)}")
   if errors:
     raise ConfigError("; ".join(errors))
 

@@ -29,7 +29,7 @@ from dsv41_jax.layer_plan import LayerPlan, Run, build_layer_plan
 from dsv41_jax.layers import mhc
 from dsv41_jax.layers.attention import selection_plan
 from dsv41_jax.layers.engram import Engram
-from dsv41_jax.layers.moe_dispatch import KEPT as MOE_KEPT
+from dsv41_jax.layers.moe_dispatch import GATE_UP as MOE_GATE_UP, KEPT as MOE_KEPT
 from dsv41_jax.layers.norm import RMSNorm
 from dsv41_jax.layers.types import CompressedKV
 from pallas_kernels.ops.indexer import SELECTION
@@ -54,6 +54,25 @@ def remat_policy(prim, *args, **params) -> bool:
 
 SAVED_NAMES = (ATTENTION_PLAN, SELECTION, MIX, MOE_KEPT, ATTENTION_OUTPUT)
 _saved_names = jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES)
+_saved_experts = jax.checkpoint_policies.save_only_these_names(MOE_GATE_UP)
+_saved_projections = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+
+def layer_remat_policy(saves: tuple[str, ...] = ()):
+  """`remat_policy`, plus what `ModelConfig.remat_saves` names (`config.REMAT_SAVES`):
+  "projections" keeps every dot_general without batch dimensions (the dense projections of
+  attention, indexer, shared experts and Engram: their recompute is matrix work), "experts" the
+  routed experts' gate|up grouped product (`moe_dispatch.GATE_UP`, float32 [N·K, 2F] a layer)."""
+  saves = frozenset(saves)
+  if not saves:
+    return remat_policy
+  extra = ([_saved_projections] if "projections" in saves else []) + (
+      [_saved_experts] if "experts" in saves else [])
+
+  def policy(prim, *args, **params) -> bool:
+    return remat_policy(prim, *args, **params) or any(p(prim, *args, **params) for p in extra)
+
+  return policy
 
 
 def _stacked(make, n: int, rngs: nnx.Rngs):
@@ -174,7 +193,7 @@ class Transformer(nnx.Module):
       return layer_forward(cfg, run.kinds, core, ps, carry, ctx, bias_l, k, engram_at(e))
 
     if cfg.remat:
-      body = jax.checkpoint(body, prevent_cse=False, policy=remat_policy)
+      body = jax.checkpoint(body, prevent_cse=False, policy=layer_remat_policy(cfg.remat_saves))
     if cfg.scan_layers and n > 1:
       # Each kind's weights gathered into one row per layer (rows of other kinds are never read;
       # the gather's transpose sums each layer's gradient back into its kind's stack).
@@ -195,7 +214,8 @@ class Transformer(nnx.Module):
                                bias_l, engram=engram_at(e))
 
         if cfg.remat:
-          one = jax.checkpoint(one, prevent_cse=False, policy=remat_policy)
+          one = jax.checkpoint(one, prevent_cse=False,
+                               policy=layer_remat_policy(cfg.remat_saves))
         pub_p = None if pub_states[k] is None else jax.tree.map(lambda a: a[slot], pub_states[k])
         state, a = one(state, jax.tree.map(lambda a: a[i], core_state), pub_p, bias[i])
         auxes.append(a)

@@ -60,6 +60,9 @@ MODES = ("dropless", "capacity")
 # pair sort's permutation, its inverse and the group sizes (3 · N·K + E int32 a layer), so layer
 # remat does not sort again; in `moe.MoE` the router logits and the layer's output.
 KEPT = "moe_kept"
+# Remat name of the routed experts' gate|up product (kept only where `ModelConfig.remat_saves`
+# has "experts": `dsv41_jax.model.layer_remat_policy`).
+GATE_UP = "moe_gate_up"
 
 
 def clamped_swiglu(a, u, limit: float):
@@ -130,7 +133,7 @@ def grouped_ffn(x_sorted_PxD, weight_P, w1, w3, w2, group_sizes_E, limit: float,
   f = w1.shape[-1]
   dt = x_sorted_PxD.dtype
   w13 = jnp.concatenate([w1.astype(dt), w3.astype(dt)], axis=-1)
-  au = grouped_matmul(x_sorted_PxD, w13, group_sizes_E, policy)
+  au = checkpoint_name(grouped_matmul(x_sorted_PxD, w13, group_sizes_E, policy), GATE_UP)
   h = (clamped_swiglu(au[:, :f], au[:, f:], limit) * weight_P[:, None]).astype(dt)
   return grouped_matmul(h, w2, group_sizes_E, policy)
 
@@ -139,8 +142,8 @@ def batched_ffn(x_ExCxD, weight_ExC, w1, w3, w2, limit: float):
   """Clamped SwiGLU experts over a capacity buffer (batched matmuls), each slot's activation times
   its routing weight before W2; float32 [E, C, D]."""
   dt = x_ExCxD.dtype
-  a = expert_einsum("ecd,edf->ecf", x_ExCxD, w1.astype(dt))
-  u = expert_einsum("ecd,edf->ecf", x_ExCxD, w3.astype(dt))
+  a = checkpoint_name(expert_einsum("ecd,edf->ecf", x_ExCxD, w1.astype(dt)), GATE_UP)
+  u = checkpoint_name(expert_einsum("ecd,edf->ecf", x_ExCxD, w3.astype(dt)), GATE_UP)
   h = (clamped_swiglu(a, u, limit) * weight_ExC[..., None]).astype(dt)
   return expert_einsum("ecf,efd->ecd", h, w2.astype(dt))
 

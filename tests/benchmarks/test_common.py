@@ -19,6 +19,8 @@ def test_set_overrides_parse_by_the_replaced_type_and_name_bad_items():
                     ("model.remat", "expected key=value")):
     with pytest.raises(SystemExit, match=msg):
       set_overrides(cfg, [item])
+  set_overrides(cfg, ["model.remat_saves=projections,experts"])
+  assert cfg.model.remat_saves == ("projections", "experts")
   d = ml_collections.ConfigDict({"a": None})
   set_overrides(d, ["a=x"])
   assert d.a == "x"

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from dsv41_jax import model as M, testing
+from dsv41_jax.errors import ConfigError
 from dsv41_jax.layer_plan import build_layer_plan
 from dsv41_jax.loss import objective
 from pallas_kernels.ops import mhc as ops_mhc, norm as ops_norm
@@ -279,6 +280,32 @@ def test_remat_keeps_the_selection(cfg, scan):
   forward = _top_k_shapes(jax.make_jaxpr(loss)(state).jaxpr, [])
   assert any(s[-1] != c.n_routed_experts for s in forward)       # the indexer's are there
   assert _top_k_shapes(jax.make_jaxpr(jax.grad(loss))(state).jaxpr, []) == forward
+
+
+def test_remat_saves_keep_what_they_name(cfg):
+  """`remat_saves` (`M.layer_remat_policy`): "experts" keeps the routed experts' gate|up product,
+  so the gradient's program holds no more grouped products than without remat (one fewer per MoE
+  layer body than plain remat); "projections" also keeps the dense products (fewer dot_generals,
+  still more than without remat: the attention's own products are recomputed). An unknown entry
+  is a ConfigError naming the known ones."""
+  batch = jax.tree.map(jnp.asarray, testing.packed_batch(cfg, 0))
+
+  def counts(**kw):
+    c = cfg.replace(scan_layers=True, **kw)
+    graphdef, state = nnx.split(M.abstract_model(c))
+    loss = lambda p: objective(c, *nnx.merge(graphdef, p)(batch, M.zero_moe_bias(c)), batch)[0]
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(state).jaxpr
+    return _count(jaxpr, "ragged_dot_general"), _count(jaxpr, "dot_general")
+
+  bodies = sum(1 if r.n_layers > 1 else r.n_layers for r in build_layer_plan(cfg).runs)
+  off, on = counts(remat=False), counts(remat=True)
+  experts = counts(remat=True, remat_saves=("experts",))
+  both = counts(remat=True, remat_saves=("projections", "experts"))
+  assert cfg.moe_dispatch == "dropless" and on[0] - off[0] == bodies
+  assert experts[0] == both[0] == off[0] and experts[1] == on[1]
+  assert off[1] < both[1] < on[1]
+  with pytest.raises(ConfigError, match=r"remat_saves has unknown entries \['mhc'\]"):
+    cfg.replace(remat_saves=("experts", "mhc"))
 
 
 def _count(jaxpr, name: str, named: str | None = None) -> int:
