@@ -72,6 +72,56 @@ def clamped_swiglu(a, u, limit: float):
   return jax.nn.silu(a) * u
 
 
+def _weighted_swiglu(au_PxF2, weight_P, limit: float, dtype):
+  """`weighted_swiglu` without its VJP (autodiff's; the tests' reference)."""
+  f = au_PxF2.shape[-1] // 2
+  h = clamped_swiglu(au_PxF2[:, :f], au_PxF2[:, f:], limit) * weight_P[:, None]
+  return h.astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def weighted_swiglu(au_PxF2, weight_P, limit: float, dtype):
+  """h = g · clamped_swiglu(a, u), rounded to `dtype`, with [a | u] = au [P, 2F] (the fused
+  gate|up product, float32) and g = weight [P] (float32); [P, F].
+
+  Autodiff's arithmetic, from the residuals au and g only: the derivative is `jax.vjp` of
+  `clamped_swiglu`, and the cotangent of [a | u] is assembled as the transpose of the two slices
+  is (a masked -0 reads +0, as before). The backward is written over one index space,
+  [P, 2, F] = [P, 2F]: the cotangent of [a | u], and g's Σ_f dh·s summed over the same [P, 2, F]
+  with zeros in the u half, so XLA can emit both as one multi-output fusion that reads au and dh
+  once (autodiff's g-gradient is a sum over [P, F], which cannot share a loop with a [P, 2F]
+  output: a second pass over au and dh). On the CPU the values are autodiff's bit for bit under
+  layer remat (`test_moe_dispatch`); a backend that orders the [P, 2F] sum otherwise than the
+  [P, F] one rounds g's gradient differently, within float32 rounding."""
+  return _weighted_swiglu(au_PxF2, weight_P, limit, dtype)
+
+
+def _weighted_swiglu_fwd(au_PxF2, weight_P, limit, dtype):
+  return _weighted_swiglu(au_PxF2, weight_P, limit, dtype), (au_PxF2, weight_P)
+
+
+def _weighted_swiglu_bwd(limit, dtype, res, dh_PxF):
+  au_PxF2, weight_P = res
+  p, f2 = au_PxF2.shape
+  f = f2 // 2
+  au_Px2xF = au_PxF2.reshape(p, 2, f)
+  s_PxF, pullback = jax.vjp(lambda a, u: clamped_swiglu(a, u, limit), au_Px2xF[:, 0],
+                            au_Px2xF[:, 1])
+  dh_PxF = dh_PxF.astype(jnp.float32)
+  da_PxF, du_PxF = pullback(dh_PxF * weight_P[:, None])
+  d_au = jnp.pad(da_PxF, ((0, 0), (0, f))) + jnp.pad(du_PxF, ((0, 0), (f, 0)))
+  # g's cotangent Σ_f dh·s as the VJP of g -> g·s with s placed in [P, 2, F] (zeros in the u
+  # half): a reduction over d_au's index space, and, inside shard_map, the psum over the mesh axes
+  # that au varies over and g does not (the MLP width split over `tensor`), as autodiff has it.
+  s_Px2xF = jnp.where((jnp.arange(2) == 0)[None, :, None], s_PxF[:, None, :], 0.0)
+  _, weight_transpose = jax.vjp(lambda g: g[:, None, None] * s_Px2xF, weight_P)
+  (d_weight,) = weight_transpose(jnp.broadcast_to(dh_PxF[:, None, :], s_Px2xF.shape))
+  return d_au, d_weight
+
+
+weighted_swiglu.defvjp(_weighted_swiglu_fwd, _weighted_swiglu_bwd)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def expert_einsum(equation: str, x, w):
   """`einsum(equation, x, w)` of compute-dtype operands (w already cast to x's dtype), float32
@@ -126,15 +176,14 @@ def grouped_matmul(x_sorted_PxD, w_ExDxF, group_sizes_E, policy: str = "auto"):
 def grouped_ffn(x_sorted_PxD, weight_P, w1, w3, w2, group_sizes_E, limit: float,
                 policy: str = "auto"):
   """Clamped SwiGLU experts over expert-sorted rows (grouped GEMMs), each row's activation times
-  its routing weight before W2; float32 [P, D].
+  its routing weight before W2 (`weighted_swiglu`); float32 [P, D].
 
   The gate and up projections are one grouped product with [w1 | w3] [E, D, 2F]: x is read once
   and each output column is the same dot as in its own product (equal to two products)."""
-  f = w1.shape[-1]
   dt = x_sorted_PxD.dtype
   w13 = jnp.concatenate([w1.astype(dt), w3.astype(dt)], axis=-1)
   au = checkpoint_name(grouped_matmul(x_sorted_PxD, w13, group_sizes_E, policy), GATE_UP)
-  h = (clamped_swiglu(au[:, :f], au[:, f:], limit) * weight_P[:, None]).astype(dt)
+  h = weighted_swiglu(au, weight_P, limit, dt)
   return grouped_matmul(h, w2, group_sizes_E, policy)
 
 

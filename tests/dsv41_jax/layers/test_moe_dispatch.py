@@ -375,3 +375,104 @@ def test_layer_scan_hoists_no_row_sized_constant(mode):
             for v in eqn.invars[:n_consts(eqn.params)]
             if v.aval.shape[-1:] == (D,) and v.aval.size > D]
   assert consts == [], consts
+
+
+def _np_weighted_swiglu(au, g, dh, limit):
+  """float64: h = g · SiLU(min(a, L)) · clip(u, ±L) for [a | u] = au, and the gradients of
+  Σ dh·h: d[a | u] and dg (with Σ|dh·s| for dg's rounding bound). At a tie (a = L, |u| = L) the
+  derivative is the mean of the one-sided ones, as jax's min and max have it."""
+  au, g, dh = (np.asarray(v, np.float64) for v in (au, g, dh))
+  f = au.shape[1] // 2
+  a, u = au[:, :f], au[:, f:]
+  ac, uc = np.minimum(a, limit), np.clip(u, -limit, limit)
+  sig = 1 / (1 + np.exp(-ac))
+  silu = ac * sig
+  s = silu * uc
+  mask_a = np.where(a < limit, 1.0, np.where(a == limit, 0.5, 0.0))
+  mask_u = np.where(np.abs(u) < limit, 1.0, np.where(np.abs(u) == limit, 0.5, 0.0))
+  ds = dh * g[:, None]
+  da = ds * uc * sig * (1 + ac * (1 - sig)) * mask_a
+  du = ds * silu * mask_u
+  return g[:, None] * s, np.concatenate([da, du], axis=1), (dh * s).sum(1), np.abs(dh * s).sum(1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_weighted_swiglu_against_float64_and_autodiff(dtype):
+  """The custom VJP of g · clamped SwiGLU([a | u]): autodiff's values bit for bit (ties at the
+  clamps included), the float64 function and gradients within float32 rounding, and g's gradient
+  summed over the [P, 2, F] index space of d[a | u] (what lets XLA fuse the backward into one
+  pass; a [P, F] sum is autodiff's second pass)."""
+  rng = np.random.default_rng(31)
+  p, f = 96, 64
+  au = rng.standard_normal((p, 2 * f)) * 1.5
+  au[:6, 3] = LIMIT               # ties at the clamps: the derivative's 1/2
+  au[6:12, f + 2] = LIMIT
+  au[12:18, f + 5] = -LIMIT
+  au = jnp.asarray(au, jnp.float32)
+  g = jnp.asarray(rng.uniform(0.1, 1.5, p), jnp.float32)
+  dh = jnp.asarray(rng.standard_normal((p, f)), dtype)   # the cotangent comes in h's dtype
+  fused = lambda a, w: moe_dispatch.weighted_swiglu(a, w, LIMIT, dtype)    # noqa: E731
+  plain = lambda a, w: moe_dispatch._weighted_swiglu(a, w, LIMIT, dtype)   # noqa: E731
+  h, vjp = jax.vjp(fused, au, g)
+  h_ad, vjp_ad = jax.vjp(plain, au, g)
+  got, want = (h, *vjp(dh)), (h_ad, *vjp_ad(dh))
+  for name, a, b in zip(["h", "d_au", "d_g"], got, want):
+    assert a.dtype == b.dtype, name
+    np.testing.assert_array_equal(np.asarray(a, np.float32).view(np.int32),
+                                  np.asarray(b, np.float32).view(np.int32), err_msg=name)
+
+  H, DAU, DG, DG_ABS = _np_weighted_swiglu(au, g, dh, LIMIT)
+  h, d_au, d_g = (np.asarray(v, np.float64) for v in got)
+  if dtype == jnp.bfloat16:
+    assert _within_bf16_ulp_of(h, H) < 0.02    # rounded to bf16 once
+  else:
+    np.testing.assert_allclose(h, H, rtol=2e-6, atol=0)
+  # a few float32 roundings and exp's per element; near SiLU's stationary point the factor
+  # 1 + a(1 - σ(a)) cancels, hence the small absolute part
+  np.testing.assert_allclose(d_au, DAU, rtol=2e-6, atol=2e-7 * np.abs(DAU).max())
+  assert np.all(np.abs(d_g - DG) <= 2e-6 * np.abs(DG) + f * 2.0**-24 * DG_ABS)
+  sums = testing.jaxpr_eqns(jax.make_jaxpr(vjp)(dh), "reduce_sum")
+  assert [e.invars[0].aval.shape for e in sums if e.invars[0].aval.size > p] == [(p, 2, f)]
+
+
+def _moe_scan_loss(cfg, seed, policy):
+  """Loss of a 2-layer scan of the MoE layer under layer remat with `policy`, its parameters
+  stacked, and the inputs: (loss(params, x), params, x in the config's dtype)."""
+  graphdef, state = nnx.split(MoE(cfg, nnx.Rngs(seed)))
+  stacked = jax.tree.map(lambda a: jnp.stack([a, -0.7 * a]), state)
+  x, seg, image, bias = moe_inputs(seed)
+
+  def layer(x, p):
+    y, aux = nnx.merge(graphdef, p)(x, segment_ids_BxT=seg, image_mask_BxT=image, bias_2xE=bias)
+    return (x + y).astype(x.dtype), aux["balance_loss"]
+
+  step = jax.checkpoint(layer, prevent_cse=False, policy=policy)
+
+  def loss(p, x):
+    out, balance = jax.lax.scan(step, x, p)
+    return jnp.sum(jnp.sin(out.astype(jnp.float32))) + balance.sum()
+  return loss, stacked, jnp.asarray(x, cfg.dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_layer_gradients_under_remat_equal_autodiff_bit_for_bit(dtype, monkeypatch):
+  """The MoE layer (router, dropless routed experts, shared expert) in a layer scan under the
+  model's remat policy: the loss and the gradients of x and of every parameter are those of
+  autodiff through the SwiGLU, bit for bit. (Without layer remat, jax 0.10.2's CPU backend gives
+  float32 compute one to two float32 ulps apart: the custom backward recomputes the sigmoid that
+  autodiff's forward stored, in another fusion; jax 0.11.2 is bitwise there too.)"""
+  from dsv41_jax import model as M
+  cfg = moe_cfg(dtype=dtype, n_shared_experts=1, ops=dict(grouped_matmul="reference"))
+
+  def run():
+    loss, params, x = _moe_scan_loss(cfg, 7, M.remat_policy)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
+
+  fused = run()
+  monkeypatch.setattr(moe_dispatch, "weighted_swiglu", moe_dispatch._weighted_swiglu)
+  plain = run()
+  leaves = jax.tree.leaves(fused)
+  assert len(leaves) == 1 + 7 + 1   # the loss, 7 parameters (router, routed and shared w1, w3, w2), x
+  for a, b in zip(leaves, jax.tree.leaves(plain)):
+    a, b = np.atleast_1d(np.asarray(a, np.float32)), np.atleast_1d(np.asarray(b, np.float32))
+    np.testing.assert_array_equal(a.view(np.int32), b.view(np.int32))
