@@ -26,7 +26,8 @@ MoE (s3: 48 experts, top-4, 1024 -> 512, 16,384 tokens, skewed routing with two 
 three weights), this tree's code vs `--baseline-moe` (the module file of an earlier tree, loaded
 under another name) vs capacity mode (factor 1.25). Useful FLOPs: 3 products × 2·pairs·D·F forward,
 3× that forward+backward. Then the whole MoE layer (router, routed and shared experts) as the step
-runs it, 4 layers in a scan under layer remat, with the model's remat policy and without its MoE
+runs it, 4 layers in a scan under layer remat, with the model's remat policy, with it but the
+experts' weights cast again in the backward, with `--baseline-moe`'s module, and without the MoE's
 names (`moe_remat_cases`).
 
 Ceilings: 4.3 TB/s copy and 790 TFLOP/s bf16 matrix rate (the H200 as measured here, KINDS.md).
@@ -216,7 +217,7 @@ def moe_cases(tokens, d, f, e, k, reps, budget_s, impl):
       mode="dropless", policy={"ragged_dot": "reference"}.get(impl, impl)))}
   if ARGS.baseline_moe and os.path.exists(ARGS.baseline_moe):
     variants["dropless (baseline)"] = (_load_baseline(ARGS.baseline_moe),
-                                       dict(mode="dropless", impl=impl))
+                                       variants["dropless (this tree)"][1])
   variants["capacity 1.25"] = (moe_dispatch, dict(mode="capacity", capacity_factor=1.25))
   ref_fwd = ref_grad = None
   for name, (mod, kw) in variants.items():
@@ -237,12 +238,16 @@ def moe_remat_cases(tokens, d, f, e, k, reps, budget_s, impl, layers=4):
   """The MoE layer as the step runs it: `layers` layers (one weight set, stacked) in a `lax.scan`
   under layer remat, x <- x + MoE(x) with the router, dropless routed experts and the shared
   expert; forward+backward (gradients w.r.t. x and every weight). The model's remat policy
-  against the same policy without `moe_dispatch.KEPT` (the router logits, the pair sort and the
-  layer output recomputed in the backward, as before it). Useful FLOPs: the routed and shared
-  experts' products and the router's, 3× forward (recomputed products not counted)."""
+  against: the same policy with the routed experts' bf16 weights ([w1 | w3] and w2, kept by name
+  since the SwiGLU VJP change) cast again in the backward; `--baseline-moe`'s module (an earlier
+  tree's moe_dispatch.py) in the layer under the model's policy; the policy without
+  `moe_dispatch.KEPT` at all (the router logits, the pair sort, the layer output and the weights
+  recomputed in the backward). Useful FLOPs: the routed and shared experts' products and the
+  router's, 3× forward (recomputed products not counted)."""
   from flax import nnx
   from dsv41_jax import model as model_lib
   from dsv41_jax.config import ModelConfig
+  from dsv41_jax.layers import moe as moe_lib
   from dsv41_jax.layers.moe import MoE
   cfg = ModelConfig(hidden_size=d, n_routed_experts=e, num_experts_per_tok=k,
                     moe_intermediate_size=f, n_shared_experts=1, dtype="bfloat16",
@@ -262,21 +267,38 @@ def moe_remat_cases(tokens, d, f, e, k, reps, budget_s, impl, layers=4):
 
   without = jax.checkpoint_policies.save_only_these_names(
       *(n for n in model_lib.SAVED_NAMES if n != moe_dispatch.KEPT))
-  policies = {"model remat policy": model_lib.remat_policy,
-              "without moe_dispatch.KEPT": lambda prim, *a, **kw: (prim.name == "top_k"
-                                                                  or without(prim, *a, **kw))}
+  weight_shapes = {(e, d, 2 * f), (e, f, d)}
+
+  def weights_cast_again(prim, *avals, **params):
+    weight = (prim.name == "name" and avals[0].dtype == jnp.bfloat16
+              and avals[0].shape in weight_shapes)
+    return not weight and model_lib.remat_policy(prim, *avals, **params)
+
+  here = moe_lib.moe_dispatch
+  variants = {"model remat policy": (model_lib.remat_policy, here),
+              "model remat policy, expert weights cast again in the backward":
+                  (weights_cast_again, here)}
+  if ARGS.baseline_moe and os.path.exists(ARGS.baseline_moe):
+    variants["model remat policy, baseline moe_dispatch"] = (
+        model_lib.remat_policy, _load_baseline(ARGS.baseline_moe))
+  variants["without moe_dispatch.KEPT"] = (
+      lambda prim, *a, **kw: prim.name == "top_k" or without(prim, *a, **kw), here)
   fl = layers * 3 * (2 * tokens * d * f * (3 * k + 3) + 2 * tokens * d * e)
   ref = None
-  for name, policy in policies.items():
+  for name, (policy, dispatch_module) in variants.items():
     if elapsed() > budget_s:
       break
     step = jax.checkpoint(body, prevent_cse=False, policy=policy)
     run = lambda x, p, step=step: jax.lax.scan(step, x, p)
-    grad = _loss_grad(run, (x, stacked))
-    if ref is None:
-      ref = grad(x, stacked)
-    time_case(f"moe layer x{layers} scan+remat fwd+bwd", name, grad, (x, stacked), reps, flops=fl,
-              ref=ref)
+    moe_lib.moe_dispatch = dispatch_module   # the layer reads it when traced (the first call)
+    try:
+      grad = _loss_grad(run, (x, stacked))
+      if ref is None:
+        ref = grad(x, stacked)
+      time_case(f"moe layer x{layers} scan+remat fwd+bwd", name, grad, (x, stacked), reps,
+                flops=fl, ref=ref)
+    finally:
+      moe_lib.moe_dispatch = here
     _save(ARGS.json)
 
 
