@@ -58,9 +58,7 @@ MODES = ("dropless", "capacity")
 
 # Remat name of the MoE layer's kept values (`dsv41_jax.model.remat_policy` saves them): here the
 # pair sort's permutation, its inverse and the group sizes (3 · N·K + E int32 a layer), so layer
-# remat does not sort again, and the routed experts' weights as the products take them (`_cast`:
-# float32 parameters cast to the compute dtype, [w1 | w3] concatenated; 3·E·D·F bf16 a layer), so
-# the backward does not cast them again; in `moe.MoE` the router logits and the layer's output.
+# remat does not sort again; in `moe.MoE` the router logits and the layer's output.
 KEPT = "moe_kept"
 # Remat name of the routed experts' gate|up product (kept only where `ModelConfig.remat_saves`
 # has "experts": `dsv41_jax.model.layer_remat_policy`).
@@ -175,16 +173,6 @@ def grouped_matmul(x_sorted_PxD, w_ExDxF, group_sizes_E, policy: str = "auto"):
   return dispatch.call("grouped_matmul", x_sorted_PxD, w_ExDxF, group_sizes_E, policy=policy)
 
 
-def _cast(dtype, *ws):
-  """The weights in the products' dtype, several concatenated on their last axis; named `KEPT`
-  when that casts, so layer remat keeps the result instead of casting the float32 parameters again
-  in the backward (a weight already in `dtype` is the layer's own input: nothing to keep)."""
-  if all(w.dtype == dtype for w in ws):
-    return ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=-1)
-  w = ws[0].astype(dtype) if len(ws) == 1 else jnp.concatenate([w.astype(dtype) for w in ws], -1)
-  return checkpoint_name(w, KEPT)
-
-
 def grouped_ffn(x_sorted_PxD, weight_P, w1, w3, w2, group_sizes_E, limit: float,
                 policy: str = "auto"):
   """Clamped SwiGLU experts over expert-sorted rows (grouped GEMMs), each row's activation times
@@ -193,20 +181,20 @@ def grouped_ffn(x_sorted_PxD, weight_P, w1, w3, w2, group_sizes_E, limit: float,
   The gate and up projections are one grouped product with [w1 | w3] [E, D, 2F]: x is read once
   and each output column is the same dot as in its own product (equal to two products)."""
   dt = x_sorted_PxD.dtype
-  au = checkpoint_name(grouped_matmul(x_sorted_PxD, _cast(dt, w1, w3), group_sizes_E, policy),
-                       GATE_UP)
+  w13 = jnp.concatenate([w1.astype(dt), w3.astype(dt)], axis=-1)
+  au = checkpoint_name(grouped_matmul(x_sorted_PxD, w13, group_sizes_E, policy), GATE_UP)
   h = weighted_swiglu(au, weight_P, limit, dt)
-  return grouped_matmul(h, _cast(dt, w2), group_sizes_E, policy)
+  return grouped_matmul(h, w2, group_sizes_E, policy)
 
 
 def batched_ffn(x_ExCxD, weight_ExC, w1, w3, w2, limit: float):
   """Clamped SwiGLU experts over a capacity buffer (batched matmuls), each slot's activation times
   its routing weight before W2; float32 [E, C, D]."""
   dt = x_ExCxD.dtype
-  a = checkpoint_name(expert_einsum("ecd,edf->ecf", x_ExCxD, _cast(dt, w1)), GATE_UP)
-  u = checkpoint_name(expert_einsum("ecd,edf->ecf", x_ExCxD, _cast(dt, w3)), GATE_UP)
+  a = checkpoint_name(expert_einsum("ecd,edf->ecf", x_ExCxD, w1.astype(dt)), GATE_UP)
+  u = checkpoint_name(expert_einsum("ecd,edf->ecf", x_ExCxD, w3.astype(dt)), GATE_UP)
   h = (clamped_swiglu(a, u, limit) * weight_ExC[..., None]).astype(dt)
-  return expert_einsum("ecf,efd->ecd", h, _cast(dt, w2))
+  return expert_einsum("ecf,efd->ecd", h, w2.astype(dt))
 
 
 # --- pair bookkeeping ---------------------------------------------------------------------------

@@ -476,35 +476,3 @@ def test_layer_gradients_under_remat_equal_autodiff_bit_for_bit(dtype, monkeypat
   for a, b in zip(leaves, jax.tree.leaves(plain)):
     a, b = np.atleast_1d(np.asarray(a, np.float32)), np.atleast_1d(np.asarray(b, np.float32))
     np.testing.assert_array_equal(a.view(np.int32), b.view(np.int32))
-
-
-@pytest.mark.parametrize("mode", ["dropless", "capacity"])
-def test_layer_remat_casts_each_expert_weight_once(mode):
-  """The routed experts' weights as the products take them (float32 parameters cast to bf16,
-  [w1 | w3] concatenated) are named `moe_dispatch.KEPT`: under the model's remat policy the
-  gradient program casts each of w1, w3, w2 once (in the forward) and concatenates once; with a
-  policy that keeps none of the MoE's names the backward casts all three again."""
-  from dsv41_jax import model as M
-  cfg = moe_cfg(dtype="bfloat16", moe_dispatch=mode, moe_capacity_factor=E / K,
-                ops=dict(grouped_matmul="reference"))
-  weight_shapes = {(E, D, F), (E, F, D)}
-
-  def counts(policy):
-    loss, params, x = _moe_scan_loss(cfg, 8, policy)
-    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x)
-    # not the rounding of a weight's gradient to bf16 that the products' transposes end with
-    products = {v for name in ("dot_general", "ragged_dot_general")
-                for e in testing.jaxpr_eqns(jaxpr, name) for v in e.outvars}
-    casts = testing.jaxpr_eqns(jaxpr, "convert_element_type", lambda e: (
-        e.invars[0].aval.dtype == jnp.float32 and e.params["new_dtype"] == jnp.bfloat16
-        and e.invars[0].aval.shape in weight_shapes and e.invars[0] not in products))
-    concats = testing.jaxpr_eqns(jaxpr, "concatenate",
-                                 lambda e: e.outvars[0].aval.shape == (E, D, 2 * F))
-    return len(casts), len(concats)
-
-  fused = 1 if mode == "dropless" else 0
-  assert counts(M.remat_policy) == (3, fused)
-  without = jax.checkpoint_policies.save_only_these_names(
-      *(n for n in M.SAVED_NAMES if n != moe_dispatch.KEPT))
-  assert counts(lambda prim, *a, **kw: prim.name == "top_k" or without(prim, *a, **kw)) == (
-      6, 2 * fused)
