@@ -6,9 +6,34 @@
 biases; its shardings are a `TrainState` of `NamedSharding`s, so every part is reached by name.
 A step whose loss, gradient norm or update norm is not finite applies nothing: the state comes
 back unchanged and `metrics["finite"]` is false (the loop counts such steps).
+
 The MoE routing bias is updated outside the optimizer from the step's per-modality expert loads.
 `engram_sub_tables(model)` is the Engram table layout the optimizer needs (`build_optimizer`'s
 `sub_tables`: one Sinkhorn balancing per head table, docs/design.md §T2).
+
+Passes over the parameters (issue 28 item 3; figures of the H200 s3 profile, 2.14 B float32
+parameters, 8.6 GB a tree). The gradient is summed once for its norm: `leaf_sq_sums` gives each
+leaf's Σg², added up for the `grad_norm` metric and handed to the optimizer's clip, which then sums
+only the frozen leaves again (`optim.chain._clip_by_global_norm`). The guard is a `jnp.where` per
+leaf, and it is not a pass of its own: XLA fuses `apply_updates` and the optimizer state's
+elementwise update (momentum βm + g, Adam's moments) into it, so its fusions read p, the update's
+inputs, m and g and write p' and m', the one write of the new state. The 12.75 ms the profile
+charges to that line is 51.5 GB at 4.0 TB/s, the bytes of exactly those reads and writes; no fusion
+writes a new momentum before it (none at the momentum's line; `_normalized`, 3.05 ms, is one read
+of the Muon group's m and g). What the guard costs is order, as nothing may be written before the
+update norm is known: the update norm is a pass over the update's inputs of its own (4.35 ms, which
+without the guard could ride on the pass that writes p'), and the state's update reads m and g a
+second time in that final pass rather than being written by the pass that reads them for the
+direction (17 GB, ~4 ms). Neither goes while the state is donated and a rejected step must leave it
+bit for bit: that would take the old state kept in buffers of its own. Tried on the CPU (the micro
+model's compiled program; bytes in reads or writes of the whole parameter tree): `lax.cond(finite,
+new, old)` over the optimizer state copies every state leaf into the conditional's result (a
+conditional's result never takes its operand's buffer): 1.0 fewer, the select's reads traded for
+2.0 of copies, with a second state alive beside the first; the state recomputed inside the true
+branch (its Newton–Schulz dead code there) has no copies and 1.4 fewer, because the CPU's XLA
+writes the new momentum before the select, which the GPU's, by the profile, does not; and it moves
+the Muon direction's fusions, which changes the CPU's float32 rounding (≤ 1 ulp in 4-6 % of the
+entries of 18 Muon parameters after one step). Neither is taken.
 """
 
 from __future__ import annotations
@@ -24,6 +49,7 @@ from dsv41_jax.config import ModelConfig
 from dsv41_jax.layers.engram import Engram
 from dsv41_jax.loss import batch_counts, cross_entropy, objective
 from dsv41_jax.param_paths import path_str
+from optim.chain import global_norm, leaf_sq_sums
 from optim.moe_bias import update_moe_bias
 
 MODEL_KEYS = ("tokens", "positions", "segment_ids", "image_mask", "engram_ids", "images",
@@ -68,7 +94,9 @@ def make_train_step(cfg: ModelConfig, graphdef: nnx.GraphDef, tx: optax.Gradient
   whose gradients, losses and aux are summed in a `lax.scan`, each weighted by its share of the
   whole batch's units (`dsv41_jax.loss.batch_counts`), before one optimizer update: the same
   update, MoE bias step and metrics as one step over the whole batch, with one micro-batch's
-  activations live at a time."""
+  activations live at a time. `tx.update` is given the extra arguments `grad_sq_sums` (the
+  gradient's `leaf_sq_sums`, which `build_optimizer`'s clip reads) and `schedule` (when the step
+  is): any `optax.chain` takes them."""
   # With `lm_loss_chunk` the model hands the head's input and weight to the loss, which never
   # makes the whole batch's float32 logits (`loss.head_cross_entropy`).
   head = dict(return_hidden=True) if cfg.lm_loss_chunk else {}
@@ -109,9 +137,10 @@ def make_train_step(cfg: ModelConfig, graphdef: nnx.GraphDef, tx: optax.Gradient
       (loss, (parts, aux)), grads = grad_fn(params, moe_bias, batch, train_vit)
     else:
       loss, parts, aux, grads = accumulated(params, moe_bias, batch, train_vit)
-    grad_norm = optax.tree.norm(grads)
-    updates, new_opt_state = tx.update(grads, opt_state, params,
-                                       **({} if schedule is None else {"schedule": schedule}))
+    sq_sums = leaf_sq_sums(grads)        # one read of every gradient: the metric and the clip
+    grad_norm = global_norm(sq_sums)
+    extra = dict(grad_sq_sums=sq_sums, **({} if schedule is None else {"schedule": schedule}))
+    updates, new_opt_state = tx.update(grads, opt_state, params, **extra)
     update_norm = optax.tree.norm(updates)
     # A finite gradient can still give a non-finite update (optimizer state gone bad): not applied.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)

@@ -9,6 +9,11 @@ peak rate and the boundaries from `schedule` (an `optim.schedule.Schedule`, trac
 is jitted), so one compiled step serves every `train.steps`; without it, the chain uses the
 config's schedule as constants.
 
+The clip's norm may come precomputed: `tx.update(..., grad_sq_sums=leaf_sq_sums(grads))` hands it
+each gradient leaf's Σg², which the train step already sums for its `grad_norm` metric, so the
+gradient is read once for both (`_clip_by_global_norm`); without it, the clip sums the gradient as
+`optax.clip_by_global_norm` does, with the same result bit for bit.
+
 With `OptimConfig.chain = "adamw"` (the ablation baseline) the muon and sinkhorn groups take Adam
 too, each group keeping its weight decay, multipliers (Engram tables ×5 included) and schedule.
 
@@ -25,6 +30,7 @@ chain="adamw"), plus a few step counters.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import jax
@@ -107,6 +113,51 @@ def _zero_frozen(cfg: OptimConfig, frozen: frozenset[str], unfreeze: bool
     return out, StepState(count=optax.safe_increment(state.count))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _sq_sum(x: jax.Array) -> jax.Array:
+  return jnp.sum(jnp.square(x))
+
+
+def leaf_sq_sums(tree):
+  """Σ x² of every leaf, a tree of float32 scalars like `tree`: the terms of `optax.tree.norm`,
+  which `global_norm` adds in its order (so `global_norm(leaf_sq_sums(t))` is
+  `optax.tree.norm(t)` bit for bit)."""
+  return jax.tree.map(_sq_sum, tree)
+
+
+def global_norm(sq_sums) -> jax.Array:
+  """√(Σ of the leaves of `sq_sums`), summed leaf by leaf in tree order as `optax.tree.norm`."""
+  return jnp.sqrt(jax.tree.reduce(operator.add, sq_sums, initializer=0))
+
+
+def _clip_by_global_norm(max_norm: float, zeroed: frozenset[str]
+                         ) -> optax.GradientTransformationExtraArgs:
+  """`optax.clip_by_global_norm(max_norm)`, the same arithmetic, whose norm is summed from the
+  extra argument `grad_sq_sums` when given: `leaf_sq_sums` of the gradient passed to `tx.update`.
+  Every leaf reaches the clip as it was given (× 1) except those in `zeroed`, the frozen
+  parameters, whose gradient `_zero_frozen` may have zeroed: their terms are summed again from the
+  updates the clip receives (s3's ViT: 34 M of 2.19 B parameters). So the train step sums each
+  gradient once for its `grad_norm` metric and the clip, where the clip used to sum it again. XLA
+  merged the two sums while no parameter was frozen (the H200 s3 profile, which runs without
+  frozen parameters, has no second sum: 0.005 ms at the `tx.update` line); with frozen ones the
+  clip's sums of g·active were a second reduction of every gradient, a second read of it (at s3
+  8.6 GB, ~2.1 ms) wherever XLA does not fuse the two reductions (the CPU's does)."""
+
+  def update_fn(updates, state, params=None, *, grad_sq_sums=None, **extra):
+    del params, extra
+    if grad_sq_sums is None:
+      sums = leaf_sq_sums(updates)
+    else:
+      given = dict(table_lib.flatten_params(grad_sq_sums))
+      sums = table_lib.map_params(
+          lambda path, u: _sq_sum(u) if path in zeroed else given[path], updates)
+    g_norm = global_norm(sums)
+    trigger = g_norm < max_norm
+    clip = lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm)
+    return jax.tree.map(clip, updates), state
+
+  return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
 
 
 def _scale_by_lr(cfg: OptimConfig, multiplier: Mapping[str, float], frozen: frozenset[str],
@@ -206,7 +257,7 @@ def build_optimizer(cfg: OptimConfig, params, table: Sequence[Row] = TABLE,
   if frozen:
     parts.append(_zero_frozen(cfg, frozen, unfreeze))
   if cfg.clip_norm > 0:
-    parts.append(optax.clip_by_global_norm(cfg.clip_norm))
+    parts.append(_clip_by_global_norm(cfg.clip_norm, frozen))
   parts.append(optax.partition(groups, labels))
   parts.append(_scale_by_lr(cfg, multiplier, frozen, unfreeze))
   return optax.chain(*parts)

@@ -169,6 +169,21 @@ def test_finite_step_applies_everything():
   assert not _leaves_equal(new_bias, bias)
 
 
+def test_gradient_is_summed_once_for_its_norm_and_the_clip():
+  """One full Σx² per parameter for the gradient's norm, shared by the `grad_norm` metric and the
+  chain's clip (`grad_sq_sums`), and one for the update norm: 2 per parameter in the step's
+  program, where the clip summing the gradient again made 3 (a second read of every gradient
+  whenever XLA cannot merge the two, e.g. with frozen parameters)."""
+  step, params, opt_state = _setup(poison=False)
+  state = TrainState(params, opt_state, jnp.zeros((L, 2, E), jnp.float32))
+  jaxpr = jax.make_jaxpr(step)(state, _batch(np.random.default_rng(0)))
+  shapes = {x.shape for x in jax.tree.leaves(params)}
+  assert len(shapes) == len(jax.tree.leaves(params)) == 3    # each parameter told by its shape
+  whole = lambda e: (e.invars[0].aval.shape in shapes and e.outvars[0].aval.shape == ()
+                     and len(e.params["axes"]) == e.invars[0].aval.ndim)
+  assert len(testing.jaxpr_eqns(jaxpr, "reduce_sum", whole)) == 2 * 3
+
+
 def test_eval_step_sums_cross_entropy_tokens_and_bytes():
   """`make_eval_step` against float64 numpy: Σ cross-entropy over the loss positions, their
   count, and Σ token_bytes[target] over them (the bits-per-byte denominator).

@@ -69,6 +69,39 @@ def test_clipping_scales_gradients_to_the_global_norm():
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), u3, u4)
 
 
+def test_clip_takes_the_gradient_norm_terms_it_is_given():
+  """The clip's norm from `grad_sq_sums` (the train step's, `chain.leaf_sq_sums` of the gradient):
+  the same updates and state bit for bit as the clip summing the gradient itself, through steps
+  with the ViT frozen (its gradient zeroed before the clip) and unfrozen, the clip acting (norm
+  above 0.5). The given terms are used for every other leaf (scaled ×4 they change the step: the
+  clipped gradient goes into the momenta) and never for frozen leaves, which the clip sums again
+  from what it receives (NaN terms given for them change nothing). `global_norm(leaf_sq_sums(t))`
+  is `optax.tree.norm(t)` bit for bit."""
+  rng = np.random.default_rng(6)
+  params = _params(rng)
+  cfg = _cfg(frozen=("vit/**",), unfreeze_at="decay_start", decay_start=2, decay_end=4,
+             clip_norm=0.5, weight_decay=0.1)
+  tx = chain.build_optimizer(cfg, params, TABLE)
+
+  @jax.jit   # one program, as in the train step, which sums the gradient beside the update
+  def variants(g, state):
+    sums = chain.leaf_sq_sums(g)
+    nan_vit = {**sums, "vit": jax.tree.map(lambda x: x * jnp.nan, sums["vit"])}
+    given = [sums, nan_vit, jax.tree.map(lambda x: 4 * x, sums)]
+    return (tx.update(g, state, params), [tx.update(g, state, params, grad_sq_sums=s)
+                                          for s in given],
+            chain.global_norm(sums), optax.tree.norm(g))
+
+  same = lambda a, b: all(np.asarray(x).tobytes() == np.asarray(y).tobytes()
+                          for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+  state = tx.init(params)
+  for step in range(3):
+    want, (got, nan_vit, scaled), norm, optax_norm = variants(_grads(rng, params), state)
+    assert float(norm) > 0.5 and same(norm, optax_norm), step
+    assert same(got, want) and same(nan_vit, want) and not same(scaled, want), step
+    state = want[1]
+
+
 def test_state_holds_one_buffer_for_muon_and_sinkhorn_two_for_adamw():
   rng = np.random.default_rng(2)
   params = _params(rng)
