@@ -79,7 +79,8 @@ def md_header(*columns: str) -> str:
 def set_overrides(cfg, items) -> None:
   """Apply "a.b.c=value" items to a ConfigDict `cfg` in place (`--set` of the step benchmarks):
   the value is parsed as the type of the value it replaces (bool: true / false; a tuple: comma-
-  separated strings; a None field takes the string). An unknown key or a bad value is a one-line SystemExit naming the item."""
+  separated strings; a None field takes the string). An unknown key or a bad value is a one-line
+  SystemExit naming the item."""
   for item in items:
     key, sep, text = item.partition("=")
     *path, leaf = key.split(".")

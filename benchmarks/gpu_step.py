@@ -161,7 +161,6 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str |
     losses.append(float(m["loss"]))
     times.append(time.perf_counter() - t0)
   out["step_s"] = float(np.median(times[1:]))
-  _STATES[key] = dataclasses.replace(train_state, state=state)
   if profile_dir:  # two more steps under the profiler; benchmarks/trace_summary.py reads them
     os.makedirs(profile_dir, exist_ok=True)
     with open(os.path.join(profile_dir, spec.replace("/", "_") + ".hlo.txt"), "w") as f:
@@ -171,6 +170,7 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str |
       for _ in range(2):
         state, m = compiled(state, batch)
         float(m["loss"])
+  _STATES[key] = dataclasses.replace(train_state, state=state)  # the state after the last step
   out["losses"] = losses
   out["tokens_per_s"] = B * accum * T / out["step_s"]
   out["flops_per_token"] = flops.train_flops_per_token(mcfg.replace(seq_len=T))
