@@ -1,6 +1,7 @@
 """Where a config's train step spends its GPU time, by source: one command (issue 28).
 
   PYTHONUNBUFFERED=1 python benchmarks/gpu_profile.py --size s3 --batch 4 --seq 4096 [--top 30]
+      [--grad_accum K]
       [--out DIR] [--json PATH] [--set model.remat=false model.ops.hc_site=reference ...]
 
 Runs `benchmarks/gpu_step.py`'s step for the size (`bench`: the real train step, compiled ahead of
@@ -244,7 +245,8 @@ def report(groups: dict[str, collections.Counter], step_ms: float, busy_ms: floa
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--size", default="s3", help="a size of configs/small.py (optionally /noremat)")
-  ap.add_argument("--batch", type=int, default=4)
+  ap.add_argument("--batch", type=int, default=4, help="rows per micro-batch")
+  ap.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step")
   ap.add_argument("--seq", type=int, default=4096)
   ap.add_argument("--steps", type=int, default=3, help="timed steps before the two profiled ones")
   ap.add_argument("--top", type=int, default=25)
@@ -261,7 +263,7 @@ def main(argv=None) -> int:
   from benchmarks import gpu_step
   from benchmarks.common import header
   out = gpu_step.bench(args.size, args.batch, args.seq, args.steps, False, args.out,
-                       overrides=tuple(args.set))
+                       accum=args.grad_accum, overrides=tuple(args.set))
   name = args.size.replace("/", "_")
   with open(os.path.join(args.out, name + ".hlo.txt")) as f:
     hlo = HloSources(f.read())
@@ -271,7 +273,8 @@ def main(argv=None) -> int:
   spans, busy = gpu_kernels(load(traces[-1]))
   groups = attribute(spans, hlo, steps=2)
   print("\n" + header())
-  print(f"{args.size} at {args.batch} × {args.seq}: MFU {out['mfu']:.1%}, "
+  micro = f"{args.grad_accum} × " if args.grad_accum > 1 else ""
+  print(f"{args.size} at {micro}{args.batch} × {args.seq}: MFU {out['mfu']:.1%}, "
         f"{out['tokens_per_s']:,.0f} tok/s, compile {out['compile_s']:.1f} s")
   print(report(groups, out["step_s"] * 1e3, busy / 1e3 / 2, args.top))
   if args.json:
