@@ -225,6 +225,17 @@ def attribute(spans: list[dict], hlo: HloSources, steps: int) -> dict[str, colle
   return groups
 
 
+def kernel_sizes(spans: list[dict], steps: int) -> str:
+  """Kernels per step and how much of their time is in short ones (launch-bound work: a step's
+  fixed cost that does not shrink with fewer rows)."""
+  durs = [e.get("dur", 0) for e in spans]
+  parts = [f"{len(durs) / steps:,.0f} kernels per step"]
+  for lim in (5, 10, 50):
+    short = [d for d in durs if d < lim]
+    parts.append(f"{len(short) / steps:,.0f} under {lim} µs ({sum(short) / 1e3 / steps:.1f} ms)")
+  return "; ".join(parts)
+
+
 def report(groups: dict[str, collections.Counter], step_ms: float, busy_ms: float,
            top: int) -> str:
   total = sum(groups["component"].values())
@@ -276,6 +287,7 @@ def main(argv=None) -> int:
   micro = f"{args.grad_accum} × " if args.grad_accum > 1 else ""
   print(f"{args.size} at {micro}{args.batch} × {args.seq}: MFU {out['mfu']:.1%}, "
         f"{out['tokens_per_s']:,.0f} tok/s, compile {out['compile_s']:.1f} s")
+  print(kernel_sizes(spans, steps=2))
   print(report(groups, out["step_s"] * 1e3, busy / 1e3 / 2, args.top))
   if args.json:
     with open(args.json, "w") as f:
