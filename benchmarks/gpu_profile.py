@@ -98,6 +98,7 @@ class HloSources:
     tables: dict[str, dict[int, str]] = collections.defaultdict(dict)
     section, comp = None, None
     self.ops: dict[str, tuple[str, str, dict[str, str]]] = {}
+    self.text: dict[str, str] = {}                                # op -> its line, metadata cut
     self._links: dict[str, tuple[str | None, str | None]] = {}   # op -> (first operand, calls)
     self._roots: dict[str, str] = {}                              # computation -> its root op
     self._comp_of: dict[str, str] = {}                            # op -> its computation
@@ -119,6 +120,7 @@ class HloSources:
       meta = re.search(r"metadata=\{([^}]*)\}", rest)
       fields = dict(re.findall(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)', meta.group(1))) if meta else {}
       self.ops[name] = (kind, fields.get("op_name", '""').strip('"'), fields)
+      self.text[name] = re.sub(r",?\s*metadata=\{[^}]*\}", "", line.strip())[:240]
       first = re.match(r"\s*%([\w.\-]+)", rest)
       calls = re.search(r"\bcalls=%([\w.\-]+)", rest)
       self._links[name] = (first and first.group(1), calls and calls.group(1))
@@ -208,8 +210,10 @@ def gpu_kernels(trace: dict) -> tuple[list[dict], float]:
 
 
 def attribute(spans: list[dict], hlo: HloSources, steps: int) -> dict[str, collections.Counter]:
-  """Kernel ms per step, grouped four ways."""
-  groups = {k: collections.Counter() for k in ("component", "file", "function", "line")}
+  """Kernel ms per step, grouped four ways, and per instruction ("op"); "line_n" and "op_n" count
+  the kernels per step."""
+  groups = {k: collections.Counter()
+            for k in ("component", "file", "function", "line", "line_n", "op", "op_n")}
   for e in spans:
     op = str(e.get("args", {}).get("hlo_op", "")).lstrip("%")
     frame = repo_frame(hlo.frames(op))
@@ -219,9 +223,13 @@ def attribute(spans: list[dict], hlo: HloSources, steps: int) -> dict[str, colle
     groups["file"][where[0]] += ms
     groups["function"][f"{where[0]}:{where[1]}"] += ms
     if op in hlo.ops:
-      groups["line"][f"{hlo.kind(op)} {where[0]}:{where[2]} ({where[1]})"] += ms
+      line = f"{hlo.kind(op)} {where[0]}:{where[2]} ({where[1]})"
     else:   # an event that names no instruction of the program: keep the kernel's name
-      groups["line"][f"? {str(e.get('name', ''))[:60]} (hlo_op {op!r})"] += ms
+      line = f"? {str(e.get('name', ''))[:60]} (hlo_op {op!r})"
+    groups["line"][line] += ms
+    groups["line_n"][line] += 1 / steps
+    groups["op"][op] += ms
+    groups["op_n"][op] += 1 / steps
   return groups
 
 
@@ -236,6 +244,16 @@ def kernel_sizes(spans: list[dict], steps: int) -> str:
   return "; ".join(parts)
 
 
+def report_ops(groups: dict[str, collections.Counter], hlo: HloSources, top: int) -> str:
+  """The `top` single instructions by kernel time: ms and kernels per step, source, HLO text."""
+  lines = [f"top {top} instructions (ms per step, kernels per step, source, HLO):"]
+  for op, ms in groups["op"].most_common(top):
+    where = repo_frame(hlo.frames(op)) or ("(no source)", "?", 0)
+    lines.append(f"  {ms:8.2f}  {groups['op_n'][op]:6.0f}  {where[0]}:{where[2]}  "
+                 f"{hlo.text.get(op, op)}")
+  return "\n".join(lines)
+
+
 def report(groups: dict[str, collections.Counter], step_ms: float, busy_ms: float,
            top: int) -> str:
   total = sum(groups["component"].values())
@@ -247,9 +265,11 @@ def report(groups: dict[str, collections.Counter], step_ms: float, busy_ms: floa
     lines.append(f"| {name} | {ms:.1f} | {ms / max(total, 1e-9):.1%} | {ms / step_ms:.1%} |")
   for key, title in (("file", "source file"), ("function", "function"),
                      ("line", "op kind, file:line")):
-    lines += ["", f"top {top} by {title} (ms per step):"]
+    per = " and kernels" if key == "line" else ""
+    lines += ["", f"top {top} by {title} (ms{per} per step):"]
     for name, ms in groups[key].most_common(top):
-      lines.append(f"  {ms:8.2f}  {ms / max(total, 1e-9):6.1%}  {name}")
+      n = f"  {groups['line_n'][name]:6.0f}" if key == "line" else ""
+      lines.append(f"  {ms:8.2f}  {ms / max(total, 1e-9):6.1%}{n}  {name}")
   return "\n".join(lines)
 
 
@@ -289,9 +309,13 @@ def main(argv=None) -> int:
         f"{out['tokens_per_s']:,.0f} tok/s, compile {out['compile_s']:.1f} s")
   print(kernel_sizes(spans, steps=2))
   print(report(groups, out["step_s"] * 1e3, busy / 1e3 / 2, args.top))
+  print("\n" + report_ops(groups, hlo, args.top))
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(dict(bench=out, groups={k: dict(v) for k, v in groups.items()}), f, indent=1)
+      ops = {op: dict(ms=ms, n=groups["op_n"][op], text=hlo.text.get(op, ""),
+                      source=repo_frame(hlo.frames(op))) for op, ms in groups["op"].most_common(500)}
+      json.dump(dict(bench=out, groups={k: dict(v) for k, v in groups.items() if k != "op"},
+                     ops=ops), f, indent=1)
   return 0
 
 
