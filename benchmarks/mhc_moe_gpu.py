@@ -314,6 +314,8 @@ def main():
   ap.add_argument("--quick", action="store_true",
                   help="mHC only: the site forward+backward (kernel) and the gates")
   ARGS = ap.parse_args()
+  if ARGS.baseline_moe and not os.path.exists(ARGS.baseline_moe):
+    ap.error(f"--baseline-moe {ARGS.baseline_moe!r}: no such file")
   print(header())
   cpu = jax.default_backend() == "cpu"
   if ARGS.smoke:

@@ -39,7 +39,7 @@ class Progress:
                                                   run.train.peak_flops_per_device)
     self.writer = metrics_lib.MetricWriter(workdir, primary, run.train.wandb_project, config,
                                            rollback_to=start)
-    self.window = [0.0, 0.0, 0]  # seconds, data-wait seconds, steps
+    self.window = [0.0, 0.0, 0, 0.0]  # seconds, data-wait seconds, steps, host data seconds
     self.losses: dict[int, float] = {}
     self.tokens_per_second: list[float] = []
     self.bar = None
@@ -48,10 +48,14 @@ class Progress:
       self.bar = tqdm(total=run.train.steps, initial=start, dynamic_ncols=True, file=sys.stderr,
                       unit="step")
 
-  def step(self, step: int, m: dict, seconds: float, data_wait: float) -> None:
+  def step(self, step: int, m: dict, seconds: float, data_wait: float,
+           data_host: float = 0.0) -> None:
+    """`data_wait`: seconds the step waited for its batch; `data_host`: seconds the host spent
+    building the next batch beside the device's work (launch/train.py's look-ahead)."""
     self.window[0] += seconds
     self.window[1] += data_wait
     self.window[2] += 1
+    self.window[3] += data_host
     loss = float(m["loss"])
     self.losses[step] = loss
     if step % self.run.train.log_every == 0 or step == self.run.train.steps:
@@ -60,12 +64,13 @@ class Progress:
       self.bar.update(1)
 
   def _log(self, step: int, m: dict, loss: float) -> None:
-    seconds, wait, n = self.window
+    seconds, wait, n, host = self.window
     step_time = seconds / n
     tps = self.tokens_per_step / step_time
     self.tokens_per_second.append(tps)
     record = {k: np.asarray(v) for k, v in m.items()}
     record.update(step_time=step_time, data_wait=wait / n, compute_time=(seconds - wait) / n,
+                  data_host=host / n,
                   tokens_per_second=tps, tokens_seen=step * self.tokens_per_step)
     u = metrics_lib.mfu(self.flops_per_token, tps, jax.device_count(), self.peak)
     if u is not None:
@@ -78,13 +83,14 @@ class Progress:
     self.writer.write(step, record)
     mfu = f" mfu {u:.2%}" if u is not None else ""
     skips = skipped_text(record["data"])
-    step_log.info("process %d step %d loss %.4f step_time %.3f s (data wait %.3f s) tokens/s "
-                  "%.0f%s%s", jax.process_index(), step, loss, step_time, record["data_wait"], tps,
+    step_log.info("process %d step %d loss %.4f step_time %.3f s (data wait %.3f s, next batch "
+                  "on the host %.3f s) tokens/s %.0f%s%s", jax.process_index(), step, loss,
+                  step_time, record["data_wait"], record["data_host"], tps,
                   mfu, f"; {skips}" if skips else "")
     if self.bar is not None:
       self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", step_s=f"{step_time:.3f}",
                            **({"mfu": f"{u:.2%}"} if u is not None else {}))
-    self.window = [0.0, 0.0, 0]
+    self.window = [0.0, 0.0, 0, 0.0]
 
   def eval(self, step: int, figures: dict[str, float]) -> None:
     self.writer.write(step, {f"eval/{k}": v for k, v in figures.items()})

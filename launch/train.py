@@ -58,6 +58,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from data.lookahead import Lookahead
 from data.pipeline import make_eval_iterator, make_tokenizer, make_train_iterator
 from launch import checkpoint as ckpt_lib
 from launch import cli, compile_cache, evaluation, metrics as metrics_lib, setup, xla_flags
@@ -70,6 +71,10 @@ from optim.config import optim_config
 from optim.chain import frozen_trainable
 
 log = logging.getLogger("dsv41.train")
+
+# A wait for the step's metrics shorter than this means the device had finished before the host
+# did (the look-ahead's time then counts as data wait).
+_DEVICE_DONE_S = 1e-3
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Work directory (logs, checkpoints).")
@@ -284,8 +289,9 @@ def _run(cfg: ml_collections.ConfigDict, workdir: str, stop: _Stop, profile_text
   cmap = setup.compression_map(run.model, tok)
   features = setup.EngramFeatures(run.model, cmap) if cmap is not None else None
   try:
-    train_it = make_train_iterator(run.data, jax.process_index(), jax.process_count(),
-                                   tokenizer=tok, token_features=features)
+    # One batch of look-ahead: the host builds the next batch while the device runs the step.
+    train_it = Lookahead(make_train_iterator(run.data, jax.process_index(), jax.process_count(),
+                                             tokenizer=tok, token_features=features))
   except (KeyError, ValueError, OSError) as e:  # the messages name the data key or path
     raise SetupError(_data_error(e)) from None
   t_data = time.time()
@@ -423,13 +429,26 @@ def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
   while step < tcfg.steps:
     t0 = time.perf_counter()
     if batch is None:
-      batch = adapter(next(train_it))
+      batch = adapter(next(train_it))   # the batch peeked during the last step, or a new one
     t1 = time.perf_counter()
     profiler.before(step + 1)
     ts.state, m = train_steps[train_vit_at(step)](ts.state, batch, lr_schedule)
-    finite, batch, step = bool(m["finite"]), None, step + 1
+    batch, step = None, step + 1
+    # The step is dispatched, not done: build the next batch on the host meanwhile (a checkpoint
+    # of this step still records the data position before it: data/lookahead.py).
+    host = 0.0
+    if step < tcfg.steps:
+      t2 = time.perf_counter()
+      train_it.peek()
+      host = time.perf_counter() - t2
+    t3 = time.perf_counter()
+    finite = bool(m["finite"])           # waits for the device
+    t4 = time.perf_counter()
     profiler.after(step, m)
-    progress.step(step, m, time.perf_counter() - t0, t1 - t0)
+    # Data wait: the fetch at the top, plus the peek when the device was already done by its end
+    # (then the peek may have held the device idle; an upper bound). `data_host`: the peek's time.
+    exposed = host if t4 - t3 < _DEVICE_DONE_S else 0.0
+    progress.step(step, m, time.perf_counter() - t0, (t1 - t0) + exposed, data_host=host)
     bad_in_a_row = 0 if finite else bad_in_a_row + 1
     if not finite:
       log.warning("step %d: non-finite loss %s, gradient norm %s or update norm %s; update "

@@ -183,14 +183,17 @@ def reference(env):
 
 
 def test_reference_run_logs(reference):
-  """Every step logs step, loss, the step-time split (data wait vs compute), tokens/s and MFU;
-  the progress bar shows loss, tokens/s, step time and MFU; the startup phases are logged."""
+  """Every step logs step, loss, the step-time split (data wait vs compute, the next batch's host
+  time), tokens/s and MFU; the progress bar shows loss, tokens/s, step time and MFU; the startup
+  phases are logged."""
   recs = [r for r in reference["records"] if "loss" in r]
   assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
   for r in recs:
     assert np.isfinite(r["loss"]) and r["finite"] is True
     assert r["step_time"] > 0 and 0 <= r["data_wait"] <= r["step_time"]
     assert r["compute_time"] == pytest.approx(r["step_time"] - r["data_wait"], rel=1e-9, abs=1e-12)
+    # The next batch is built beside every step but the last (data/lookahead.py).
+    assert 0 <= r["data_host"] <= r["step_time"] and (r["data_host"] > 0) == (r["step"] < STEPS)
     assert r["tokens_per_second"] == pytest.approx(8 * 32 / r["step_time"], rel=1e-9)
     assert r["tokens_seen"] == r["step"] * 8 * 32
     assert 0 < r["mfu"] < 1
