@@ -314,7 +314,8 @@ def main(argv=None) -> int:
     with open(args.json, "w") as f:
       ops = {op: dict(ms=ms, n=groups["op_n"][op], text=hlo.text.get(op, ""),
                       source=repo_frame(hlo.frames(op))) for op, ms in groups["op"].most_common(500)}
-      json.dump(dict(bench=out, groups={k: dict(v) for k, v in groups.items() if k != "op"},
+      json.dump(dict(bench=out, groups={k: dict(v) for k, v in groups.items()
+                                          if k not in ("op", "op_n")},
                      ops=ops), f, indent=1)
   return 0
 

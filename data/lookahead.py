@@ -41,7 +41,7 @@ class Lookahead(grain.DatasetIterator):
     next `__next__` asks the wrapped iterator again, which raises StopIteration)."""
     if not self._has_peek:
       state = self.inner.get_state()
-      counters = self.inner.counters() if hasattr(self.inner, "counters") else None
+      counters = self.inner.counters()
       try:
         self._peeked = next(self.inner)
       except StopIteration:
@@ -74,7 +74,7 @@ class Lookahead(grain.DatasetIterator):
     self.inner.set_state(state)
 
   def counters(self) -> dict:
-    return dict(self._counters_before) if self._has_peek else self.inner.counters()
+    return self._counters_before if self._has_peek else self.inner.counters()
 
   def skip_locations(self) -> dict:
     return self.inner.skip_locations()

@@ -3,6 +3,8 @@
   python -m launch.data_report --config=configs/tiny.py --rows=1000
   python -m launch.data_report --config=configs/tiny.py --rows=1000 --json \
       --config.data.seq_len=4096
+  python -m launch.data_report --config=configs/small.py:s3 --rows=160 --engram_ids \
+      --config.data.batch_size=32 --config.data.seq_len=4096 --config.model.seq_len=4096
 
 Figures (JSON keys), all over the first `ceil(rows / batch_size)` batches of process 0 of 1:
 
@@ -39,6 +41,8 @@ def _define_flags():
   config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
   flags.DEFINE_integer("rows", 1000, "Packed rows to produce.")
   flags.DEFINE_bool("json", False, "Print one JSON object instead of text.")
+  flags.DEFINE_bool("engram_ids", False, "Also compute the model's Engram ids for every row, as "
+                    "launch.train's pipeline does (the host's whole work per batch).")
 
 
 def segment_lengths(batch: dict) -> np.ndarray:
@@ -51,15 +55,24 @@ def segment_lengths(batch: dict) -> np.ndarray:
   return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
-def report(cfg, rows: int) -> dict:
-  """Produce `rows` (rounded up to whole batches) and measure them; see the module docstring."""
+def report(cfg, rows: int, engram_ids: bool = False) -> dict:
+  """Produce `rows` (rounded up to whole batches) and measure them; see the module docstring.
+  With `engram_ids` (and a model with Engram) each batch also carries the model's Engram ids, the
+  token features `launch.train` asks of the pipeline."""
   from data import pipeline
   from data.config import data_config
   t0 = time.perf_counter()
   data = data_config(cfg.data)
   vocab_size = cfg.model.vocab_size if "model" in cfg else None
   tok = pipeline.make_tokenizer(data, vocab_size)
-  it = pipeline.make_train_iterator(data, 0, 1, tokenizer=tok, vocab_size=vocab_size)
+  features = None
+  if engram_ids and "model" in cfg:
+    from launch import setup as setup_lib
+    model = setup_lib.run_config(cfg, process_count=1).model
+    cmap = setup_lib.compression_map(model, tok)
+    features = setup_lib.EngramFeatures(model, cmap) if cmap is not None else None
+  it = pipeline.make_train_iterator(data, 0, 1, tokenizer=tok, token_features=features,
+                                    vocab_size=vocab_size)
   it.start_prefetch()
   setup = time.perf_counter() - t0
   n_batches = math.ceil(rows / data.batch_size)
@@ -90,6 +103,7 @@ def report(cfg, rows: int) -> dict:
       "seq_len": data.seq_len,
       "batch_size": data.batch_size,
       "worker_count": data.worker_count,
+      "engram_ids": features is not None,
       "padding_fraction": pad / positions,
       "multimodal_token_share": mm / max(1, text + mm),
       "tokens_per_second": (positions - batch["segment_ids"].size) / busy if busy else 0.0,
@@ -118,7 +132,7 @@ def report(cfg, rows: int) -> dict:
 
 def format_text(r: dict) -> str:
   lines = [f"rows {r['rows']} x seq_len {r['seq_len']} (batch {r['batch_size']}, "
-           f"workers {r['worker_count']})",
+           f"workers {r['worker_count']}{', Engram ids' if r.get('engram_ids') else ''})",
            f"padding_fraction        {r['padding_fraction']:.3e}",
            f"multimodal_token_share  {r['multimodal_token_share']:.4f}",
            f"tokens_per_second       {r['tokens_per_second']:,.0f}  (setup {r['setup_seconds']:.1f} s, "
@@ -142,7 +156,7 @@ def format_text(r: dict) -> str:
 
 def main(argv):
   del argv
-  r = report(flags.FLAGS.config, flags.FLAGS.rows)
+  r = report(flags.FLAGS.config, flags.FLAGS.rows, flags.FLAGS.engram_ids)
   print(json.dumps(r, indent=1) if flags.FLAGS.json else format_text(r))
 
 

@@ -51,3 +51,15 @@ def test_command_line_overrides(corpus_dir, small_tok, tmp_path):
   bad = subprocess.run(args[:-2] + ["--config.data.text_weight=0.0"], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
   assert bad.returncode != 0 and "text_weight" in bad.stderr
+
+
+def test_engram_ids_as_the_train_loop():
+  """`engram_ids` adds the model's Engram ids to each batch (launch.train's pipeline) and changes
+  no row: the figures other than speed and the flag are those without them."""
+  from configs import tiny
+  cfg = tiny.get_config()
+  with_ids, without = data_report.report(cfg, 8, engram_ids=True), data_report.report(cfg, 8)
+  assert with_ids["engram_ids"] is True and without["engram_ids"] is False
+  for k in ("rows", "padding_fraction", "multimodal_token_share", "segment_length", "packer",
+            "documents"):
+    assert with_ids[k] == without[k], k
