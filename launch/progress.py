@@ -39,7 +39,7 @@ class Progress:
                                                   run.train.peak_flops_per_device)
     self.writer = metrics_lib.MetricWriter(workdir, primary, run.train.wandb_project, config,
                                            rollback_to=start)
-    self.window = [0.0, 0.0, 0, 0.0]  # seconds, data-wait seconds, steps, host data seconds
+    self.window = [0.0, 0.0, 0, 0.0, 0.0]  # seconds, data wait, steps, host data, dispatch
     self.losses: dict[int, float] = {}
     self.tokens_per_second: list[float] = []
     self.bar = None
@@ -49,13 +49,16 @@ class Progress:
                       unit="step")
 
   def step(self, step: int, m: dict, seconds: float, data_wait: float,
-           data_host: float = 0.0) -> None:
+           data_host: float = 0.0, dispatch: float = 0.0) -> None:
     """`data_wait`: seconds the step waited for its batch; `data_host`: seconds the host spent
-    building the next batch beside the device's work (launch/train.py's look-ahead)."""
+    building the next batch beside the device's work (launch/train.py's look-ahead);
+    `dispatch`: seconds the step's call took to return (near the whole step when the program
+    makes the host wait for the device, e.g. for a `lax.cond`'s predicate on the GPU)."""
     self.window[0] += seconds
     self.window[1] += data_wait
     self.window[2] += 1
     self.window[3] += data_host
+    self.window[4] += dispatch
     loss = float(m["loss"])
     self.losses[step] = loss
     if step % self.run.train.log_every == 0 or step == self.run.train.steps:
@@ -64,13 +67,13 @@ class Progress:
       self.bar.update(1)
 
   def _log(self, step: int, m: dict, loss: float) -> None:
-    seconds, wait, n, host = self.window
+    seconds, wait, n, host, dispatch = self.window
     step_time = seconds / n
     tps = self.tokens_per_step / step_time
     self.tokens_per_second.append(tps)
     record = {k: np.asarray(v) for k, v in m.items()}
     record.update(step_time=step_time, data_wait=wait / n, compute_time=(seconds - wait) / n,
-                  data_host=host / n,
+                  data_host=host / n, dispatch_time=dispatch / n,
                   tokens_per_second=tps, tokens_seen=step * self.tokens_per_step)
     u = metrics_lib.mfu(self.flops_per_token, tps, jax.device_count(), self.peak)
     if u is not None:
@@ -84,13 +87,14 @@ class Progress:
     mfu = f" mfu {u:.2%}" if u is not None else ""
     skips = skipped_text(record["data"])
     step_log.info("process %d step %d loss %.4f step_time %.3f s (data wait %.3f s, next batch "
-                  "on the host %.3f s) tokens/s %.0f%s%s", jax.process_index(), step, loss,
-                  step_time, record["data_wait"], record["data_host"], tps,
+                  "on the host %.3f s, dispatch %.3f s) tokens/s %.0f%s%s", jax.process_index(),
+                  step, loss, step_time, record["data_wait"], record["data_host"],
+                  record["dispatch_time"], tps,
                   mfu, f"; {skips}" if skips else "")
     if self.bar is not None:
       self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", step_s=f"{step_time:.3f}",
                            **({"mfu": f"{u:.2%}"} if u is not None else {}))
-    self.window = [0.0, 0.0, 0, 0.0]
+    self.window = [0.0, 0.0, 0, 0.0, 0.0]
 
   def eval(self, step: int, figures: dict[str, float]) -> None:
     self.writer.write(step, {f"eval/{k}": v for k, v in figures.items()})

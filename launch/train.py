@@ -432,23 +432,28 @@ def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
       batch = adapter(next(train_it))   # the batch peeked during the last step, or a new one
     t1 = time.perf_counter()
     profiler.before(step + 1)
+    # The next batch is built on a background thread while this step is dispatched and run: the
+    # dispatch may itself wait for the device (data/lookahead.py). A checkpoint of this step still
+    # records the data position before the peek.
+    if step + 1 < tcfg.steps:
+      train_it.start_peek()
     ts.state, m = train_steps[train_vit_at(step)](ts.state, batch, lr_schedule)
+    t2 = time.perf_counter()
     batch, step = None, step + 1
-    # The step is dispatched, not done: build the next batch on the host meanwhile (a checkpoint
-    # of this step still records the data position before it: data/lookahead.py).
     host = 0.0
     if step < tcfg.steps:
-      t2 = time.perf_counter()
-      train_it.peek()
-      host = time.perf_counter() - t2
+      train_it.peek()                    # joins the background peek
+      host = train_it.host_seconds
     t3 = time.perf_counter()
     finite = bool(m["finite"])           # waits for the device
     t4 = time.perf_counter()
     profiler.after(step, m)
-    # Data wait: the fetch at the top, plus the peek when the device was already done by its end
-    # (then the peek may have held the device idle; an upper bound). `data_host`: the peek's time.
-    exposed = host if t4 - t3 < _DEVICE_DONE_S else 0.0
-    progress.step(step, m, time.perf_counter() - t0, (t1 - t0) + exposed, data_host=host)
+    # Data wait: the fetch at the top, plus the join when the device was already done by its end
+    # (then the peek may have held the device idle; an upper bound). `data_host`: the peek's own
+    # time; `dispatch`: how long the step's call took to return.
+    exposed = max(0.0, t3 - t2) if t4 - t3 < _DEVICE_DONE_S else 0.0
+    progress.step(step, m, time.perf_counter() - t0, (t1 - t0) + exposed, data_host=host,
+                  dispatch=t2 - t1)
     bad_in_a_row = 0 if finite else bad_in_a_row + 1
     if not finite:
       log.warning("step %d: non-finite loss %s, gradient norm %s or update norm %s; update "

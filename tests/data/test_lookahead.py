@@ -5,6 +5,7 @@ import json
 
 import grain
 import orbax.checkpoint as ocp
+import pytest
 
 from data import pipeline
 from data.lookahead import Lookahead
@@ -17,13 +18,63 @@ def test_batches_are_the_wrapped_iterators(corpus_dir, small_tok):
   plain = take(pipeline.make_train_iterator(cfg, tokenizer=small_tok), 8)
   it = Lookahead(pipeline.make_train_iterator(cfg, tokenizer=small_tok))
   got = []
-  for i in range(8):              # peeks between some batches, twice in a row once
+  for i in range(8):              # peeks between some batches, on a thread or not, twice once
     got.append(next(it))
-    if i % 3 != 2:
+    if i % 3 == 0:
+      it.start_peek()
+      it.start_peek()             # a second start while one runs or waits is a no-op
+    elif i % 3 == 1:
       it.peek()
     if i == 4:
       it.peek()
   assert_batches_equal(got, plain)
+
+
+def test_background_peek_is_joined_by_every_reader(corpus_dir, small_tok):
+  """State, counters and `next` after `start_peek` are those of the synchronous peek."""
+  cfg = make_data(corpus_dir)
+  ref = pipeline.make_train_iterator(cfg, tokenizer=small_tok)
+  take(ref, 2)
+  it = Lookahead(pipeline.make_train_iterator(cfg, tokenizer=small_tok))
+  take(it, 2)
+  it.start_peek()
+  assert it.get_state() == ref.get_state() and it.counters() == ref.counters()
+  assert it.pending and it.host_seconds > 0
+  assert_batches_equal([next(it)], take(ref, 1))
+  it.start_peek()
+  it.set_state(ref.get_state())    # drops the background peek
+  assert not it.pending
+  assert_batches_equal(take(it, 2), take(ref, 2))
+
+
+class _Failing(grain.DatasetIterator):
+  def __init__(self):
+    super().__init__()
+    self.calls = 0
+
+  def __next__(self):
+    self.calls += 1
+    raise OSError("bad shard")
+
+  def get_state(self):
+    return {"calls": self.calls}
+
+  def set_state(self, state):
+    self.calls = state["calls"]
+
+  def counters(self):
+    return {}
+
+
+def test_background_peek_error_is_raised_by_the_joining_call():
+  it = Lookahead(_Failing())
+  it.start_peek()
+  with pytest.raises(OSError, match="bad shard"):
+    it.peek()
+  assert not it.pending            # raised once; the iterator is usable again
+  it.start_peek()
+  with pytest.raises(OSError, match="bad shard"):
+    next(it)
 
 
 def test_state_and_counters_are_before_the_peek(corpus_dir, small_tok):

@@ -194,6 +194,7 @@ def test_reference_run_logs(reference):
     assert r["compute_time"] == pytest.approx(r["step_time"] - r["data_wait"], rel=1e-9, abs=1e-12)
     # The next batch is built beside every step but the last (data/lookahead.py).
     assert 0 <= r["data_host"] <= r["step_time"] and (r["data_host"] > 0) == (r["step"] < STEPS)
+    assert 0 < r["dispatch_time"] <= r["step_time"]
     assert r["tokens_per_second"] == pytest.approx(8 * 32 / r["step_time"], rel=1e-9)
     assert r["tokens_seen"] == r["step"] * 8 * 32
     assert 0 < r["mfu"] < 1
