@@ -6,6 +6,7 @@
   python -m launch.ladder --config=configs/ladder.py:micro --workdir=DIR             # <1 min
   python -m launch.ladder --config=configs/ladder.py:gpu --workdir=DIR --sweep       # lr sweeps
   python -m launch.ladder --config=configs/ladder.py:gpu --workdir=DIR --jobs=4      # 4 at once
+  python -m launch.ladder --config=configs/ladder.py:gpu --workdir=DIR --only='L16d512_800'
   python -m launch.ladder --report DIR [--out=OUT]                                   # table, fits, plots
 
 A ladder config file (`configs/ladder.py`) answers a grid name with the grid's spec (`sizes`,
@@ -24,6 +25,11 @@ stops the ladder with every error listed (exit status 2). A run that fails is re
 with its log path and the ladder moves on; the report fits the points that finished. Ctrl-C,
 SIGINT or SIGTERM stops the running points (each saves a checkpoint), records them as
 interrupted and exits 130; the same command again resumes them.
+
+`--only=PATTERN[,PATTERN...]` runs (or lists) only the points whose names match one of the shell
+patterns (`L16d512_*`, `sweeps/muon_*`); a pattern that matches no point is an error (exit 2)
+listing the names. It is how a budget of separate device calls is spent: a point's checkpoints
+stay on the machine that trained it, so each call should run points it can finish.
 
 `--jobs=N` (default 1: one point after another, in plan order) trains up to N points at once on
 one machine, each its own `launch.train` process and work directory, the most compute first; on
@@ -47,6 +53,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import fnmatch
 import functools
 import importlib.util
 import json
@@ -63,13 +70,13 @@ from absl import app, flags
 from launch import cli, ladder_jobs, scaling_fit, sweep
 from launch.ladder_jobs import LadderError, final_eval, read_metrics, read_record
 
-_CONFIG = _WORKDIR = _ABLATIONS = _SWEEP = _LIST = _REPORT = _OUT = _JOBS = None
+_CONFIG = _WORKDIR = _ABLATIONS = _SWEEP = _LIST = _REPORT = _OUT = _JOBS = _ONLY = None
 
 
 def _define_flags() -> None:
   """The command's flags, defined only when it runs as a program: tests import this module beside
   `launch.train`, whose `--config` / `--workdir` flags would otherwise collide."""
-  global _CONFIG, _WORKDIR, _ABLATIONS, _SWEEP, _LIST, _REPORT, _OUT, _JOBS
+  global _CONFIG, _WORKDIR, _ABLATIONS, _SWEEP, _LIST, _REPORT, _OUT, _JOBS, _ONLY
   _CONFIG = flags.DEFINE_string("config", None, "Ladder config: <file>:<grid>, e.g. "
                                 "configs/ladder.py:cpu.")
   _WORKDIR = flags.DEFINE_string("workdir", None, "Ladder directory: one sub-directory per point.")
@@ -84,6 +91,8 @@ def _define_flags() -> None:
   _JOBS = flags.DEFINE_integer("jobs", 1, "Points trained at once, each its own launch.train "
                                "process (on a GPU each with 0.9/jobs of its memory); 1: one by "
                                "one.")
+  _ONLY = flags.DEFINE_list("only", None, "Only the points whose names match one of these shell "
+                            "patterns (e.g. L16d512_*,L8d256_200).")
 
 
 REPO = ladder_jobs.REPO
@@ -136,6 +145,30 @@ def plan(spec, ablations: bool, sweeps: bool = False, records=()) -> list[Point]
       out.append(Point(f"ablations/{ab or 'baseline'}_seed{seed}", arg, seed, "ablation", size,
                        steps, ab))
   return out
+
+
+def select(points: list[Point], patterns, more: list[Point] = ()) -> list[Point]:
+  """The points whose names match one of the shell `patterns` (all when None). Each pattern must
+  match a point of `points` or of `more` (the points a later stage may add: a sweep's second
+  stage), else LadderError listing the names."""
+  if patterns is None:
+    return list(points)
+  names = [p.name for p in list(points) + list(more)]
+  unmatched = [pat for pat in patterns if not fnmatch.filter(names, pat)]
+  if unmatched:
+    raise LadderError(f"--only {','.join(unmatched)}: matches no point; the points are: "
+                      + ", ".join(names))
+  return [p for p in points if any(fnmatch.fnmatchcase(p.name, pat) for pat in patterns)]
+
+
+def later_points(spec, first: list[Point], sweeps: bool) -> list[Point]:
+  """The names a sweep's second stage may add (each first-stage arm at every seed), so that
+  `--only` may name them before the first stage has chosen its best rates."""
+  if not sweeps:
+    return []
+  seeds = spec.sweep.seeds
+  return [dataclasses.replace(p, name=p.name[:-len(f"_seed{p.seed}")] + f"_seed{s}", seed=s)
+          for p in first for s in seeds[1:]]
 
 
 def describe(path: str, point: Point) -> dict[str, Any]:
@@ -192,20 +225,22 @@ def point_env(spec) -> dict[str, str]:
 
 
 def run_ladder(config: str, workdir: str, ablations: bool = False, log=print,
-               sweeps: bool = False, jobs: int = 1) -> list[dict]:
-  """Run every point not yet done, `jobs` at a time (`launch.ladder_jobs`); returns the records.
-  Sweeps run in two stages: the second (the best rates at more seeds) is planned from the first's
-  results."""
+               sweeps: bool = False, jobs: int = 1, only=None) -> list[dict]:
+  """Run every point not yet done (of those `only` selects, see `select`), `jobs` at a time
+  (`launch.ladder_jobs`); returns the records. Sweeps run in two stages: the second (the best
+  rates at more seeds) is planned from the first's results."""
   ladder_jobs.check_jobs(jobs)
   path, grid = split_config(config)
   spec = load_config_file(path, grid)
   env = point_env(spec)
   device = functools.cache(lambda: ladder_jobs.probe_device(env))
-  records = _run_points(path, spec, plan(spec, ablations, sweeps), workdir, env, log, jobs, device)
+  first = plan(spec, ablations, sweeps)
+  records = _run_points(path, spec, select(first, only, later_points(spec, first, sweeps)),
+                        workdir, env, log, jobs, device)
   if sweeps:
     done = {r["name"] for r in records}
     more = [p for p in plan(spec, False, True, records) if p.name not in done]
-    records += _run_points(path, spec, more, workdir, env, log, jobs, device)
+    records += _run_points(path, spec, select(more, only, first), workdir, env, log, jobs, device)
   return records
 
 
@@ -481,13 +516,16 @@ def main(argv):
       done = [r for r in (read_record(os.path.join(_WORKDIR.value, p.name))
                           for p in plan(spec, False, True)) if r] if _SWEEP.value else []
       points = plan(spec, _ABLATIONS.value, _SWEEP.value, done)
+      points = select(points, _ONLY.value, later_points(spec, plan(spec, False, _SWEEP.value),
+                                                       _SWEEP.value))
       validate(path, points)
       env = point_env(spec)
       for p in points:
         print(shell_line(command(path, p, _WORKDIR.value), env))
       return
     run_ladder(_CONFIG.value, _WORKDIR.value, _ABLATIONS.value,
-               log=lambda s: print(s, flush=True), sweeps=_SWEEP.value, jobs=_JOBS.value)
+               log=lambda s: print(s, flush=True), sweeps=_SWEEP.value, jobs=_JOBS.value,
+               only=_ONLY.value)
     r = report(_WORKDIR.value, _OUT.value)
     print(r["markdown"], end="")
   except LadderError as e:

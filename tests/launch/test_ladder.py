@@ -195,6 +195,22 @@ def test_list_prints_lines_a_shell_runs_as_the_ladder_would(tmp_path, env):
   assert not (tmp_path / "w").exists()
 
 
+def test_only_selects_points_by_pattern_and_rejects_a_pattern_matching_none():
+  """`--only` keeps the plan's order; a sweep's second-stage names may be named before the first
+  stage ran; a pattern that matches nothing lists the names (pure: no runs)."""
+  spec = ladder_cfg.get_config("gpu")
+  grid = ladder.plan(spec, False)
+  got = ladder.select(grid, ["L16d512_800", "L8d256_*"])
+  assert [p.name for p in got] == ["L8d256_200", "L8d256_400", "L8d256_800", "L16d512_800"]
+  assert ladder.select(grid, None) == grid
+  first = ladder.plan(spec, False, True)
+  later = ladder.later_points(spec, first, True)
+  assert len(later) == len(first) and all(p.name.endswith("_seed1") and p.seed == 1 for p in later)
+  assert ladder.select(first, ["sweeps/*_seed1"], later) == []
+  with pytest.raises(ladder_jobs.LadderError, match="L99_800,x: matches no point.*L8d256_200"):
+    ladder.select(grid, ["L99_800", "L8d256_200", "x"])
+
+
 def test_micro_ladder_end_to_end_with_failure_and_resume(tmp_path, env):
   # First pass: the 6-step point cannot build its mesh (3 data shards on one device) and fails.
   flaky = tmp_path / "flaky_ladder.py"
