@@ -5,8 +5,9 @@
 # finish is lost: its checkpoints stay on the machine, which is given back after the call (and a
 # fresh machine is started for the next), so 4 long points ran 470 s and none finished. (2) With 4 at
 # once each point stepped 3.1x slower than alone (L16d512 1.73 s against 0.55 s, L12d384 1.07 s), and
-# the 4th process ran out of memory on its first step (a 17.36 GiB allocation within its 0.225 share:
-# the analytic plan's 16.6 GiB undercounts the program). So each call now names the points it can
+# the 4th process ran out of memory on its first step (a 17.36 GiB allocation within its 0.225 share;
+# the analytic plan, 16.6 GiB for the point, is within ~12 % of that program, so most likely the device
+# itself was full: 4 x 31.3 GiB of allocator shares plus each process's memory outside them). So each call now names the points it can
 # finish (ONLY, launch.ladder --only) and runs at most 2 at once. Estimates alone (2026-11-30 step
 # times; ~60-75 s of start-up and compilation a point): L8d256 200/400/800 ~85/135/210 s, L12d384
 # ~145/215/360 s, L16d512 ~155/280/500 s. Calls (each with the previous calls' archives restored):
