@@ -513,11 +513,10 @@ def main(argv):
     if _LIST.value:
       path, grid = split_config(_CONFIG.value)
       spec = load_config_file(path, grid)
-      done = [r for r in (read_record(os.path.join(_WORKDIR.value, p.name))
-                          for p in plan(spec, False, True)) if r] if _SWEEP.value else []
-      points = plan(spec, _ABLATIONS.value, _SWEEP.value, done)
-      points = select(points, _ONLY.value, later_points(spec, plan(spec, False, _SWEEP.value),
-                                                       _SWEEP.value))
+      first = plan(spec, False, True) if _SWEEP.value else []
+      done = [r for r in (read_record(os.path.join(_WORKDIR.value, p.name)) for p in first) if r]
+      points = select(plan(spec, _ABLATIONS.value, _SWEEP.value, done), _ONLY.value,
+                      later_points(spec, first, _SWEEP.value))
       validate(path, points)
       env = point_env(spec)
       for p in points:

@@ -30,23 +30,6 @@ def test_batches_are_the_wrapped_iterators(corpus_dir, small_tok):
   assert_batches_equal(got, plain)
 
 
-def test_background_peek_is_joined_by_every_reader(corpus_dir, small_tok):
-  """State, counters and `next` after `start_peek` are those of the synchronous peek."""
-  cfg = make_data(corpus_dir)
-  ref = pipeline.make_train_iterator(cfg, tokenizer=small_tok)
-  take(ref, 2)
-  it = Lookahead(pipeline.make_train_iterator(cfg, tokenizer=small_tok))
-  take(it, 2)
-  it.start_peek()
-  assert it.get_state() == ref.get_state() and it.counters() == ref.counters()
-  assert it.pending and it.host_seconds > 0
-  assert_batches_equal([next(it)], take(ref, 1))
-  it.start_peek()
-  it.set_state(ref.get_state())    # drops the background peek
-  assert not it.pending
-  assert_batches_equal(take(it, 2), take(ref, 2))
-
-
 class _Failing(grain.DatasetIterator):
   def __init__(self):
     super().__init__()
@@ -77,16 +60,23 @@ def test_background_peek_error_is_raised_by_the_joining_call():
     next(it)
 
 
-def test_state_and_counters_are_before_the_peek(corpus_dir, small_tok):
+@pytest.mark.parametrize("background", [False, True])
+def test_state_and_counters_are_before_the_peek(corpus_dir, small_tok, background):
+  """With `start_peek` the readers join the thread: state and counters are read while it may
+  still be building, and equal the synchronous peek's."""
   cfg = make_data(corpus_dir)
   ref = pipeline.make_train_iterator(cfg, tokenizer=small_tok)
   take(ref, 5)
   it = Lookahead(pipeline.make_train_iterator(cfg, tokenizer=small_tok))
   take(it, 5)
-  peeked = it.peek()
-  assert it.pending
+  if background:
+    it.start_peek()
+  else:
+    it.peek()
   assert it.get_state() == ref.get_state()
   assert it.counters() == ref.counters() and it.counters()["rows"] == 5 * 4
+  assert it.pending and it.host_seconds > 0
+  peeked = it.peek()
   # What a checkpoint stores resumes at the peeked batch, and after it as the plain iterator.
   state = json.loads(json.dumps(it.get_state()))
   fresh = pipeline.make_train_iterator(cfg, tokenizer=small_tok)
@@ -96,6 +86,10 @@ def test_state_and_counters_are_before_the_peek(corpus_dir, small_tok):
   assert_batches_equal(take(fresh, 4), expect)
   assert_batches_equal(take(it, 4), expect)
   assert it.counters() == ref.counters()
+  it.start_peek()
+  it.set_state(ref.get_state())    # drops a background peek
+  assert not it.pending
+  assert_batches_equal(take(it, 2), take(ref, 2))
 
 
 def test_orbax_save_after_a_peek_resumes_exactly(corpus_dir, small_tok, tmp_path):
