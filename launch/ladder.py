@@ -31,6 +31,14 @@ patterns (`L16d512_*`, `sweeps/muon_*`); a pattern that matches no point is an e
 listing the names. It is how a budget of separate device calls is spent: a point's checkpoints
 stay on the machine that trained it, so each call should run points it can finish.
 
+`--time_limit=SECONDS` (a device lease, a batch job's wall clock): the ladder does not start a
+point that would not finish within SECONDS of its start, timed from the finished points of its
+size in DIR (`launch.ladder_jobs`: median seconds a step × steps + the median time outside the
+steps; a point with none is started), and goes on to the next one that fits; at the limit it
+stops the running points as on SIGTERM (each saves a checkpoint, recorded interrupted). Either
+way it writes the report and exits 75 (EX_TEMPFAIL: the same command again goes on); 0 when every
+point is done. Give a surrounding `timeout` ~30 s more for the last checkpoint.
+
 `--jobs=N` (default 1: one point after another, in plan order) trains up to N points at once on
 one machine, each its own `launch.train` process and work directory, the most compute first; on
 a GPU each process allocates on demand up to 0.9/N of the memory, and the ladder exits 2 before
@@ -62,6 +70,7 @@ import os
 import shlex
 import signal
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -76,7 +85,7 @@ _CONFIG = _WORKDIR = _ABLATIONS = _SWEEP = _LIST = _REPORT = _OUT = _JOBS = _ONL
 def _define_flags() -> None:
   """The command's flags, defined only when it runs as a program: tests import this module beside
   `launch.train`, whose `--config` / `--workdir` flags would otherwise collide."""
-  global _CONFIG, _WORKDIR, _ABLATIONS, _SWEEP, _LIST, _REPORT, _OUT, _JOBS, _ONLY
+  global _CONFIG, _WORKDIR, _ABLATIONS, _SWEEP, _LIST, _REPORT, _OUT, _JOBS, _ONLY, _TIME_LIMIT
   _CONFIG = flags.DEFINE_string("config", None, "Ladder config: <file>:<grid>, e.g. "
                                 "configs/ladder.py:cpu.")
   _WORKDIR = flags.DEFINE_string("workdir", None, "Ladder directory: one sub-directory per point.")
@@ -91,11 +100,15 @@ def _define_flags() -> None:
   _JOBS = flags.DEFINE_integer("jobs", 1, "Points trained at once, each its own launch.train "
                                "process (on a GPU each with 0.9/jobs of its memory); 1: one by "
                                "one.")
+  _TIME_LIMIT = flags.DEFINE_float("time_limit", None, "Seconds the ladder may run: a point "
+                                   "that would not finish in time is not started; at the limit "
+                                   "the running points are stopped (resumable); exit 75.")
   _ONLY = flags.DEFINE_list("only", None, "Only the points whose names match one of these shell "
                             "patterns (e.g. L16d512_*,L8d256_200).")
 
 
 REPO = ladder_jobs.REPO
+EX_TEMPFAIL = 75   # the exit status when a time limit left points to run (sysexits.h)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,10 +238,17 @@ def point_env(spec) -> dict[str, str]:
 
 
 def run_ladder(config: str, workdir: str, ablations: bool = False, log=print,
-               sweeps: bool = False, jobs: int = 1, only=None) -> list[dict]:
+               sweeps: bool = False, jobs: int = 1, only=None,
+               time_limit: float | None = None) -> list[dict]:
   """Run every point not yet done (of those `only` selects, see `select`), `jobs` at a time
-  (`launch.ladder_jobs`); returns the records. Sweeps run in two stages: the second (the best
+  (`launch.ladder_jobs`), within `time_limit` seconds if given (`ladder_jobs.TimeLimit` when it
+  stops running points); returns the records. Sweeps run in two stages: the second (the best
   rates at more seeds) is planned from the first's results."""
+  deadline = None
+  if time_limit is not None:
+    if not time_limit > 0:
+      raise LadderError(f"--time_limit={time_limit}: give the seconds the ladder may run, > 0")
+    deadline = time.time() + time_limit
   ladder_jobs.check_jobs(jobs)
   path, grid = split_config(config)
   spec = load_config_file(path, grid)
@@ -236,16 +256,17 @@ def run_ladder(config: str, workdir: str, ablations: bool = False, log=print,
   device = functools.cache(lambda: ladder_jobs.probe_device(env))
   first = plan(spec, ablations, sweeps)
   records = _run_points(path, spec, select(first, only, later_points(spec, first, sweeps)),
-                        workdir, env, log, jobs, device)
+                        workdir, env, log, jobs, device, deadline)
   if sweeps:
     done = {r["name"] for r in records}
     more = [p for p in plan(spec, False, True, records) if p.name not in done]
-    records += _run_points(path, spec, select(more, only, first), workdir, env, log, jobs, device)
+    records += _run_points(path, spec, select(more, only, first), workdir, env, log, jobs, device,
+                           deadline)
   return records
 
 
 def _run_points(path: str, spec, points: list[Point], workdir: str, env: dict[str, str], log,
-                jobs: int = 1, device=None) -> list[dict]:
+                jobs: int = 1, device=None, deadline: float | None = None) -> list[dict]:
   """Validate `points`, then run them (`ladder_jobs.run`); with jobs > 1 first the memory check
   against `device()` and the longest first (the `ladder_jobs` docstring)."""
   described = validate(path, points)
@@ -255,7 +276,8 @@ def _run_points(path: str, spec, points: list[Point], workdir: str, env: dict[st
     env = ladder_jobs.child_env(env, dev, jobs)
     points = ladder_jobs.longest_first(points, described)
   commands = {p.name: command(path, p, workdir) for p in points}
-  return ladder_jobs.run(points, commands, described, spec.grid, workdir, env, log, jobs)
+  return ladder_jobs.run(points, commands, described, spec.grid, workdir, env, log, jobs,
+                         deadline)
 
 
 def memory_need(path: str, points: list[Point], devices: int) -> dict[str, float]:
@@ -522,11 +544,20 @@ def main(argv):
       for p in points:
         print(shell_line(command(path, p, _WORKDIR.value), env))
       return
-    run_ladder(_CONFIG.value, _WORKDIR.value, _ABLATIONS.value,
-               log=lambda s: print(s, flush=True), sweeps=_SWEEP.value, jobs=_JOBS.value,
-               only=_ONLY.value)
+    try:
+      records = run_ladder(_CONFIG.value, _WORKDIR.value, _ABLATIONS.value,
+                           log=lambda s: print(s, flush=True), sweeps=_SWEEP.value,
+                           jobs=_JOBS.value, only=_ONLY.value, time_limit=_TIME_LIMIT.value)
+      left = [r["name"] for r in records if r.get("status") == "not started"]
+      why = f"{len(left)} point(s) not started in the time left: {', '.join(left)}" if left else ""
+    except ladder_jobs.TimeLimit as e:
+      why = (f"{_TIME_LIMIT.value:g} s passed: {e} stopped (each saved a checkpoint if it was "
+             f"training) and recorded as interrupted")
     r = report(_WORKDIR.value, _OUT.value)
     print(r["markdown"], end="")
+    if why:
+      print(f"time limit: {why}; run the same command again to go on", file=sys.stderr)
+      sys.exit(EX_TEMPFAIL)
   except LadderError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -31,6 +31,16 @@ several):
            on a GPU would hold memory the runs need.
 Every run has its own work directory, DIR/<name>; `check_names` refuses a list that repeats one.
 Each log line of the ladder names its point: `[k/n] <name>: ...`.
+
+A time limit (`deadline`, `launch.ladder --time_limit`: a device lease, a batch job's wall clock).
+A point that would not finish before it is not started: `estimate_seconds` times it from the
+finished points of its size (of its sweep chain or ablation where there are such) in the ladder
+directory that ran with the same number of runs at once, as their median seconds a step (metrics.jsonl's `step_time`) times its steps
+plus their median seconds outside the steps (start-up, compilation, evaluation, checkpoints); a
+point with no such finished point is started. The ladder goes on to the next point that fits. At
+the deadline the running points are stopped as on SIGTERM (checkpoint, recorded interrupted) and
+`TimeLimit` is raised: work that cannot finish on a machine that is then taken away (with its
+checkpoints) is not begun, and what was begun stays resumable where the directory survives.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -52,6 +63,11 @@ _POLL_S = 0.5         # how often the ladder looks at its running processes
 
 class LadderError(RuntimeError):
   """The ladder cannot start; the message lists what to change."""
+
+
+class TimeLimit(RuntimeError):
+  """The ladder's deadline came while points were running; they were stopped and recorded as
+  interrupted."""
 
 
 # --- a point's records ----------------------------------------------------------------------------
@@ -91,6 +107,48 @@ def final_eval(pdir: str, steps: int) -> dict[str, float] | None:
   if m.get("eval/loss") is None:
     return None
   return {"eval_loss": m["eval/loss"], "eval_bpb": m.get("eval/bits_per_byte")}
+
+
+# --- how long a point takes ----------------------------------------------------------------------
+
+def step_seconds(pdir: str) -> float | None:
+  """The median `step_time` a run logged (seconds a step; None if it logged none)."""
+  times = [m["step_time"] for m in read_metrics(pdir).values() if m.get("step_time")]
+  return statistics.median(times) if times else None
+
+
+def finished_timings(workdir: str) -> list[tuple[dict[str, Any], float]]:
+  """(record, seconds a step) of every done point under `workdir` that logged its step time."""
+  out = []
+  for root, _, files in os.walk(workdir):
+    if "point.json" not in files:
+      continue
+    rec = read_record(root)
+    if rec and rec.get("status") == "done" and rec.get("seconds") and rec.get("steps"):
+      per_step = step_seconds(root)
+      if per_step:
+        out.append((rec, per_step))
+  return out
+
+
+def _arm(rec: dict[str, Any]) -> str:
+  """What besides the size sets a point's time: a sweep's chain (not its rate), an ablation's
+  switch; '' for a grid point."""
+  return {"sweep": rec.get("chain", ""), "ablation": rec.get("ablation", "")}.get(rec.get("kind"), "")
+
+
+def estimate_seconds(point, jobs: int, timings: list[tuple[dict[str, Any], float]]) -> float | None:
+  """`point`'s wall time by the finished points of its size run `jobs` at once
+  (`finished_timings`), those of its arm (`_arm`) if there are any: median seconds a step × its
+  steps + median seconds outside the steps; None when there is no such point."""
+  size = [(rec, s) for rec, s in timings
+          if rec.get("size") == point.size and rec.get("jobs", 1) == jobs]
+  same = [(rec, s) for rec, s in size if _arm(rec) == _arm(dataclasses.asdict(point))] or size
+  if not same:
+    return None
+  per_step = statistics.median(s for _, s in same)
+  fixed = statistics.median(max(rec["seconds"] - rec["steps"] * s, 0.0) for rec, s in same)
+  return fixed + point.steps * per_step
 
 
 # --- several at once: jobs, device, memory, order -----------------------------------------------
@@ -207,9 +265,11 @@ class _Run:
 
 
 def run(points, commands: dict[str, list[str]], described: dict[str, dict[str, Any]], grid: str,
-        workdir: str, env: dict[str, str], log, jobs: int = 1) -> list[dict[str, Any]]:
+        workdir: str, env: dict[str, str], log, jobs: int = 1,
+        deadline: float | None = None) -> list[dict[str, Any]]:
   """Run every point not yet done, at most `jobs` at once, in the order given; their records in
-  that order (see the module docstring)."""
+  that order (a point the `deadline`, a `time.time()`, leaves out: status "not started", not
+  written to its directory). See the module docstring."""
   check_jobs(jobs)
   check_names(points)
   queue = list(enumerate(points, 1))
@@ -225,6 +285,16 @@ def run(points, commands: dict[str, list[str]], described: dict[str, dict[str, A
           log(f"[{number}/{len(points)}] {p.name}: done, skipped")
           records[p.name] = old
           continue
+        if deadline is not None:
+          left = deadline - time.time()
+          need = estimate_seconds(p, jobs, finished_timings(workdir))
+          if left <= 0 or (need is not None and need > left):
+            log(f"[{number}/{len(points)}] {p.name}: not started: "
+                + (f"needs ~{need:.0f} s by the finished points of its size, " if need is not None
+                   else "")
+                + f"{max(left, 0):.0f} s left")
+            records[p.name] = dict(old or {"name": p.name}, status="not started")
+            continue
         _start(running, number, len(points), p, pdir, commands[p.name], described[p.name],
                grid, env, jobs, log)
       if not running:
@@ -236,6 +306,8 @@ def run(points, commands: dict[str, list[str]], described: dict[str, dict[str, A
       for r in [r for r in running if r.proc.poll() is not None]:
         running.remove(r)
         records[r.point.name] = _finish(r, len(points), log)
+      if deadline is not None and running and time.time() >= deadline:
+        raise TimeLimit(", ".join(r.point.name for r in running))
   except BaseException:
     _stop(running, len(points), log)
     raise

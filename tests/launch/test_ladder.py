@@ -20,6 +20,7 @@ import json
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -297,6 +298,72 @@ def test_sigterm_stops_the_running_point_and_exits_130(tmp_path, env):
   assert not (work / "L2d32_6").exists()   # nothing after the interrupted point started
   ps = subprocess.run(["pgrep", "-f", str(slow)], capture_output=True, text=True)
   assert ps.stdout.strip() == "", ps.stdout
+
+
+def test_time_limit_stops_the_running_point_and_exits_75(tmp_path, env):
+  """`--time_limit`: at the limit the running point is stopped as on SIGTERM (recorded
+  interrupted, no process left), the next is not started, the report is written and the ladder
+  exits 75 saying that the same command goes on."""
+  slow = _slow_config(tmp_path)
+  work = tmp_path / "work"
+  t0 = time.time()
+  rc, out = _ladder(env, f"--config={slow}:micro", f"--workdir={work}", "--time_limit=15")
+  assert rc == 75 and "time limit: 15 s passed: L2d32_3 stopped" in out, out
+  assert time.time() - t0 < 60   # not the point's 120 s
+  assert "run the same command again to go on" in out and "| L2d32_3 |" in out
+  assert ladder.read_record(str(work / "L2d32_3"))["status"] == "interrupted"
+  assert not (work / "L2d32_6").exists()
+  ps = subprocess.run(["pgrep", "-f", str(slow)], capture_output=True, text=True)
+  assert ps.stdout.strip() == "", ps.stdout
+  rc, out = _ladder(env, "--config=configs/ladder.py:micro", f"--workdir={work}", "--time_limit=0")
+  assert rc == 2 and "--time_limit=0.0: give the seconds the ladder may run, > 0" in out, out
+
+
+def _finished(pdir, size, steps, seconds, step_times, **extra):
+  """A done point's record and metrics, as a finished run leaves them."""
+  ladder_jobs.write_record(str(pdir), dict(dict(name=pdir.name, kind="grid", size=size,
+                                                steps=steps, ablation="", chain=""), **extra,
+                                           status="done", seconds=seconds))
+  with open(pdir / "metrics.jsonl", "w") as f:
+    for i, t in enumerate(step_times, 1):
+      f.write(json.dumps({"step": i, "step_time": t}) + "\n")
+    f.write(json.dumps({"step": steps, "eval/loss": 3.0}) + "\n")
+
+
+def test_time_limit_starts_only_the_points_the_finished_ones_say_will_fit(tmp_path):
+  """Each point's time is the finished points of its size at the same --jobs, of its sweep chain
+  where there are such (median seconds a step x steps + median seconds outside the steps); one
+  that would not fit the time left is not started and the ladder goes on to the next; one with no
+  such finished point is started."""
+  work = tmp_path / "work"
+  _finished(work / "S_3", "S", 3, 100.0, [10.0, 9.0, 12.0])          # 10 s a step, 70 s fixed
+  _finished(work / "S_4", "S", 4, 130.0, [11.0, 10.0, 10.0])         # 10 s a step, 90 s fixed
+  _finished(work / "S_5x2", "S", 5, 10.0, [1.0], jobs=2)              # shared: not for jobs=1
+  _finished(work / "T_9", "T", 9, 5.0, [])                           # no step time: unused
+  _finished(work / "sweeps" / "S_adamw_lr0.1", "S", 2, 20.0, [4.0], kind="sweep",
+            ablation="adamw_lr0.1", chain="adamw")                  # 4 s a step, 12 s fixed
+  timings = ladder_jobs.finished_timings(str(work))
+  assert sorted(r["name"] for r, _ in timings) == ["S_3", "S_4", "S_5x2", "S_adamw_lr0.1"]
+  point = lambda name, size, steps: ladder.Point(name, f"g/{size}/{steps}", 0, "grid", size, steps)
+  sweep = lambda chain: ladder.Point("s", "g/S/6/x", 0, "sweep", "S", 6, f"{chain}_lr0.3", chain, 0.3)
+  # The S grid points: each 10 s a step (its median), 70 and 90 s outside the steps: 80 s.
+  assert ladder_jobs.estimate_seconds(point("a", "S", 6), 1, timings) == 80.0 + 6 * 10.0
+  assert ladder_jobs.estimate_seconds(point("a", "S", 6), 2, timings) == 5.0 + 6 * 1.0
+  assert ladder_jobs.estimate_seconds(point("a", "T", 6), 1, timings) is None
+  assert ladder_jobs.estimate_seconds(sweep("adamw"), 1, timings) == 12.0 + 6 * 4.0  # its chain
+  assert ladder_jobs.estimate_seconds(sweep("muon"), 1, timings) == pytest.approx(
+      statistics.median([20.0 - 2 * 4.0, 70.0, 90.0]) + 6 * 10.0)        # none: all of size S
+
+  points = [point("S_3", "S", 3), point("S_6", "S", 6), point("S_1", "S", 1), point("T_2", "T", 2)]
+  commands = {p.name: [sys.executable, "-c", "pass"] for p in points}
+  lines = []
+  records = ladder_jobs.run(points, commands, {p.name: {} for p in points}, "g", str(work),
+                            dict(os.environ), lines.append, deadline=time.time() + 120)
+  assert [r["status"] for r in records] == ["done", "not started", "failed", "failed"], lines
+  assert any(l.startswith("[2/4] S_6: not started: needs ~140 s by the finished points of its "
+                          "size, 1") for l in lines), lines
+  assert not (work / "S_6").exists()
+  assert records[2]["returncode"] == records[3]["returncode"] == 0   # started: ran, no eval
 
 
 # --- several points at once (--jobs) -------------------------------------------------------------

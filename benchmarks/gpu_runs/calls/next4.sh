@@ -1,32 +1,33 @@
 # Next sessions (issue 29): the :gpu ladder grid (9 points), then its learning-rate sweep (stage 1:
 # 2 sizes x 2 chains x 5 rates x 400 steps; stage 2: each best rate at seed 1).
 #
-# 2026-12-03 (call 4, --jobs=4, nothing selected) taught two things. (1) A point that a call does not
-# finish is lost: its checkpoints stay on the machine, which is given back after the call (and a
-# fresh machine is started for the next), so 4 long points ran 470 s and none finished. (2) With 4 at
-# once each point stepped 3.1x slower than alone (L16d512 1.73 s against 0.55 s, L12d384 1.07 s), and
-# the 4th process ran out of memory on its first step (a 17.36 GiB allocation within its 0.225 share;
-# the analytic plan, 16.6 GiB for the point, is within ~12 % of that program, so most likely the device
-# itself was full: 4 x 31.3 GiB of allocator shares plus each process's memory outside them). So each call now names the points it can
-# finish (ONLY, launch.ladder --only) and runs at most 2 at once. Estimates alone (2026-11-30 step
-# times; ~60-75 s of start-up and compilation a point): L8d256 200/400/800 ~85/135/210 s, L12d384
-# ~145/215/360 s, L16d512 ~155/280/500 s. Calls (each with the previous calls' archives restored):
-#   A: ONLY=L16d512_800 JOBS=1                          (~500 s)
-#   B: ONLY=L12d384_800,L16d512_200 JOBS=1              (~515 s)
-#   C: ONLY=L16d512_400,L12d384_400 JOBS=1              (~495 s)
-#   D: ONLY=L8d256_*,L12d384_200 JOBS=2                 (~580 s one by one; 2 at once)
-#   then the sweep, SWEEP=1 with ONLY per call the same way (10 points of L8d256_400-like ~135 s, 10 of
-#   L12d384_400-like ~215 s, then stage 2). If next_s41_call1.sh finds the WHILE/CONDITIONAL command
-#   buffers faster, every estimate shrinks; re-estimate from the first call's point.json "seconds".
-#   run(command="cd build/clean && ONLY=L16d512_800 JOBS=1 bash benchmarks/gpu_runs/calls/next4.sh",
+# A point that a call does not finish is lost: its checkpoints stay on the machine, which is given
+# back after the call (2026-12-03: L16d512_400 stopped at step 366 of 400). So the ladder runs with
+# --time_limit (the seconds left to END): it starts only the points that the finished points of
+# their size say will end in time (launch/ladder_jobs.py estimate_seconds) and goes on to the next
+# that fits. Several at once do not pay (2026-12-03 call 4: 4 jobs at 3.1x their solo step time,
+# one out of memory): JOBS=1.
+#
+# Done (archives in benchmarks/gpu_runs/2026-12-03/s41_call{2,3}/ladder_gpu.tar.gz): L8d256_200,
+# L12d384_200, L16d512_200, L8d256_400, L12d384_400. Solo times on 2026-12-03 (seconds outside the
+# steps ~85-95 a point): L8d256 0.127 s a step, L12d384 0.254, L16d512 0.43; left: L16d512_400
+# ~265 s, L8d256_800 ~185, L12d384_800 ~295, L16d512_800 ~440. Calls (each restoring every earlier
+# call's archive first):
+#   A: ONLY=L16d512_800                      (~440 s)
+#   B: ONLY=L12d384_800,L8d256_800           (~480 s)
+#   C: ONLY='L16d512_400' then the sweep: SWEEP=1 ONLY='*' (the time limit starts what fits)
+#   run(command="cd build/clean && ONLY=L16d512_800 bash benchmarks/gpu_runs/calls/next4.sh",
 #       carry=[".whl", "build/clean"], timeout_s=600)
-# Before each call, unpack every earlier call's $OUT/ladder_gpu.tar.gz into build/clean/build/ladder_prev
-# here (carried with build/clean): its done points are copied in and skipped.
+# Before each call: `mkdir -p build/clean/build/ladder_prev` and unpack every earlier call's
+# ladder_gpu.tar.gz there (tar -xzf ... -C build/clean/build/ladder_prev): its done points are
+# copied in and skipped, and their timings drive the time limit's estimates.
 # Never carry build/ladder_gpu itself: on a warm machine that would replace the workdir and its checkpoints.
 #
-# Time: the ladder steps end by END (default 545) s after the start (SIGINT, 30 s more before SIGKILL), the report
-# and the archive by ~560 s. $OUT (at most 8 files come back): log.txt, report.md, ladder_gpu.tar.gz
-# (point.json, metrics.jsonl and train.log of every point, and the report's files; no checkpoints).
+# Time: the ladder stops itself by END (default 545) s after the start (--time_limit; exit 75 when
+# points are left; a running point is stopped there only when its size had no finished point to
+# time it by), `timeout` 15 s later is the backstop; the report and the archive by ~580 s at worst. $OUT
+# (at most 8 files come back): log.txt, report.md, ladder_gpu.tar.gz (point.json, metrics.jsonl
+# and train.log of every point, and the report's files; no checkpoints).
 # Locally: tar -xzf .../ladder_gpu.tar.gz -C DIR && python -m launch.ladder --report DIR --out=benchmarks/ladder/gpu
 source benchmarks/gpu_runs/calls/prelude.sh
 OUT=$(realpath "$OUT")
@@ -50,11 +51,11 @@ for root, _, files in os.walk(src):
 EOF
 fi
 END=${END:-545}
-: "${ONLY:?set ONLY to the points this call can finish (see above)}" "${JOBS:=1}"
-step "ladder ${SWEEP:+sweep }$ONLY, $JOBS at once"
-timeout -s INT -k 30 $((END - SECONDS)) python3 -m launch.ladder --config=configs/ladder.py:gpu --workdir=$W \
-    --jobs=$JOBS --only="$ONLY" ${SWEEP:+--sweep}
-step report; timeout 45 python3 -m launch.ladder --report $W > $OUT/report.md
+: "${ONLY:=*}" "${JOBS:=1}"
+step "ladder ${SWEEP:+sweep }$ONLY, $JOBS at once, $((END - SECONDS)) s"
+timeout -s INT -k 15 $((END - SECONDS + 15)) python3 -m launch.ladder --config=configs/ladder.py:gpu \
+    --workdir=$W --jobs=$JOBS --only="$ONLY" --time_limit=$((END - SECONDS)) ${SWEEP:+--sweep}
+step report; timeout 20 python3 -m launch.ladder --report $W > $OUT/report.md
 step archive; (cd $W && find . -maxdepth 3 -type f \( -name point.json -o -name metrics.jsonl -o -name train.log \
     -o -name 'ladder.*' -o -name report.md -o -name '*.png' \) -print0 | tar --null -czf "$OUT/ladder_gpu.tar.gz" -T -)
 ls -l $OUT
