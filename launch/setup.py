@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable, Mapping
 
@@ -242,6 +243,7 @@ class TrainSetup:
   shardings: TrainState  # NamedShardings: params and opt_state as placed, moe_bias replicated
   graphdef: nnx.GraphDef
   tx: Any
+  seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # init_state's parts
 
   @property
   def replicated(self) -> NamedSharding:
@@ -259,10 +261,12 @@ class TrainSetup:
 
 def init_state(run: RunConfig, mesh) -> TrainSetup:
   """The model and optimizer state created directly with their shardings (seed `train.seed`)."""
+  t0 = time.perf_counter()
   with jax.set_mesh(mesh):
     model = model_lib.init_model(run.model, run.train.seed, mesh)
   graphdef, params = nnx.split(model)
   params = nnx.as_pure(params)
+  t1 = time.perf_counter()
   tx = build_optimizer(run.optim, params, sub_tables=engram_sub_tables(model))
   del model
   param_shardings = jax.tree.map(lambda x: x.sharding, params)
@@ -271,7 +275,10 @@ def init_state(run: RunConfig, mesh) -> TrainSetup:
   moe_bias = replicate(model_lib.zero_moe_bias(run.model), replicated)
   shardings = TrainState(param_shardings, jax.tree.map(lambda x: x.sharding, opt_state),
                          replicated)
-  return TrainSetup(TrainState(params, opt_state, moe_bias), shardings, graphdef, tx)
+  # Each part is mostly its program's compilation (the first also the backend's start): the
+  # programs run asynchronously.
+  seconds = {"parameters": t1 - t0, "optimizer state": time.perf_counter() - t1}
+  return TrainSetup(TrainState(params, opt_state, moe_bias), shardings, graphdef, tx, seconds)
 
 
 def abstract_state(run: RunConfig, mesh, rules=None) -> TrainSetup:

@@ -371,8 +371,10 @@ def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
     log.info("starting at step 0 from the weights launch.convert imported from %s; the "
              "optimizer state is fresh", checkpointer.imported["source"])
   t_state = time.time()
-  log.info("startup: config and data %.1f s, model and optimizer state %.1f s",
-           ctx.t_data - ctx.t_start, t_state - ctx.t_data)
+  parts = ", ".join(f"{k} {v:.1f}" for k, v in ts.seconds.items())
+  log.info("startup: config and data %.1f s, model and optimizer state %.1f s (%s, checkpoint "
+           "lookup %.1f)", ctx.t_data - ctx.t_start, t_state - ctx.t_data, parts,
+           t_state - ctx.t_data - sum(ts.seconds.values()))
   if start >= tcfg.steps:  # nothing to train: the work directory stays as it is
     return {"start_step": start, "end_step": start, "steps": tcfg.steps, "losses": {}, "eval": {},
             "seconds": time.time() - ctx.t_start, "compile_seconds": 0.0,

@@ -209,6 +209,8 @@ def test_reference_run_logs(reference):
     assert int(tps) == round(by_step[int(s)]["tokens_per_second"])
     assert float(mfu) == pytest.approx(100 * by_step[int(s)]["mfu"], abs=0.006)
   assert "startup: config and data" in out and "train step compiled in" in out
+  assert re.search(r"model and optimizer state [0-9.]+ s \(parameters [0-9.]+, optimizer state "
+                   r"[0-9.]+, checkpoint lookup -?[0-9.]+\)", out), out
   # the end-of-run summary, its figures from the records above
   ev = [r for r in reference["records"] if "eval/loss" in r][0]
   assert f"done (process 0): steps 0→{STEPS} of {STEPS}" in out
