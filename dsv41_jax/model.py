@@ -4,12 +4,10 @@ The layer plan groups layers into runs (`layer_plan.Run`); a run's weights are s
 leading axis (`runs/<r>/core/...` for every layer, `runs/<r>/<kind>/...` for each kind that has
 CSA2 weights of its own, `runs/<r>/engram/...` for the run's Engram layer) and run under one
 `lax.scan` whose body switches on the layer's kind. The Engram table lookup depends on the token ids
-alone, so it runs before the run's layers; the Engram layer itself runs unrolled, its injection
-static, between a scan of the layers before it and one of the layers after it (`run_pieces`), so
-no scanned body carries a conditional injection. The program therefore holds at most two layer
-bodies per kind per run, plus the Engram layers, whatever the depth: compile time and program
-size do not grow with the number of layers. With `scan_layers=False` the same weights run
-unrolled (for tests). A forward pass can stop after the encoder (CED prefill, §6).
+alone, so it runs before the scan; the scan body injects it (gated on the streams) at its layer. The program therefore holds one
+layer body per kind per run, whatever the depth: compile time and program size do not grow with
+the number of layers. With `scan_layers=False` the same weights run unrolled (for tests). A
+forward pass can stop after the encoder (CED prefill, §6).
 
 Shapes: B batch, T sequence, N = hc_mult streams, D hidden, V vocab, L layers, E experts.
 """
@@ -158,21 +156,28 @@ class Transformer(nnx.Module):
 
   def run_layers(self, r: int, state: StreamState, ctx: Context,
                  moe_bias_Lx2xE: jax.Array) -> tuple[StreamState, LayerAux]:
-    """Run the layers of run `r` piece by piece (`run_pieces`); returns the new state and the
-    per-layer aux stacked in layer order."""
+    """Run the layers of run `r`; returns the new state and per-layer aux stacked in layer order."""
     cfg = self.cfg
     run, stack = self.plan.runs[r], self.runs[r]
     lo, n = run.first_layer, run.n_layers
     bias = moe_bias_Lx2xE[lo:lo + n]
-    inject = touched = None
+    is_engram = np.asarray([l.engram for l in run.layers])
+    engram_at = lambda flag: None
+    touched = None
     if run.engram:
-      # The lookup (ids only) before the layers; the gated injection at the Engram layer.
+      # The lookup (ids only) before the scan; the gated injection inside, at the Engram layer.
       token_mask = (ctx.segment_ids_BxT > 0) & ~ctx.image_mask_BxT
       ids = ctx.engram_ids[run.engram_layer]
       memory_kv = stack.engram.memory(ids)
       touched = stack.engram.rows_touched(ids, token_mask) / stack.engram.num_rows
       engram = stack.engram
-      inject = lambda X: engram.inject(X, memory_kv, token_mask)
+
+      def engram_at(flag):
+        inject = lambda X: engram.inject(X, memory_kv, token_mask)
+        if isinstance(flag, (bool, np.bool_)):   # unrolled: static
+          return inject if flag else None
+        skip = lambda X: (X, jnp.zeros((cfg.hc_mult,), jnp.float32))
+        return lambda X: jax.lax.cond(flag, inject, skip, X)
     state = self._prepare_carry(run, state, ctx)
     pubs = stack.publishers(run)
     core_def, core_state = nnx.split(stack.core)
@@ -180,45 +185,41 @@ class Transformer(nnx.Module):
     pub_states = [None if p is None else nnx.split(p)[1] for p in pubs]
     kind_of = np.asarray(run.kind_of, np.int32)
     slot_of = np.asarray(run.slot_of, np.int32)
-    remat = lambda f: (jax.checkpoint(f, prevent_cse=False,
-                                      policy=layer_remat_policy(cfg.remat_saves))
-                       if cfg.remat else f)
 
-    @remat
     def body(carry, xs):
-      # A scanned layer: its kind traced (a lax.switch over the run's kinds), never Engram's.
-      core_p, pub_ps, bias_l, k = xs
+      core_p, pub_ps, bias_l, k, e = xs
       core = nnx.merge(core_def, core_p)
       ps = [None if d is None else nnx.merge(d, p) for d, p in zip(pub_defs, pub_ps)]
-      return layer_forward(cfg, run.kinds, core, ps, carry, ctx, bias_l, k)
+      return layer_forward(cfg, run.kinds, core, ps, carry, ctx, bias_l, k, engram_at(e))
 
-    auxes = []
-    for a, b in run_pieces(run, cfg.scan_layers):   # the run's layers [a, b): a scan, or unrolled
-      if cfg.scan_layers and b - a > 1:
-        # Each kind's weights gathered into one row per layer (rows of other kinds are never
-        # read; the gather's transpose sums each layer's gradient back into its kind's stack).
-        gathered = [None if p is None else jax.tree.map(
-            lambda w, k=k: w[np.where(kind_of[a:b] == k, slot_of[a:b], 0)], p)
-            for k, p in enumerate(pub_states)]
-        state, aux = jax.lax.scan(body, state, (jax.tree.map(lambda w: w[a:b], core_state),
-                                                gathered, bias[a:b], jnp.asarray(kind_of[a:b])))
-        auxes.append(aux)
-      else:
-        for i in range(a, b):
-          k, slot = run.kind_of[i], run.slot_of[i]
+    if cfg.remat:
+      body = jax.checkpoint(body, prevent_cse=False, policy=layer_remat_policy(cfg.remat_saves))
+    if cfg.scan_layers and n > 1:
+      # Each kind's weights gathered into one row per layer (rows of other kinds are never read;
+      # the gather's transpose sums each layer's gradient back into its kind's stack).
+      gathered = [None if p is None else jax.tree.map(
+          lambda a, k=k: a[np.where(kind_of == k, slot_of, 0)], p)
+          for k, p in enumerate(pub_states)]
+      state, aux = jax.lax.scan(body, state, (core_state, gathered, bias, jnp.asarray(kind_of),
+                                              jnp.asarray(is_engram)))
+    else:
+      auxes = []
+      for i in range(n):
+        k, slot = run.kind_of[i], run.slot_of[i]
 
-          @remat
-          def one(carry, core_p, pub_p, bias_l, k=k, e=run.layers[i].engram):
-            # Unrolled, the kind and the injection are static: only the layer's own publisher
-            # weights are passed.
-            ps = [None if pub_defs[k] is None else nnx.merge(pub_defs[k], pub_p)]
-            return layer_forward(cfg, [run.kinds[k]], nnx.merge(core_def, core_p), ps, carry, ctx,
-                                 bias_l, engram=inject if e else None)
+        def one(carry, core_p, pub_p, bias_l, k=k, e=is_engram[i]):
+          # Unrolled, the kind is static: only the layer's own publisher weights are passed.
+          ps = [None if pub_defs[k] is None else nnx.merge(pub_defs[k], pub_p)]
+          return layer_forward(cfg, [run.kinds[k]], nnx.merge(core_def, core_p), ps, carry, ctx,
+                               bias_l, engram=engram_at(e))
 
-          pub_p = None if pub_states[k] is None else jax.tree.map(lambda w: w[slot], pub_states[k])
-          state, aux = one(state, jax.tree.map(lambda w: w[i], core_state), pub_p, bias[i])
-          auxes.append(jax.tree.map(lambda x: jnp.expand_dims(x, 0), aux))
-    aux = jax.tree.map(lambda *x: jnp.concatenate(x), *auxes) if len(auxes) > 1 else auxes[0]
+        if cfg.remat:
+          one = jax.checkpoint(one, prevent_cse=False,
+                               policy=layer_remat_policy(cfg.remat_saves))
+        pub_p = None if pub_states[k] is None else jax.tree.map(lambda a: a[slot], pub_states[k])
+        state, a = one(state, jax.tree.map(lambda a: a[i], core_state), pub_p, bias[i])
+        auxes.append(a)
+      aux = jax.tree.map(lambda *a: jnp.stack(a), *auxes)
     if touched is not None:
       at = run.engram_layer - run.first_layer
       aux = aux._replace(engram_rows_touched=aux.engram_rows_touched.at[at].set(touched))
@@ -310,21 +311,6 @@ class Transformer(nnx.Module):
         core, pub, _ = self.layer(spec.index)
         out["decoder_kv"][spec.index] = prefill_kv(self.cfg, core, pub, enc, ctx)
     return out
-
-
-def run_pieces(run: Run, scan_layers: bool) -> tuple[tuple[int, int], ...]:
-  """The slices [a, b) of `run`'s layers (indices within the run) that `Transformer.run_layers`
-  executes in turn, each as one `lax.scan` when it holds more than one layer and `scan_layers`,
-  else unrolled: the whole run, or, scanned with an Engram layer at e, [0, e), [e, e + 1) and
-  [e + 1, n) (empty slices left out). The Engram layer thus runs unrolled, its injection and kind
-  static: under a `lax.cond` in the scan body, the GPU program copied the whole residual stream
-  out of the skip branch of every other layer (~10.8 GB a step at s3) and read the predicate back
-  to the host inside the loop (issue 28)."""
-  n = run.n_layers
-  if not (scan_layers and run.engram):
-    return ((0, n),)
-  e = run.engram_layer - run.first_layer
-  return tuple((a, b) for a, b in ((0, e), (e, e + 1), (e + 1, n)) if b > a)
 
 
 def _collect(auxes: list[LayerAux]) -> dict[str, jax.Array]:

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsv41_jax import model as M, sharding, testing
-from dsv41_jax.engram import lookup as engram_lookup
+from dsv41_jax import model as M, testing
 from dsv41_jax.errors import ConfigError
 from dsv41_jax.layer_plan import build_layer_plan
 from dsv41_jax.loss import objective
@@ -88,92 +87,6 @@ def test_scan_equals_unrolled_and_prefill_stops_at_the_encoder(cfg, split_model)
   kv = pre["decoder_kv"][n_enc]
   assert kv.main_kv_BxNxD.shape == (2, cfg.seq_len, cfg.head_dim)   # m = 1 in the decoder
   assert pre["encoder_state"].X_BxTxNxD.shape == (2, cfg.seq_len, cfg.hc_mult, cfg.hidden_size)
-
-
-def _with_marked_injection(fn):
-  """`fn` traced with the Engram injection (`engram.lookup.engram_inject`) under the name scope
-  "engram_inject", which its equations then carry in their name stacks."""
-  inject = engram_lookup.engram_inject
-
-  def marked(*args, **kw):
-    with jax.named_scope("engram_inject"):
-      return inject(*args, **kw)
-
-  def run(*args):
-    with mock.patch.object(engram_lookup, "engram_inject", marked):
-      return fn(*args)
-  return run
-
-
-def _injections(jaxpr) -> int:
-  return sum("engram_inject" in str(e.source_info.name_stack)
-             for e in testing.jaxpr_eqns(jaxpr, "mul"))
-
-
-def test_no_engram_injection_inside_a_cond(cfg):
-  """Scanned, the Engram layer runs outside its run's scan (`M.run_pieces`): no `cond` of the
-  train step's forward or gradient program (the scan's kind switch included) holds the
-  injection, which under a `lax.cond` in the scan body copied the whole residual stream out of
-  the skip branch of every other layer on the GPU (issue 28); the injection is in the program,
-  outside the conds. (With the injection under `lax.cond` in the scan body, as
-  before, the forward's cond holds it and this fails.)"""
-  c = cfg.replace(remat=True)
-  assert c.scan_layers and any(r.engram and r.n_layers > 1 for r in build_layer_plan(c).runs)
-  graphdef, state = nnx.split(M.abstract_model(c))
-  batch = jax.tree.map(jnp.asarray, testing.packed_batch(c, 0))
-  loss = lambda p: objective(c, *nnx.merge(graphdef, p)(batch, M.zero_moe_bias(c)), batch)[0]
-  for program in (jax.make_jaxpr(_with_marked_injection(loss))(state),
-                  jax.make_jaxpr(_with_marked_injection(jax.grad(loss)))(state)):
-    conds = testing.jaxpr_eqns(program.jaxpr, "cond")
-    assert conds                                                # the kind switches
-    inside = [e for e in conds if any(_injections(b.jaxpr) for b in e.params["branches"])]
-    assert not inside, f"{len(inside)} conds hold the Engram injection"
-    assert _injections(program.jaxpr) >= len(c.engram_layer_ids)
-
-
-@pytest.fixture(scope="module")
-def engram_later_state():
-  """Weights of `tiny_config` with Engram in the second and third runs (layers 1-3 and 4-7), moved
-  off their init (which zeroes some, e.g. the Engram gates' effect on the loss); the layout of
-  the weights is the same wherever in those runs the Engram layers are."""
-  c = testing.tiny_config(engram_layer_ids=(1, 4))
-  _, state = nnx.split(M.init_model(c, 0, sharding.make_mesh({}, jax.devices()[:1])))
-  rng = np.random.default_rng(5)
-  return jax.tree.map(lambda a: a + 0.05 * rng.standard_normal(a.shape).astype(a.dtype), state)
-
-
-@pytest.mark.parametrize("engram_layer_ids", [(1, 4), (2, 6), (3, 7)],
-                         ids=["first", "middle", "last"])
-def test_scan_equals_unrolled_with_the_engram_layer_anywhere_in_its_run(engram_layer_ids,
-                                                                       engram_later_state):
-  """With the Engram layer first, in the middle or last of its runs (layers 1-3 and 4-7, the
-  second with a kind switch: `M.run_pieces` gives each a scanned piece before it, after it or
-  neither), the scanned model's logits, loss and per-layer aux equal the unrolled model's on the
-  same weights, MoE bias and batch. Forward only: the gradient programs took 75-170 s to compile
-  here; the pieces' gradients were checked against the single-scan code once (commit message).
-  Tolerance: that of `test_scan_equals_unrolled_and_prefill_stops_at_the_encoder`, float32
-  rounding of the same arithmetic fused differently (measured 2026-12-03: the logits of "first"
-  7.2e-7 apart at |logit| ≤ 3.9, everything else bit-identical)."""
-  c = testing.tiny_config(engram_layer_ids=engram_layer_ids)
-  graphdef, abstract = nnx.split(M.abstract_model(c))
-  g2, _ = nnx.split(M.abstract_model(c.replace(scan_layers=False)))
-  params = engram_later_state
-  assert jax.tree.structure(params) == jax.tree.structure(abstract)
-  rng = np.random.default_rng(sum(engram_layer_ids))
-  bias = jnp.asarray(0.1 * rng.standard_normal(M.zero_moe_bias(c).shape), jnp.float32)
-  batch = jax.tree.map(jnp.asarray, testing.packed_batch(c, rng))
-
-  @jax.jit
-  def both(params):
-    def forward(gd):
-      logits, aux = nnx.merge(gd, params)(batch, bias)
-      return logits, objective(c, logits, aux, batch)[0], aux
-    return forward(graphdef), forward(g2)
-
-  a, b = (_flat(x) for x in both(params))
-  assert a.keys() == b.keys()
-  for k in a:
-    np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-6, err_msg=k)
 
 
 def _flat(tree):
@@ -384,8 +297,7 @@ def test_remat_saves_keep_what_they_name(cfg):
     jaxpr = jax.make_jaxpr(jax.grad(loss))(state).jaxpr
     return _count(jaxpr, "ragged_dot_general"), _count(jaxpr, "dot_general")
 
-  # One layer body per piece of a run (`M.run_pieces`): a scan, or one unrolled layer.
-  bodies = sum(len(M.run_pieces(r, True)) for r in build_layer_plan(cfg).runs)
+  bodies = len(build_layer_plan(cfg).runs)  # one scan body per run (a run of one is unrolled)
   off, on = counts(remat=False), counts(remat=True)
   experts = counts(remat=True, remat_saves=("experts",))
   both = counts(remat=True, remat_saves=("projections", "experts"))
@@ -407,10 +319,9 @@ def test_each_selection_is_planned_once(cfg, scan):
   the selection's slots once (the attention op's plan, `attention.selection_plan`); its attention,
   its Reuse layers' and their backward passes reuse it, and layer remat recomputes neither the
   plan nor the selection: against the same program with the reference attention, the gradient's
-  program holds one more sort per selecting layer (per selecting kind of a scanned piece of a
-  run, `M.run_pieces`), and the Triton scores kernel as many times as the forward's. (Unrolled,
-  it fails with 10 more sorts when the plan is not named for remat, and with 12 when the
-  attention is not handed it.)"""
+  program holds one more sort per selecting layer (per selecting kind of a scanned run), and the
+  Triton scores kernel as many times as the forward's. (Unrolled, it fails with 10 more sorts
+  when the plan is not named for remat, and with 12 when the attention is not handed it.)"""
   base = cfg.replace(remat=True, scan_layers=scan,
                      ops=dict(indexer_topk="kernel", sparse_attention="reference"))
   kern = base.replace(ops=dict(indexer_topk="kernel", sparse_attention="kernel"))
@@ -422,9 +333,8 @@ def test_each_selection_is_planned_once(cfg, scan):
     return jax.make_jaxpr(loss)(state).jaxpr, jax.make_jaxpr(jax.grad(loss))(state).jaxpr
 
   plan = build_layer_plan(cfg)
-  selecting = sum(sum(k.owns_indexer for k in r.kinds) if scan and b - a > 1
-                  else sum(l.owns_indexer for l in r.layers[a:b])
-                  for r in plan.runs for a, b in M.run_pieces(r, scan))
+  selecting = sum(sum(k.owns_indexer for k in r.kinds) if scan and r.n_layers > 1
+                  else sum(l.owns_indexer for l in r.layers) for r in plan.runs)
   (bf, bg), (kf, kg) = programs(base), programs(kern)
   assert _count(kg, "sort") - _count(bg, "sort") == selecting
   assert _count(kf, "sort") - _count(bf, "sort") == selecting
