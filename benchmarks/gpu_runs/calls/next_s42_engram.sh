@@ -6,11 +6,12 @@
 # main's in float32 rounding (loss bit-identical), and the slices of the stacked core weights it
 # scans, with their gradients' concatenation, may copy about what the cond did. Make it here:
 #   git worktree add build/clean HEAD && cp -r .whl build/clean/
-#   mkdir -p build/clean/build/new && git archive issue28-engram-pieces benchmarks configs data \
+#   mkdir -p build/clean/build/new && git archive b7ae0d1 benchmarks configs data \
 #       dsv41_jax launch optim pallas_kernels | tar -x -C build/clean/build/new   # ~6 MB
 #   run(command="cd build/clean && bash benchmarks/gpu_runs/calls/next_s42_engram.sh", carry=[".whl", "build/clean"])
-# If new is faster by more than the run-to-run spread (~1 %), `git merge issue28-engram-pieces`
-# (or revert the revert of b7ae0d1) with the figures in RESULTS; else delete the branch.
+# (b7ae0d1 is in main's history: the branch is only a name for it.) If new is faster by more than
+# the run-to-run spread (~1 %), `git revert aa4a015` (the revert of b7ae0d1) with the figures in
+# RESULTS; else delete the branch.
 source benchmarks/gpu_runs/calls/prelude.sh
 OUT=$(realpath "$OUT")
 [ -d build/new ] || { echo "no build/new: make it before the call (header)"; exit 1; }
