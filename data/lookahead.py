@@ -13,9 +13,9 @@ the host's packing, tokenizing and Engram ids for the next batch ran only once t
 on one H200, s3 at 8 x (4 x 4096) rows spent 1.0-2.2 s of a 4.0-5.1 s step waiting for data
 (benchmarks/gpu_runs/2026-12-02d/call4). Peeking on the train loop's own thread after the
 dispatch was not enough: the step stayed 3.9-4.3 s against ~2.9 s of device work
-(benchmarks/gpu_runs/2026-12-03/call1), because the dispatch itself returned only with the step (most likely a
-`lax.cond` / `lax.switch` inside the layer scan, whose predicate the GPU runtime reads back to the
-host). So the peek runs on a thread started before the dispatch, which leaves the GIL while
+(benchmarks/gpu_runs/2026-12-03/call1), because the dispatch itself returned only with the step
+(the cause is not isolated: XLA command buffers that take the layer scans' loops and conditionals
+left it as it was, benchmarks/RESULTS.md 2026-12-03). So the peek runs on a thread started before the dispatch, which leaves the GIL while
 it waits. It is deterministic all the same: one peek at a time, the rows are the wrapped
 iterator's, in its order, whatever the timing; every other method joins the thread first, and an
 error raised while building the batch is raised again by the call that joins it.

@@ -169,7 +169,9 @@ def memory_stats(compiled) -> dict[str, float]:
 
 
 def compiled_plan(cfg: ml_collections.ConfigDict, sizes: Mapping[str, int], global_batch: int,
-                  rules=None, devices=None) -> dict[str, Any]:
+                  rules=None, devices=None, hlo_out: str | None = None) -> dict[str, Any]:
+  """XLA's figures of the compiled train step; with `hlo_out`, its compiled HLO text written
+  there (for `benchmarks/hlo_traffic.py`)."""
   devices = list(jax.devices() if devices is None else devices)
   n = math.prod(sizes.values())
   if n > len(devices):
@@ -177,6 +179,9 @@ def compiled_plan(cfg: ml_collections.ConfigDict, sizes: Mapping[str, int], glob
   mesh = sharding.make_mesh(sizes, devices[:n])
   low = lower_args(cfg, mesh, global_batch, rules)
   compiled, seconds = compile_train_step(low)
+  if hlo_out:
+    with open(hlo_out, "w") as f:
+      f.write(compiled.as_text())
   mcfg = model_config(cfg)
   return {"memory": memory_stats(compiled), "compile_seconds": seconds,
           "xla_flops_per_device": xla_flops(compiled),
@@ -236,8 +241,8 @@ def format_plan(name: str, plan: dict[str, Any], compiled: dict[str, Any] | None
 
 def plan(cfg: ml_collections.ConfigDict, mesh_text: str, *, batch: int | None = None,
          seq_len: int | None = None, devices: int | None = None, analytic: bool = False, rules_text: str | None = None,
-         max_compile_params: float = DEFAULT_MAX_COMPILE_PARAMS, name: str = "config"
-         ) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
+         max_compile_params: float = DEFAULT_MAX_COMPILE_PARAMS, name: str = "config",
+         hlo_out: str | None = None) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
   """The whole tool as a function: (analytic plan, compiled figures or None, printed report)."""
   rules = parse_rules(rules_text)
   shape = parse_mesh(mesh_text)
@@ -261,10 +266,13 @@ def plan(cfg: ml_collections.ConfigDict, mesh_text: str, *, batch: int | None = 
     reason = (f"  ({a_plan['total_params']:,} parameters > --max_compile_params="
               f"{max_compile_params:.3g}: analytic plan only)")
     analytic = True
+  if hlo_out and analytic:
+    raise PlanError("--hlo_out needs the compiled plan (no --analytic; raise "
+                    "--max_compile_params above the config's parameters)")
   if not analytic:
     c_cfg = ml_collections.ConfigDict(cfg.to_dict())
     c_cfg.data.batch_size = gb
-    compiled = compiled_plan(c_cfg, sizes, gb, rules)
+    compiled = compiled_plan(c_cfg, sizes, gb, rules, hlo_out=hlo_out)
   text = format_plan(name, a_plan, compiled)
   if reason:
     head, rest = text.split("\n", 1)
@@ -280,7 +288,7 @@ def main(argv):
     _, _, text = plan(_CONFIG.value, F.mesh, batch=F.batch, seq_len=F.seq, devices=F.devices,
                       analytic=F.analytic, rules_text=F.rules,
                       max_compile_params=F.max_compile_params,
-                      name=_flag(sys.argv, "config") or "config")
+                      name=_flag(sys.argv, "config") or "config", hlo_out=F.hlo_out)
   except (PlanError, ConfigError, sharding.ShardingError, setup.SetupError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
@@ -303,5 +311,7 @@ if __name__ == "__main__":
   flags.DEFINE_string("rules", None, "Override sharding rules: 'logical=axis+axis;logical=none'.")
   flags.DEFINE_float("max_compile_params", DEFAULT_MAX_COMPILE_PARAMS,
                      "Above this many parameters, plan analytically.")
+  flags.DEFINE_string("hlo_out", None, "Write the compiled train step's HLO text here "
+                      "(benchmarks/hlo_traffic.py reads it).")
   flags.mark_flags_as_required(["config", "mesh"])
   app.run(main, flags_parser=cli.parse_flags)

@@ -35,7 +35,7 @@ Each log line of the ladder names its point: `[k/n] <name>: ...`.
 A time limit (`deadline`, `launch.ladder --time_limit`: a device lease, a batch job's wall clock).
 A point that would not finish before it is not started: `estimate_seconds` times it from the
 finished points of its size (of its sweep chain or ablation where there are such) in the ladder
-directory that ran with the same number of runs at once, as their median seconds a step (metrics.jsonl's `step_time`) times its steps
+directory, trained in one run with the same number of runs at once, as their median seconds a step (metrics.jsonl's `step_time`) times its steps
 plus their median seconds outside the steps (start-up, compilation, evaluation, checkpoints); a
 point with no such finished point is started. The ladder goes on to the next point that fits. At
 the deadline the running points are stopped as on SIGTERM (checkpoint, recorded interrupted) and
@@ -117,14 +117,25 @@ def step_seconds(pdir: str) -> float | None:
   return statistics.median(times) if times else None
 
 
+def _runs(pdir: str) -> int:
+  """How many times the ladder started the point (its "=== " headers in train.log)."""
+  try:
+    with open(os.path.join(pdir, "train.log")) as f:
+      return sum(line.startswith("=== ") for line in f)
+  except FileNotFoundError:
+    return 0
+
+
 def finished_timings(workdir: str) -> list[tuple[dict[str, Any], float]]:
-  """(record, seconds a step) of every done point under `workdir` that logged its step time."""
+  """(record, seconds a step) of every done point under `workdir` trained in one run (a resumed
+  point's record times only its last run) that logged its step time."""
   out = []
   for root, _, files in os.walk(workdir):
     if "point.json" not in files:
       continue
     rec = read_record(root)
-    if rec and rec.get("status") == "done" and rec.get("seconds") and rec.get("steps"):
+    if (rec and rec.get("status") == "done" and rec.get("seconds") and rec.get("steps")
+        and _runs(root) == 1):
       per_step = step_seconds(root)
       if per_step:
         out.append((rec, per_step))
@@ -277,6 +288,7 @@ def run(points, commands: dict[str, list[str]], described: dict[str, dict[str, A
   records: dict[str, dict[str, Any]] = {}
   try:
     while queue or running:
+      timings = None   # read once per round of starts: points finish between rounds
       while queue and len(running) < jobs:
         number, p = queue.pop(0)
         pdir = os.path.join(workdir, p.name)
@@ -287,7 +299,8 @@ def run(points, commands: dict[str, list[str]], described: dict[str, dict[str, A
           continue
         if deadline is not None:
           left = deadline - time.time()
-          need = estimate_seconds(p, jobs, finished_timings(workdir))
+          timings = finished_timings(workdir) if timings is None else timings
+          need = estimate_seconds(p, jobs, timings)
           if left <= 0 or (need is not None and need > left):
             log(f"[{number}/{len(points)}] {p.name}: not started: "
                 + (f"needs ~{need:.0f} s by the finished points of its size, " if need is not None

@@ -275,8 +275,7 @@ def init_state(run: RunConfig, mesh) -> TrainSetup:
   moe_bias = replicate(model_lib.zero_moe_bias(run.model), replicated)
   shardings = TrainState(param_shardings, jax.tree.map(lambda x: x.sharding, opt_state),
                          replicated)
-  # Each part is mostly its program's compilation (the first also the backend's start): the
-  # programs run asynchronously.
+  # Each part is mostly its program's compilation: the programs themselves run asynchronously.
   seconds = {"parameters": t1 - t0, "optimizer state": time.perf_counter() - t1}
   return TrainSetup(TrainState(params, opt_state, moe_bias), shardings, graphdef, tx, seconds)
 

@@ -118,16 +118,20 @@ def test_cli_errors_and_analytic_fallback():
   assert r.returncode == 0, r.stderr[-2000:]
   assert "ANALYTIC" in r.stdout and "analytic plan only" in r.stdout
   assert "global batch 32" in r.stdout and "rounded up" in r.stdout
+  r = _cli("--config=configs/tiny.py", "--mesh=data:8,expert:4", "--analytic", "--hlo_out=/tmp/x")
+  assert r.returncode == 2 and "--hlo_out needs the compiled plan" in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.slow
-def test_compiled_plan_arguments_are_params_optimizer_and_batch():
-  """XLA's per-device argument bytes = analytic parameters + optimizer state + the batch shard."""
+def test_compiled_plan_arguments_are_params_optimizer_and_batch(tmp_path):
+  """XLA's per-device argument bytes = analytic parameters + optimizer state + the batch shard;
+  `hlo_out` gets the compiled program's text."""
   cfg = tiny.get_config()
   sizes = memory_plan.resolve_mesh({"data": 2, "expert": 2}, 4)
   gb = 4
   cfg.data.batch_size = gb
-  out = aot.compiled_plan(cfg, sizes, gb)
+  out = aot.compiled_plan(cfg, sizes, gb, hlo_out=str(tmp_path / "step.hlo.txt"))
+  assert "\nENTRY " in (tmp_path / "step.hlo.txt").read_text()
   plan = memory_plan.analytic_plan(model_config(cfg), sizes, gb, cfg.data.seq_len)
   batch = aot.abstract_batch(cfg, model_config(cfg), gb)
   batch_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(batch)) / 4

@@ -319,11 +319,13 @@ def test_time_limit_stops_the_running_point_and_exits_75(tmp_path, env):
   assert rc == 2 and "--time_limit=0.0: give the seconds the ladder may run, > 0" in out, out
 
 
-def _finished(pdir, size, steps, seconds, step_times, **extra):
-  """A done point's record and metrics, as a finished run leaves them."""
+def _finished(pdir, size, steps, seconds, step_times, runs=1, **extra):
+  """A done point's record, metrics and log, as a finished run leaves them (`runs`: how often
+  the ladder started it)."""
   ladder_jobs.write_record(str(pdir), dict(dict(name=pdir.name, kind="grid", size=size,
                                                 steps=steps, ablation="", chain=""), **extra,
                                            status="done", seconds=seconds))
+  (pdir / "train.log").write_text("=== a run\n" * runs)
   with open(pdir / "metrics.jsonl", "w") as f:
     for i, t in enumerate(step_times, 1):
       f.write(json.dumps({"step": i, "step_time": t}) + "\n")
@@ -340,6 +342,7 @@ def test_time_limit_starts_only_the_points_the_finished_ones_say_will_fit(tmp_pa
   _finished(work / "S_4", "S", 4, 130.0, [11.0, 10.0, 10.0])         # 10 s a step, 90 s fixed
   _finished(work / "S_5x2", "S", 5, 10.0, [1.0], jobs=2)              # shared: not for jobs=1
   _finished(work / "T_9", "T", 9, 5.0, [])                           # no step time: unused
+  _finished(work / "T_8", "T", 8, 5.0, [1.0], runs=2)                # resumed: unused
   _finished(work / "sweeps" / "S_adamw_lr0.1", "S", 2, 20.0, [4.0], kind="sweep",
             ablation="adamw_lr0.1", chain="adamw")                  # 4 s a step, 12 s fixed
   timings = ladder_jobs.finished_timings(str(work))

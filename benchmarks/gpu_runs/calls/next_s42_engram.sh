@@ -2,9 +2,9 @@
 # scan (issue 28), A/B of the train step on one H200. base = this tree (main: the Engram injection
 # under a lax.cond in every scanned layer of its run); new = branch issue28-engram-pieces (b7ae0d1:
 # the run split around its Engram layer, dsv41_jax/model.py:run_pieces), kept off main until it is
-# measured: it costs ~20 % of CPU compile time (s3 54.6 -> 67.3 s), its gradients differ from
-# main's in float32 rounding (loss bit-identical), and the slices of the stacked core weights it
-# scans, with their gradients' concatenation, may copy about what the cond did. Make it here:
+# measured: it costs ~15-20 % of CPU compile time (s3 54.6 -> 67.3 s), its gradients differ from
+# main's in float32 rounding (loss bit-identical), and on the CPU its program moves 4 % fewer bytes
+# (s1: copies 31.6 -> 20.6 GB a step; RESULTS 2026-12-03 session 41). Make it here:
 #   git worktree add build/clean HEAD && cp -r .whl build/clean/
 #   mkdir -p build/clean/build/new && git archive b7ae0d1 benchmarks configs data \
 #       dsv41_jax launch optim pallas_kernels | tar -x -C build/clean/build/new   # ~6 MB
