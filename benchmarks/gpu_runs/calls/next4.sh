@@ -50,6 +50,15 @@ for root, _, files in os.walk(src):
     print("restored", os.path.relpath(root, src))
 EOF
 fi
+# The persistent compilation cache travels between calls (each call is a fresh machine): points of one
+# size and chain share their programs (the schedule is an input of the train step), so a later call's
+# points skip ~30-40 s of compile each. Kept in build/xla_cache (carried with build/clean), sent back
+# as $OUT/xla_cache.tar.gz when under 16 MiB; unpack it into build/clean/build/xla_cache.
+CACHE=~/.cache/dsv41_jax/xla
+if [ -d build/xla_cache ]; then
+  step "compilation cache: $(ls build/xla_cache | wc -l) entries restored"
+  mkdir -p $CACHE && cp -r build/xla_cache/. $CACHE/
+fi
 END=${END:-545}
 : "${ONLY:=*}" "${JOBS:=1}"
 step "ladder ${SWEEP:+sweep }$ONLY, $JOBS at once, $((END - SECONDS)) s"
@@ -58,5 +67,9 @@ timeout -s INT -k 15 $((END - SECONDS + 15)) python3 -m launch.ladder --config=c
 step report; timeout 20 python3 -m launch.ladder --report $W > $OUT/report.md
 step archive; (cd $W && find . -maxdepth 3 -type f \( -name point.json -o -name metrics.jsonl -o -name train.log \
     -o -name 'ladder.*' -o -name report.md -o -name '*.png' \) -print0 | tar --null -czf "$OUT/ladder_gpu.tar.gz" -T -)
+step cache; (cd $CACHE 2>/dev/null && tar -czf "$OUT/xla_cache.tar.gz" . && du -h "$OUT/xla_cache.tar.gz")
+if [ -f "$OUT/xla_cache.tar.gz" ] && [ $(stat -c %s "$OUT/xla_cache.tar.gz") -gt 16000000 ]; then
+  echo "cache archive over 16 MB, not sent back"; rm "$OUT/xla_cache.tar.gz"
+fi
 ls -l $OUT
 step done
