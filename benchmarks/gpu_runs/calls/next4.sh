@@ -8,16 +8,13 @@
 # that fits. Several at once do not pay (2026-12-03 call 4: 4 jobs at 3.1x their solo step time,
 # one out of memory): JOBS=1.
 #
-# Done (archives in benchmarks/gpu_runs/2026-12-03/s41_call{2,3}/ladder_gpu.tar.gz): L8d256_200,
-# L12d384_200, L16d512_200, L8d256_400, L12d384_400. Solo times on 2026-12-03 (seconds outside the
-# steps ~85-95 a point): L8d256 0.127 s a step, L12d384 0.254, L16d512 0.43; left: L16d512_400
-# ~265 s, L8d256_800 ~185, L12d384_800 ~295, L16d512_800 ~440. Calls (each restoring every earlier
-# call's archive first):
-#   A: ONLY=L16d512_800                      (~440 s)
-#   B: ONLY=L12d384_800,L8d256_800           (~480 s)
-#   C: ONLY='L16d512_400' then the sweep: SWEEP=1 ONLY='*' (the time limit starts what fits)
-#   run(command="cd build/clean && ONLY=L16d512_800 bash benchmarks/gpu_runs/calls/next4.sh",
+# The grid is done (2026-12-03, sessions 41-42; archives in benchmarks/gpu_runs/2026-12-03/s41_call{2,3} and
+# s42_call{1,2,3}/ladder_gpu.tar.gz). Next: the sweep, each call as many points as fit:
+#   run(command="cd build/clean && SWEEP=1 bash benchmarks/gpu_runs/calls/next4.sh",
 #       carry=[".whl", "build/clean"], timeout_s=600)
+# (ONLY defaults to '*': the time limit starts what fits, a sweep point timed by the finished points
+# of its chain at its size, else by the grid's points of that size. 20 points of 400 steps at L8d256
+# and L12d384: ~85 and ~135 s each with the travelling compilation cache, ~4-5 calls; then seed 1.)
 # Before each call: `mkdir -p build/clean/build/ladder_prev` and unpack every earlier call's
 # ladder_gpu.tar.gz there (tar -xzf ... -C build/clean/build/ladder_prev): its done points are
 # copied in and skipped, and their timings drive the time limit's estimates.
