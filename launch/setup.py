@@ -12,6 +12,9 @@ train step, and the batch adapter that turns a process's host rows into the glob
     step = setup.train_step_jit(run, ts)         # donated, sharded, traced under the mesh
     compiled = setup.compile_train_steps(step, mesh, phases, (ts.state, adapter(rows)),
                                          setup.schedule_input(run, ts))
+    # or compiled before the state exists (as launch.train does, beside `init_state`):
+    #   ats, args, sched = setup.ahead_args(run, mesh, adapter, rows)
+    #   pending = setup.start_train_steps(setup.train_step_jit(run, ats), mesh, phases, args, sched)
     ts.state, metrics = compiled[train_vit](ts.state, adapter(rows))  # one step
 
 Every check here raises `SetupError` whose message starts with the config key it is about
@@ -172,7 +175,7 @@ class BatchAdapter:
 
   def host(self, rows: Mapping[str, np.ndarray]) -> dict[str, Any]:
     """The host-side part: checks and Engram ids, still numpy."""
-    batch = dict(rows)
+    batch = model_keys(self.model, rows)
     if self.model.vision is not None and "images" in batch:  # the pipeline's rows always do
       check_image_batch(batch, cell_px=images.CELL_PX, max_image_size=self.data.max_image_size)
     if self.model.engram_layer_ids and "engram_ids" not in batch:  # not from the pipeline
@@ -189,6 +192,15 @@ class BatchAdapter:
                           sharding.batch_sharding(self.mesh, 1, self.rules))
 
 
+def model_keys(model: ModelConfig, rows: Mapping[str, Any]) -> dict[str, Any]:
+  """The packed rows' arrays that `model` reads: without a ViT, of the image arrays only
+  `image_mask` (the image tokens' positions; the pipeline packs images into every row whatever
+  the model, and a text-only step neither needs them on the device nor compiles for them)."""
+  if model.vision is not None:
+    return dict(rows)
+  return {k: v for k, v in rows.items() if not k.startswith("image") or k == "image_mask"}
+
+
 def abstract_batch(model: ModelConfig, data: DataConfig, global_rows: int,
                    rows_sharding: NamedSharding | None = None) -> dict[str, Any]:
   """ShapeDtypeStructs of one global batch as the adapter makes it: the packed-row keys of
@@ -196,8 +208,7 @@ def abstract_batch(model: ModelConfig, data: DataConfig, global_rows: int,
   split on their leading (row) axis like `rows_sharding`'s first dimension when given."""
   row = packing.empty_row(data.seq_len, images_per_row(data.seq_len, data.max_images_per_row),
                           images.max_cells(data.max_image_size) * images.CELL_PX)
-  if model.vision is None:
-    row = {k: v for k, v in row.items() if not k.startswith("image") or k == "image_mask"}
+  row = model_keys(model, row)
   shapes = {k: ((global_rows, *np.shape(v)), np.asarray(v).dtype) for k, v in row.items()}
   if model.engram_layer_ids:
     probe = inputs.engram_ids(model, np.zeros((1, 8), np.int32), np.ones((1, 8), np.int32), None,
@@ -312,31 +323,90 @@ def schedule_input(run: RunConfig, ts: TrainSetup) -> Schedule:
   return Schedule(*(replicate(v, ts.replicated) for v in schedule_of(run.optim)))
 
 
+class Compiling:
+  """Train-step programs compiling on worker threads, one per `train_vit` phase (XLA compiles
+  outside the GIL; `start_train_steps` returns at once). `wait` blocks until they are built."""
+
+  def __init__(self, jitted, mesh, phases, args, schedule: Schedule | None = None):
+    extra = () if schedule is None else (schedule,)
+
+    def one(train_vit):
+      with jax.set_mesh(mesh):
+        return jitted.lower(*args, train_vit, *extra).compile()
+
+    self.args = (*args, *extra)   # what the programs were compiled for (arrays or abstract)
+    self._pool = ThreadPoolExecutor(len(phases))
+    self._futures = {tv: self._pool.submit(one, tv) for tv in phases}
+    self._pool.shutdown(wait=False)  # no new work; the threads end with their compilation
+
+  @property
+  def phases(self) -> tuple[bool, ...]:
+    return tuple(self._futures)
+
+  def wait(self, poll: Callable[[], None] | None = None) -> dict[bool, Any]:
+    """The compiled programs by phase. The main thread only waits, so a signal handler runs at
+    once, and `poll` is called every 0.2 s of the wait: it may raise to abandon the compilation
+    (abandoned, not awaited: the caller exits without joining the threads)."""
+    pending = set(self._futures.values())
+    try:
+      while pending:
+        pending = wait(pending, timeout=0.2).not_done
+        if poll is not None:
+          poll()
+      return {tv: f.result() for tv, f in self._futures.items()}
+    except BaseException:
+      for f in self._futures.values():
+        f.cancel()
+      raise
+
+
+def start_train_steps(jitted, mesh, phases, args, schedule: Schedule | None = None) -> Compiling:
+  """Start the AOT compilation of the train step for each `train_vit` phase; with the persistent
+  cache a rerun loads them instead. With `schedule`, each program takes it after `args`: called
+  as `compiled(*args, schedule)`. `args` may be ShapeDtypeStructs with shardings (`ahead_args`)."""
+  return Compiling(jitted, mesh, phases, args, schedule)
+
+
 def compile_train_steps(jitted, mesh, phases, args, schedule: Schedule | None = None, *,
                         poll: Callable[[], None] | None = None) -> dict[bool, Any]:
-  """AOT-compile the train step for each `train_vit` phase, concurrently (XLA compiles outside the
-  GIL; the main thread only waits, so a signal handler runs at once, and `poll` is called every
-  0.2 s of the wait: it may raise to abandon the compilation); with the persistent cache a
-  rerun loads them instead. With `schedule`, each program takes it after `args`: called as
-  `compiled(*args, schedule)`. The pool is not joined on the way out of an exception: an
-  interrupted compilation is abandoned, not awaited."""
-  extra = () if schedule is None else (schedule,)
+  """`start_train_steps(...).wait(poll)`: the compiled programs by phase, concurrently."""
+  return start_train_steps(jitted, mesh, phases, args, schedule).wait(poll)
 
-  def one(train_vit):
-    with jax.set_mesh(mesh):
-      return jitted.lower(*args, train_vit, *extra).compile()
 
-  pool = ThreadPoolExecutor(len(phases))
-  try:
-    futures = {tv: pool.submit(one, tv) for tv in phases}
-    pending = set(futures.values())
-    while pending:
-      pending = wait(pending, timeout=0.2).not_done
-      if poll is not None:
-        poll()
-    return {tv: f.result() for tv, f in futures.items()}
-  finally:
-    pool.shutdown(wait=False, cancel_futures=True)
+def ahead_args(run: RunConfig, mesh, adapter: BatchAdapter, global_rows: int
+               ) -> tuple[TrainSetup, tuple[Any, ...], Schedule]:
+  """What the train step is compiled for before any array exists: the abstract state (its own
+  graphdef and optimizer, the same program as `init_state`'s), (state, batch) as
+  ShapeDtypeStructs with shardings, and the schedule's replicated scalars likewise."""
+  ts = abstract_state(run, mesh)
+  scalar = jax.ShapeDtypeStruct((), np.float32, sharding=ts.replicated)
+  return ts, (ts.state, adapter.abstract(global_rows)), Schedule(
+      *(scalar for _ in schedule_of(run.optim)))
+
+
+def signature_mismatch(compiled_for, args) -> str | None:
+  """None when `args` (arrays) have the shapes, dtypes, weak types and shardings that
+  `compiled_for` (ShapeDtypeStructs or arrays) describe, leaf for leaf; else the first
+  difference, as a path and both descriptions. A program compiled ahead is called only with
+  arguments it was compiled for."""
+  def describe(x):
+    weak = x.aval.weak_type if hasattr(x, "aval") else bool(getattr(x, "weak_type", False))
+    return tuple(np.shape(x)), np.dtype(x.dtype), weak
+
+  def placed_alike(x, y) -> bool:
+    sx, sy = getattr(x, "sharding", None), getattr(y, "sharding", None)
+    return (sx is None) == (sy is None) and (sx is None or sx.is_equivalent_to(sy, np.ndim(x)))
+  a, b = jax.tree.leaves_with_path(compiled_for), jax.tree.leaves_with_path(args)
+  if jax.tree.structure(compiled_for) != jax.tree.structure(args):
+    return (f"tree structure: {len(a)} leaves compiled for, {len(b)} given "
+            f"({jax.tree.structure(compiled_for)} vs {jax.tree.structure(args)})")[:500]
+  for (path, x), (_, y) in zip(a, b):
+    if describe(x) != describe(y):
+      return f"{jax.tree_util.keystr(path)}: {describe(x)} compiled for, {describe(y)} given"
+    if not placed_alike(x, y):
+      return (f"{jax.tree_util.keystr(path)}: sharding {getattr(x, 'sharding', None)} compiled "
+              f"for, {getattr(y, 'sharding', None)} given")
+  return None
 
 
 def eval_step(run: RunConfig, ts: TrainSetup, mesh) -> Callable:

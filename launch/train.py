@@ -49,6 +49,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -348,13 +349,35 @@ def _commit(ctx: _Context, start: int) -> None:
   ctx.log.open_file(ctx.workdir)
 
 
+def _log_compiling(run: setup.RunConfig, phases) -> None:
+  log.info("compiling the train step (%s)", " and ".join(
+      "ViT trainable" if tv else "ViT frozen" for tv in phases)
+      if run.model.vision is not None else "text only")
+
+
 def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
            ) -> dict[str, Any]:
   run, tcfg, adapter, mesh = ctx.run, ctx.run.train, ctx.adapter, ctx.mesh
-  # --- model and optimizer, created directly with their shardings, or restored ---
-  ts = setup.init_state(run, mesh)
   checkpointer = ckpt_lib.Checkpointer(ctx.workdir, tcfg.keep_checkpoints)
   cleanup.callback(checkpointer.close)
+
+  def train_vit_at(step: int) -> bool:
+    """The ViT trains only once unfrozen (optim.frozen / unfreeze_at): one program per phase."""
+    return not run.optim.frozen or frozen_trainable(run.optim, step)
+
+  # --- the train step compiles from abstract arguments on worker threads while the state is
+  # created: the phases of the newest checkpoint's step onwards (a fall-back restore to an older
+  # step, or arguments that differ from the abstract ones, compile again below) ---
+  t_compile = time.perf_counter()
+  newest = (checkpointer.steps() or [0])[-1]
+  ahead = None
+  if newest < tcfg.steps:
+    phases = sorted({train_vit_at(newest), train_vit_at(tcfg.steps - 1)})
+    _log_compiling(run, phases)
+    ats, args, sched = setup.ahead_args(run, mesh, adapter, setup.global_batch(run, mesh))
+    ahead = setup.start_train_steps(setup.train_step_jit(run, ats), mesh, phases, args, sched)
+  # --- model and optimizer, created directly with their shardings, or restored ---
+  ts = setup.init_state(run, mesh)
   start = 0
   with ctx.log.quiet():  # a damaged checkpoint's tracebacks: train.log only
     restored = checkpointer.restore_latest(ckpt_lib.abstract_like(ts.checkpoint(0)), train_it)
@@ -382,24 +405,29 @@ def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
             "params": ts.state.params, "moe_bias": ts.state.moe_bias,
             "median_tokens_per_second": None, "mfu": None, "data": {}}
 
-  def train_vit_at(step: int) -> bool:
-    """The ViT trains only once unfrozen (optim.frozen / unfreeze_at): one program per phase."""
-    return not run.optim.frozen or frozen_trainable(run.optim, step)
-
   rows = next(train_it)
   log.info("process %d: first batch at step %d: %d rows, tokens sha256 %s",
            jax.process_index(), start + 1, len(rows["tokens"]), batch_digest(rows))
   batch = adapter(rows)
   phases = sorted({train_vit_at(start), train_vit_at(tcfg.steps - 1)})
-  t0 = time.perf_counter()
-  log.info("compiling the train step (%s)", " and ".join(
-      "ViT trainable" if tv else "ViT frozen" for tv in phases)
-      if run.model.vision is not None else "text only")
   lr_schedule = setup.schedule_input(run, ts)  # data: a new train.steps compiles nothing new
-  train_steps = compile_train_steps(setup.train_step_jit(run, ts), mesh, phases,
-                                    (ts.state, batch), lr_schedule, poll=stop.check)
-  compile_s = time.perf_counter() - t0
-  log.info("train step compiled in %.1f s (compilation cache: %s)", compile_s,
+  train_steps = ahead.wait(poll=stop.check) if ahead is not None else {}
+  why = None if ahead is None else setup.signature_mismatch(ahead.args,
+                                                            (ts.state, batch, lr_schedule))
+  if why is not None:
+    log.warning("the train step compiled ahead does not take this run's arguments (%s): "
+                "compiling it again for them", why)
+    train_steps = {}
+  missing = [tv for tv in phases if tv not in train_steps]
+  if missing:  # no ahead compilation (nothing was to train), another phase, or other arguments
+    if ahead is None or why is not None:
+      t_compile = time.perf_counter()
+    _log_compiling(run, missing)
+    train_steps.update(compile_train_steps(setup.train_step_jit(run, ts), mesh, missing,
+                                           (ts.state, batch), lr_schedule, poll=stop.check))
+  compile_s = time.perf_counter() - t_compile
+  log.info("train step compiled in %.1f s (%scompilation cache: %s)", compile_s,
+           "begun beside the model and optimizer state; " if ahead and not why else "",
            ctx.cache_dir or "off")
   eval_step = setup.eval_step(run, ts, mesh)
   token_bytes = replicate(evaluation.token_byte_lengths(ctx.tokenizer, run.model.vocab_size),
@@ -489,6 +517,19 @@ def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
           **progress.figures()}
 
 
+def _exit(code: int) -> None:
+  """Exit with `code`; at once (`os._exit`, streams flushed) while a train-step compilation
+  still runs on a worker thread (the one started beside the state's creation), which the
+  interpreter would otherwise wait for."""
+  if any(t.is_alive() and not t.daemon for t in threading.enumerate()
+         if t is not threading.main_thread()):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+  sys.exit(code)
+
+
 def main(argv):
   del argv
   cli.log_to_stderr()
@@ -499,7 +540,7 @@ def main(argv):
   except (TrainingError, SetupError, ckpt_lib.WorkdirMismatch, ckpt_lib.RestoreError,
           ckpt_lib.SaveError, metrics_lib.MetricsError) as e:
     print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+    _exit(2)
   except Interrupted as e:
     print(f"{e}: stopped during start-up; nothing was trained or saved, the work directory is "
           "as it was", file=sys.stderr, flush=True)

@@ -76,6 +76,43 @@ def test_abstract_batch_matches_the_adapter():
   assert set(real["engram_ids"]) == set(run.model.engram_layer_ids)
 
 
+def test_ahead_arguments_are_those_of_the_created_state():
+  """`launch.train` compiles the train step from `ahead_args` while `init_state` creates the
+  state: on an 8-device mesh (data 2 × fsdp 2 × expert 2) every leaf of (state, batch, schedule)
+  has the shape, dtype, weak type and sharding the program was compiled for. A leaf of another
+  dtype, shape or sharding, or another tree, is named by `signature_mismatch` (the run then
+  compiles again for its own arguments)."""
+  from data import pipeline
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  run = setup.run_config(_cfg(**{"mesh.data": 2, "mesh.fsdp": 2, "mesh.expert": 2}),
+                         process_count=1)
+  mesh = setup.build_mesh(run.mesh)
+  rows_n = setup.global_batch(run, mesh, process_count=1)
+  tok = pipeline.make_tokenizer(run.data, run.model.vocab_size)
+  cmap = setup.compression_map(run.model, tok)
+  adapter = setup.BatchAdapter(run.model, run.data, mesh, cmap)
+  ats, args, sched = setup.ahead_args(run, mesh, adapter, rows_n)
+  ts = setup.init_state(run, mesh)
+  it = pipeline.make_train_iterator(run.data, 0, 1, tokenizer=tok,
+                                    token_features=setup.EngramFeatures(run.model, cmap))
+  batch = adapter(next(it))   # the embedded corpus's first batch, as launch.train makes it
+  real = (ts.state, batch, setup.schedule_input(run, ts))
+  assert setup.signature_mismatch((*args, sched), real) is None
+  assert any(len(set(s.spec) - {None}) for s in jax.tree.leaves(ts.shardings.params))
+
+  params = jax.tree_util.tree_map_with_path(
+      lambda p, x: x.astype(np.float16) if "final_norm" in jax.tree_util.keystr(p) else x,
+      ts.state.params)
+  why = setup.signature_mismatch((*args, sched), (ts.state._replace(params=params), *real[1:]))
+  assert "final_norm" in why and "float16" in why
+  half = {**batch, "tokens": batch["tokens"][: rows_n // 2]}
+  assert "['tokens']" in setup.signature_mismatch((*args, sched), (real[0], half, real[2]))
+  moved = {**batch, "tokens": jax.device_put(batch["tokens"], NamedSharding(mesh, P()))}
+  why = setup.signature_mismatch((*args, sched), (real[0], moved, real[2]))
+  assert "['tokens']: sharding" in why
+  assert "tree structure" in setup.signature_mismatch((*args, sched), real[:2])
+
+
 def test_wandb_writer_only_when_asked(tmp_path, monkeypatch):
   """No project: no W&B. A project: the logged scalars go to wandb.log as well, under one run id
   per work directory. A project without the package: one MetricsError naming the setting."""

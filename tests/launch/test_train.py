@@ -209,6 +209,10 @@ def test_reference_run_logs(reference):
     assert int(tps) == round(by_step[int(s)]["tokens_per_second"])
     assert float(mfu) == pytest.approx(100 * by_step[int(s)]["mfu"], abs=0.006)
   assert "startup: config and data" in out and "train step compiled in" in out
+  # compiled from abstract arguments beside the state's creation, and those were the run's own
+  assert "begun beside the model and optimizer state" in out, out[-3000:]
+  assert "compiled ahead does not take" not in out
+  assert out.index("compiling the train step") < out.index("startup: config and data")
   assert re.search(r"model and optimizer state [0-9.]+ s \(parameters [0-9.]+, optimizer state "
                    r"[0-9.]+, checkpoint lookup -?[0-9.]+\)", out), out
   # the end-of-run summary, its figures from the records above
