@@ -371,6 +371,7 @@ def test_time_limit_starts_only_the_points_the_finished_ones_say_will_fit(tmp_pa
 
 # --- several points at once (--jobs) -------------------------------------------------------------
 
+@pytest.mark.slow  # 63-79 s on the 2-core box (2026-12-03); jobs=1 resume and the --jobs checks stay
 def test_jobs_2_stops_on_sigint_resumes_and_gives_the_losses_of_jobs_1(tmp_path, env):
   """--jobs=2: SIGINT to the ladder alone while both points run (the processes then hear only the
   ladder's SIGTERM; `timeout -s INT` and Ctrl-C would also signal them directly) stops both:
