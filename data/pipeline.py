@@ -243,6 +243,7 @@ class PackedIterator(grain.DatasetIterator):
       except StopIteration:
         self.mixer.exhaust(s)
         return False
+      self._counters[f"records/{self.names[s]}"] += 1
       if item[0] == "skip":
         self._counters[f"skipped/{item[2]}"] += 1
         self._locate(item[2], item[3])
@@ -321,8 +322,12 @@ class PackedIterator(grain.DatasetIterator):
     `padding_tokens`, `row_tokens/<stream>` (non-padding tokens emitted per stream),
     `packer/cuts`, `packer/early_closes`, `packer/waiting` (see `packing.py`), and
     `packer/cut_rate` = packer/cuts / pieces: cuts per piece placed (0 with data.packer_cuts off),
-    and `truncated_documents` (documents cut at data.max_document_tokens)."""
+    `truncated_documents` (documents cut at data.max_document_tokens), `records/<stream>` (records
+    read, skipped ones included) and `epochs/<stream>` = records / this process's records a pass:
+    passes over the stream's data so far (above 1, a training run repeats its documents)."""
     out = dict(self._counters)
+    for name, n in zip(self.names, self.epoch_len):
+      out[f"epochs/{name}"] = self._counters[f"records/{name}"] / n
     out.update({"packer/cuts": self.packer.cuts, "packer/early_closes": self.packer.early_closes,
                 "packer/waiting": len(self.packer.waiting),
                 "packer/cut_rate": self.packer.cuts / max(1, self._counters["pieces"])})

@@ -307,7 +307,7 @@ def memory_need(path: str, points: list[Point], devices: int) -> dict[str, float
 COLUMNS = ("name", "kind", "size", "layers", "d", "steps", "seed", "ablation", "chain", "lr",
            "n_active",
            "flops_per_token", "tokens", "compute", "eval_loss", "eval_bpb", "train_loss",
-           "seconds", "status", "log", "command")
+           "text_epochs", "seconds", "status", "log", "command")
 
 
 def collect(ladder_dir: str) -> list[dict[str, Any]]:
@@ -327,6 +327,9 @@ def collect(ladder_dir: str) -> list[dict[str, Any]]:
       ev = final_eval(pdir, rec["steps"]) if rec.get("status") == "done" else None
       row = dict(rec, **(ev or {}))
       row["train_loss"] = curve[-1][1] if curve else None
+      passes = [m["data/epochs/text"] for _, m in sorted(metrics.items())
+                if m.get("data/epochs/text") is not None]
+      row["text_epochs"] = passes[-1] if passes else None   # None: a run from before the count
       row["curve"] = curve
       row["eval_curve"] = sweep.eval_curve(metrics, rec["tokens"] / rec["steps"])
       rows.append(row)
@@ -384,17 +387,26 @@ def ablation_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def markdown(rows, fit, abl) -> str:
   """The report as markdown tables (what RESULTS.md quotes)."""
-  lines = ["| point | N active | D tokens | C FLOP | held-out loss | bits/byte | status |",
-           "|---|---:|---:|---:|---:|---:|---|"]
+  lines = ["| point | N active | D tokens | C FLOP | held-out loss | bits/byte | train loss | "
+           "text epochs | status |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+  def num(r, key, fmt):
+    return format(r[key], fmt) if r.get(key) is not None else "-"
+  repeated = False
   for r in rows:
     if r["kind"] != "grid":
       continue
-    loss = f"{r['eval_loss']:.4f}" if r.get("eval_loss") is not None else "-"
-    bpb = f"{r['eval_bpb']:.4f}" if r.get("eval_bpb") is not None else "-"
     status = r["status"] if r["status"] == "done" else f"{r['status']} ({r['log']})"
     mark = " *" if r["name"] in fit.get("frontier", ()) else ""
+    over = (r.get("text_epochs") or 0) > 1
+    repeated |= over
     lines.append(f"| {r['name']}{mark} | {r['n_active']:.3g} | {r['tokens']:.3g} | "
-                 f"{r['compute']:.3g} | {loss} | {bpb} | {status} |")
+                 f"{r['compute']:.3g} | {num(r, 'eval_loss', '.4f')} | {num(r, 'eval_bpb', '.4f')} | "
+                 f"{num(r, 'train_loss', '.4f')} | {num(r, 'text_epochs', '.2f')}{' !' if over else ''}"
+                 f" | {status} |")
+  if repeated:
+    lines += ["", "! read its training text more than once (data/epochs/text > 1): its held-out loss "
+              "mixes scaling with repetition of the same documents."]
   for key in ("frontier_fit", "grid_fit"):
     f = fit.get(key)
     if not f:

@@ -72,6 +72,29 @@ def test_batch_layout(corpus_dir, small_tok):
   assert sum(int(x["image_count"].sum()) for x in batches) > 0
 
 
+def test_epochs_count_passes_over_the_training_text(corpus_dir, small_tok):
+  """`epochs/<stream>`: records read over the stream's records a pass. The training streams
+  repeat, so reading on passes 1 (every document has been read) and keeps rising in step with
+  the documents read."""
+  cfg = make_data(corpus_dir)
+  it = pipeline.make_train_iterator(cfg, tokenizer=small_tok)
+  per_pass = it.epoch_len[it.names.index("text")]
+  seen = [0.0]
+  for _ in range(400):
+    next(it)
+    c = it.counters()
+    assert c["epochs/text"] >= seen[-1]
+    seen.append(c["epochs/text"])
+    if c["epochs/text"] > 1.5:
+      break
+  assert c["epochs/text"] > 1.5, seen[-1]
+  skipped = sum(v for k, v in c.items() if k.startswith("skipped/"))
+  assert c["records/text"] <= c["documents/text"] + skipped
+  assert c["epochs/text"] == c["records/text"] / per_pass
+  assert c["documents/text"] > per_pass   # some documents were read twice
+  it.close()
+
+
 @pytest.mark.parametrize("workers", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_resume_is_bit_identical(corpus_dir, small_tok, workers):
   cfg = make_data(corpus_dir, worker_count=workers)
@@ -197,6 +220,8 @@ def test_bad_records_are_counted_not_fatal(tmp_path, corpus_dir, small_tok):
                      "malformed_record": 1, "image_empty": 1, "image_undecodable": 1,
                      "image_missing": 1}
   assert c["documents/text"] == 6 and c["documents/multimodal"] == 6
+  # one pass of an eval set reads every record once, skipped ones included
+  assert c["epochs/text"] == 1.0 and c["epochs/multimodal"] == 1.0
 
 
 def test_a_stream_with_only_bad_records_stops_with_a_clear_error(tmp_path, corpus_dir, small_tok):

@@ -78,7 +78,8 @@ def test_chinchilla_fit_recovers_the_law():
 
 # --- report ---------------------------------------------------------------------------------------
 
-def _fake_point(root, name, kind, size, steps, n, status="done", loss=None, seed=0, ablation=""):
+def _fake_point(root, name, kind, size, steps, n, status="done", loss=None, seed=0, ablation="",
+                epochs=None):
   pdir = os.path.join(root, name)
   os.makedirs(pdir)
   tokens = steps * 1024
@@ -91,7 +92,8 @@ def _fake_point(root, name, kind, size, steps, n, status="done", loss=None, seed
   if status == "done":
     with open(os.path.join(pdir, "metrics.jsonl"), "w") as f:
       for s in range(10, steps + 1, 10):
-        f.write(json.dumps({"step": s, "loss": loss + 1.0 / s}) + "\n")
+        passes = {} if epochs is None else {"data/epochs/text": epochs * s / steps}
+        f.write(json.dumps({"step": s, "loss": loss + 1.0 / s, **passes}) + "\n")
       f.write(json.dumps({"step": steps, "eval/loss": loss, "eval/bits_per_byte": loss / 2})
               + "\n")
 
@@ -102,7 +104,7 @@ def test_report_fits_finished_points_lists_failed_and_tables_ablations(tmp_path)
   for n in (1e5, 1e6, 1e7):
     for steps in (100, 1000, 10000):
       _fake_point(root, f"n{n:.0e}_{steps}", "grid", f"n{n:.0e}", steps, n,
-                  loss=law(n, steps * 1024))
+                  loss=law(n, steps * 1024), epochs=None if steps == 100 else steps / 1000)
   _fake_point(root, "n1e+08_100", "grid", "n1e+08", 100, 1e8, status="failed")
   for seed, base, dense in ((0, 3.0, 2.9), (1, 3.1, 3.05)):
     _fake_point(root, f"ablations/baseline_seed{seed}", "ablation", "s", 100, 1e5, loss=base,
@@ -116,6 +118,13 @@ def test_report_fits_finished_points_lists_failed_and_tables_ablations(tmp_path)
   assert len(rows) == 14 and rows["n1e+08_100"]["status"] == "failed"
   assert f"failed ({os.path.join(root, 'n1e+08_100', 'train.log')})" in r["markdown"]
   assert "n1e+08_100" not in r["fits"]["points_fitted"] and len(r["fits"]["points_fitted"]) == 9
+  # passes over the training text, from the last record that has them; over one is marked
+  assert rows["n1e+07_10000"]["text_epochs"] == 10.0 and rows["n1e+05_100"]["text_epochs"] is None
+  table = {line.split(" |")[0].strip("| *"): line for line in r["markdown"].splitlines()
+           if line.startswith("| n")}
+  assert "| 10.00 ! |" in table["n1e+07_10000"] and "| 1.00 |" in table["n1e+07_1000"]
+  assert "| - |" in table["n1e+05_100"]
+  assert "! read its training text more than once" in r["markdown"]
   gf = r["fits"]["grid_fit"]
   assert gf["r2"] > 1 - 1e-10
   np.testing.assert_allclose(gf["params"]["alpha"], 0.3, rtol=1e-5)
