@@ -339,10 +339,6 @@ class Compiling:
     self._futures = {tv: self._pool.submit(one, tv) for tv in phases}
     self._pool.shutdown(wait=False)  # no new work; the threads end with their compilation
 
-  @property
-  def phases(self) -> tuple[bool, ...]:
-    return tuple(self._futures)
-
   def wait(self, poll: Callable[[], None] | None = None) -> dict[bool, Any]:
     """The compiled programs by phase. The main thread only waits, so a signal handler runs at
     once, and `poll` is called every 0.2 s of the wait: it may raise to abandon the compilation

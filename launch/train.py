@@ -376,6 +376,7 @@ def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
     _log_compiling(run, phases)
     ats, args, sched = setup.ahead_args(run, mesh, adapter, setup.global_batch(run, mesh))
     ahead = setup.start_train_steps(setup.train_step_jit(run, ats), mesh, phases, args, sched)
+  t_ahead = time.perf_counter() - t_compile   # the abstract state, on this thread
   # --- model and optimizer, created directly with their shardings, or restored ---
   ts = setup.init_state(run, mesh)
   start = 0
@@ -396,8 +397,9 @@ def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
   t_state = time.time()
   parts = ", ".join(f"{k} {v:.1f}" for k, v in ts.seconds.items())
   log.info("startup: config and data %.1f s, model and optimizer state %.1f s (%s, checkpoint "
-           "lookup %.1f)", ctx.t_data - ctx.t_start, t_state - ctx.t_data, parts,
-           t_state - ctx.t_data - sum(ts.seconds.values()))
+           "lookup %.1f, abstract state for the compilation %.1f)", ctx.t_data - ctx.t_start,
+           t_state - ctx.t_data, parts, t_state - ctx.t_data - sum(ts.seconds.values()) - t_ahead,
+           t_ahead)
   if start >= tcfg.steps:  # nothing to train: the work directory stays as it is
     return {"start_step": start, "end_step": start, "steps": tcfg.steps, "losses": {}, "eval": {},
             "seconds": time.time() - ctx.t_start, "compile_seconds": 0.0,

@@ -74,8 +74,8 @@ def test_batch_layout(corpus_dir, small_tok):
 
 def test_epochs_count_passes_over_the_training_text(corpus_dir, small_tok):
   """`epochs/<stream>`: records read over the stream's records a pass. The training streams
-  repeat, so reading on passes 1 (every document has been read) and keeps rising in step with
-  the documents read."""
+  repeat, so the count passes 1 once every record has been read and keeps rising with the
+  records read; an eval pass (test_bad_records_are_counted_not_fatal) ends at exactly 1."""
   cfg = make_data(corpus_dir)
   it = pipeline.make_train_iterator(cfg, tokenizer=small_tok)
   per_pass = it.epoch_len[it.names.index("text")]

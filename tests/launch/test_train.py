@@ -214,7 +214,8 @@ def test_reference_run_logs(reference):
   assert "compiled ahead does not take" not in out
   assert out.index("compiling the train step") < out.index("startup: config and data")
   assert re.search(r"model and optimizer state [0-9.]+ s \(parameters [0-9.]+, optimizer state "
-                   r"[0-9.]+, checkpoint lookup -?[0-9.]+\)", out), out
+                   r"[0-9.]+, checkpoint lookup -?[0-9.]+, abstract state for the compilation "
+                   r"[0-9.]+\)", out), out
   # the end-of-run summary, its figures from the records above
   ev = [r for r in reference["records"] if "eval/loss" in r][0]
   assert f"done (process 0): steps 0→{STEPS} of {STEPS}" in out
