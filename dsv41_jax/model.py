@@ -344,9 +344,13 @@ def init_model(cfg: ModelConfig, seed: int = 0, mesh: jax.sharding.Mesh | None =
     return Transformer(cfg, nnx.Rngs(seed))
   gdef, abs_state = nnx.split(abstract_model(cfg))
   shardings = sharding.state_shardings(abs_state, mesh)
-  init = jax.jit(lambda: nnx.split(Transformer(cfg, nnx.Rngs(seed)))[1], out_shardings=shardings)
+  # The seed is the program's argument, not a constant in it: every seed of a config runs one
+  # program (a persistent compilation cache hit for a run's second seed), with the same draws.
+  init = jax.jit(lambda key: nnx.split(Transformer(cfg, nnx.Rngs(key)))[1],
+                 out_shardings=shardings)
   options = _CPU_INIT_OPTIONS if mesh.devices.flat[0].platform == "cpu" else {}
-  return nnx.merge(gdef, init.trace().lower().compile(compiler_options=options)())
+  key = jax.random.key(seed)
+  return nnx.merge(gdef, init.trace(key).lower().compile(compiler_options=options)(key))
 
 
 # The init program runs once per run. On the CPU, LLVM's optimisation of its random-number code is

@@ -366,16 +366,21 @@ def test_time_limit_starts_only_the_points_the_finished_ones_say_will_fit(tmp_pa
   assert ladder_jobs.estimate_seconds(sweep("muon"), 1, timings) == pytest.approx(
       statistics.median([20.0 - 2 * 4.0, 70.0, 90.0]) + 6 * 10.0)        # none: all of size S
 
-  points = [point("S_3", "S", 3), point("S_6", "S", 6), point("S_1", "S", 1), point("T_2", "T", 2)]
+  # S_2's 100 s fit the 120 s left, but not with the margin for run-to-run spread (120 s).
+  assert ladder_jobs.with_margin(100.0) == pytest.approx(120.0)
+  points = [point("S_3", "S", 3), point("S_6", "S", 6), point("S_2", "S", 2), point("S_1", "S", 1),
+            point("T_2", "T", 2)]
   commands = {p.name: [sys.executable, "-c", "pass"] for p in points}
   lines = []
   records = ladder_jobs.run(points, commands, {p.name: {} for p in points}, "g", str(work),
                             dict(os.environ), lines.append, deadline=time.time() + 120)
-  assert [r["status"] for r in records] == ["done", "not started", "failed", "failed"], lines
-  assert any(l.startswith("[2/4] S_6: not started: needs ~140 s by the finished points of its "
-                          "size, 1") for l in lines), lines
-  assert not (work / "S_6").exists()
-  assert records[2]["returncode"] == records[3]["returncode"] == 0   # started: ran, no eval
+  assert [r["status"] for r in records] == ["done", "not started", "not started", "failed",
+                                            "failed"], lines
+  assert any(l.startswith("[2/5] S_6: not started: needs ~140 s by the finished points of its "
+                          "size (164 s with the margin), 1") for l in lines), lines
+  assert any(l.startswith("[3/5] S_2: not started: needs ~100 s") for l in lines), lines
+  assert not (work / "S_6").exists() and not (work / "S_2").exists()
+  assert records[3]["returncode"] == records[4]["returncode"] == 0   # started: ran, no eval
 
 
 # --- several points at once (--jobs) -------------------------------------------------------------

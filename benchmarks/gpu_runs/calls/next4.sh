@@ -13,8 +13,13 @@
 #   run(command="cd build/clean && SWEEP=1 bash benchmarks/gpu_runs/calls/next4.sh",
 #       carry=[".whl", "build/clean"], timeout_s=600)
 # (ONLY defaults to '*': the time limit starts what fits, a sweep point timed by the finished points
-# of its chain at its size, else by the grid's points of that size. 20 points of 400 steps at L8d256
-# and L12d384: ~85 and ~135 s each with the travelling compilation cache, ~4-5 calls; then seed 1.)
+# of its chain at its size, else by the grid's points of that size. Points of 400 steps at L8d256
+# and L12d384: ~82 and ~140 s each with the travelling compilation cache.)
+# Session 43 (2026-12-03): L8d256's stage 1 is done (11 points) and L12d384's 4e-3 of each chain;
+# archives in benchmarks/gpu_runs/2026-12-03/s43_call{1,2,3}. Next, in this order:
+#   ONLY='*L12d384_*_lr0.001_seed0,*L12d384_*_lr0.002_seed0,*L12d384_*_lr0.008_seed0' (6 points)
+#   ONLY='*_seed1' (stage 2: each (size, chain)'s best at seed 1, 4 points)
+# and L12d384's lowest rates only if an optimum sits at 1e-3.
 # Before each call: `mkdir -p build/clean/build/ladder_prev` and unpack every earlier call's
 # ladder_gpu.tar.gz there (tar -xzf ... -C build/clean/build/ladder_prev): its done points are
 # copied in and skipped, and their timings drive the time limit's estimates.
@@ -49,8 +54,8 @@ EOF
 fi
 # The persistent compilation cache travels between calls (each call is a fresh machine): points of one
 # size and chain share their programs (the schedule is an input of the train step), so a later call's
-# points skip ~30-40 s of compile each. Kept in build/xla_cache (carried with build/clean), sent back
-# as $OUT/xla_cache.tar.gz when under 16 MiB; unpack it into build/clean/build/xla_cache.
+# points skip ~30-40 s of compile each. Kept in build/xla_cache (carried with build/clean); the
+# entries a call adds come back as $OUT/xla_cache_new.tar.gz.NN (see `step cache` below).
 CACHE=~/.cache/dsv41_jax/xla
 if [ -d build/xla_cache ]; then
   step "compilation cache: $(ls build/xla_cache | wc -l) entries restored"
@@ -64,9 +69,17 @@ timeout -s INT -k 15 $((END - SECONDS + 15)) python3 -m launch.ladder --config=c
 step report; timeout 20 python3 -m launch.ladder --report $W > $OUT/report.md
 step archive; (cd $W && find . -maxdepth 3 -type f \( -name point.json -o -name metrics.jsonl -o -name train.log \
     -o -name 'ladder.*' -o -name report.md -o -name '*.png' \) -print0 | tar --null -czf "$OUT/ladder_gpu.tar.gz" -T -)
-step cache; (cd $CACHE 2>/dev/null && tar -czf "$OUT/xla_cache.tar.gz" . && du -h "$OUT/xla_cache.tar.gz")
-if [ -f "$OUT/xla_cache.tar.gz" ] && [ $(stat -c %s "$OUT/xla_cache.tar.gz") -gt 16000000 ]; then
-  echo "cache archive over 16 MB, not sent back"; rm "$OUT/xla_cache.tar.gz"
+# Only the entries this call added go back (the whole cache passed $OUT's 16 MiB a file on
+# 2026-12-03, session 43), in parts of 15 MB: `cat xla_cache_new.tar.gz.* | tar -xz -C
+# build/clean/build/xla_cache` adds them to what the next call carries.
+step cache; if [ -d $CACHE ]; then
+  (cd $CACHE && for f in *; do [ -e "$OLDPWD/build/xla_cache/$f" ] || echo "$f"; done) > /tmp/new_entries
+  echo "$(wc -l < /tmp/new_entries) new entries"
+  if [ -s /tmp/new_entries ]; then
+    tar -czf - -C $CACHE -T /tmp/new_entries | split -b 15000000 -d - "$OUT/xla_cache_new.tar.gz."
+    n=$(ls $OUT/xla_cache_new.tar.gz.* | wc -l)
+    [ $n -le 5 ] || { echo "new cache entries over 5 parts, not sent back"; rm $OUT/xla_cache_new.tar.gz.*; }
+  fi
 fi
 ls -l $OUT
 step done
