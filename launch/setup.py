@@ -369,6 +369,49 @@ def compile_train_steps(jitted, mesh, phases, args, schedule: Schedule | None = 
   return start_train_steps(jitted, mesh, phases, args, schedule).wait(poll)
 
 
+def device_memory(mesh) -> float | None:
+  """Bytes one device of `mesh` gives a program (its allocator's limit: XLA_PYTHON_CLIENT_MEM_FRACTION
+  of a GPU's memory), or None where the backend does not say (the CPU)."""
+  stats = mesh.devices.flat[0].memory_stats() or {}
+  return float(stats["bytes_limit"]) if stats.get("bytes_limit") else None
+
+
+def memory_shortfall(compiled, run: RunConfig, mesh, rows: int, param_bytes: float,
+                     device_bytes: float | None) -> str | None:
+  """None when the compiled train step's peak per device fits `device_bytes` (None: unknown, no
+  check), else one message: what it needs, what the device gives, and the smallest
+  `train.grad_accum_steps` that would fit. The peak is XLA's own account of the compiled program
+  (`memory_analysis`: arguments + outputs − donated + temporaries); the suggestion scales the
+  temporaries with the micro-batch's rows and adds a float32 gradient accumulator of `param_bytes`
+  (the parameters' bytes per device) where there was none: an estimate, said so."""
+  m = compiled.memory_analysis()
+  if device_bytes is None or m is None:
+    return None
+  fixed = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+  need = fixed + m.temp_size_in_bytes
+  if need <= device_bytes:
+    return None
+  gib = lambda b: f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+  k, ways = run.train.grad_accum_steps, sharding.batch_ways(mesh)
+  advice = ("not even one row a micro-batch would fit: shard the model over more devices "
+            "(mesh.fsdp, mesh.expert) or use fewer rows a step")
+  for k2 in range(k + 1, rows // ways + 1):
+    if rows % (k2 * ways):
+      continue
+    guess = fixed + m.temp_size_in_bytes * k / k2 + (param_bytes if k == 1 else 0.0)
+    if guess <= device_bytes:
+      advice = (f"train.grad_accum_steps={k2} ({rows // (k2 * ways)} rows a micro-batch per "
+                f"device, the same {rows}-row step) would need ~{gib(guess)} by scaling the "
+                "temporaries with the rows (an estimate)")
+      break
+  return (f"the train step needs {gib(need)} a device (XLA's memory analysis of the compiled "
+          f"program: arguments {gib(m.argument_size_in_bytes)}, outputs "
+          f"{gib(m.output_size_in_bytes)}, donated {gib(m.alias_size_in_bytes)}, temporaries "
+          f"{gib(m.temp_size_in_bytes)}), more than the {gib(device_bytes)} the device gives it "
+          f"({rows // (k * ways)} rows a micro-batch per device, train.grad_accum_steps={k}); "
+          f"{advice}; or train.memory_check=False to run it anyway")
+
+
 def ahead_args(run: RunConfig, mesh, adapter: BatchAdapter, global_rows: int
                ) -> tuple[TrainSetup, tuple[Any, ...], Schedule]:
   """What the train step is compiled for before any array exists: the abstract state (its own

@@ -23,8 +23,9 @@ logged figures, the bar and the summary in `launch/progress.py`, the log file in
   damaged newest checkpoint is still moved aside to `damaged-<step>` when an older one restores.)
 * Errors. Configuration, file-system and input mistakes (unknown key, bad value, mesh vs devices,
   batch vs data axes, missing data or tokenizer file, a work directory that is not writable or
-  holds another model, a checkpoint save that fails on a full disk) stop with one
-  `error: ...` line naming the key or path and exit status 2; the last good checkpoint stays.
+  holds another model, a checkpoint save that fails on a full disk, a compiled train step over
+  the device's memory: `train.memory_check`) stop with one `error: ...` line naming the key or
+  path and exit status 2; the last good checkpoint stays.
 * Non-finite steps are not applied; after `train.max_bad_steps` in a row the run stops (exit 2).
 * Output. A progress bar when stderr is a terminal (its ETA and tokens/s start after
   compilation; warnings are written around it, the per-step lines only to train.log), plain log
@@ -431,6 +432,15 @@ def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
   log.info("train step compiled in %.1f s (%scompilation cache: %s)", compile_s,
            "begun beside the model and optimizer state; " if ahead and not why else "",
            ctx.cache_dir or "off")
+  if tcfg.memory_check:  # a program over the device's memory: one line now, not an OOM later
+    device_bytes = setup.device_memory(mesh)
+    param_bytes = sum(x.addressable_shards[0].data.nbytes
+                      for x in jax.tree.leaves(ts.state.params)) if device_bytes else 0.0
+    for tv in phases:
+      short = setup.memory_shortfall(train_steps[tv], run, mesh, setup.global_batch(run, mesh),
+                                     param_bytes, device_bytes)
+      if short:
+        raise SetupError(short)
   eval_step = setup.eval_step(run, ts, mesh)
   token_bytes = replicate(evaluation.token_byte_lengths(ctx.tokenizer, run.model.vocab_size),
                           ts.replicated)

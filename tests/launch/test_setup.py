@@ -181,3 +181,29 @@ def test_micro_batches_must_split_the_batch_and_the_mesh():
   assert "\n" not in msg
   assert "= 8 rows" in msg and "train.grad_accum_steps (4)" in msg and "(4 ways)" in msg
   assert "multiple of 16" in msg and "grad_accum_steps one of [1, 2]" in msg
+
+
+def test_memory_shortfall_names_what_is_needed_and_the_micro_batch_that_fits():
+  """A compiled train step over the device's memory (XLA's memory analysis: arguments + outputs −
+  donated + temporaries) gives one line with both figures and the smallest grad_accum_steps whose
+  scaled temporaries (+ a float32 gradient accumulator) fit; none when nothing fits; no message
+  when it fits or the device's memory is unknown (the CPU)."""
+  G = 2.0 ** 30
+  analysis = lambda temp: types.SimpleNamespace(
+      memory_analysis=lambda: types.SimpleNamespace(
+          argument_size_in_bytes=10 * G, output_size_in_bytes=9 * G, alias_size_in_bytes=8 * G,
+          temp_size_in_bytes=temp))
+  run = setup.run_config(_cfg(**{"data.batch_size": 32}), process_count=1)
+  mesh = setup.build_mesh(run.mesh, jax.devices()[:1])
+  assert setup.device_memory(mesh) is None                          # the CPU does not say
+  short = lambda temp, device: setup.memory_shortfall(analysis(temp), run, mesh, 32, 2 * G, device)
+  assert short(100 * G, None) is None
+  assert short(29 * G, 40 * G) is None                              # 11 + 29 = 40 GiB: fits
+  msg = short(100 * G, 40 * G)                                      # 111 GiB
+  assert "\n" not in msg
+  assert "needs 111.0 GiB a device" in msg and "the 40.0 GiB the device gives it" in msg
+  assert "temporaries 100.0 GiB" in msg and "32 rows a micro-batch per device" in msg
+  # k = 2: 11 + 50 + 2 = 63; k = 4: 11 + 25 + 2 = 38 <= 40.
+  assert "train.grad_accum_steps=4 (8 rows a micro-batch per device" in msg and "~38.0 GiB" in msg
+  assert "train.memory_check=False" in msg
+  assert "not even one row" in short(100 * G, 12 * G)               # 11 + 100/32 + 2 > 12
