@@ -6,8 +6,14 @@
 # main's in float32 rounding (loss bit-identical), and on the CPU its program moves 4 % fewer bytes
 # (s1: copies 31.6 -> 20.6 GB a step; RESULTS 2026-12-03 session 41). Make it here:
 #   git worktree add build/clean HEAD && cp -r .whl build/clean/
-#   mkdir -p build/clean/build/new && git archive b7ae0d1 benchmarks configs data \
-#       dsv41_jax launch optim pallas_kernels | tar -x -C build/clean/build/new   # ~6 MB
+#   new = main with aa4a015 reverted (only dsv41_jax/model.py differs from main's model code;
+#   b7ae0d1 itself predates main's later launch/ and benchmarks/ changes):
+#   git worktree add --detach /tmp/rv main && (cd /tmp/rv && git revert --no-commit aa4a015;
+#     git checkout HEAD -- benchmarks/gpu_runs/calls/next_s42_engram.sh)
+#   rm -rf build/clean/build/new && mkdir -p build/clean/build/new && (cd /tmp/rv && tar -c \
+#     --exclude=__pycache__ benchmarks/*.py benchmarks/gpu_runs/calls configs data dsv41_jax launch \
+#     optim pallas_kernels) | tar -x -C build/clean/build/new          # ~1.7 MB
+#   (session 43 made it so at c48fc2a; remake it if main's dsv41_jax/ has changed since)
 #   run(command="cd build/clean && bash benchmarks/gpu_runs/calls/next_s42_engram.sh", carry=[".whl", "build/clean"])
 # (b7ae0d1 is in main's history: the branch is only a name for it.) If new is faster by more than
 # the run-to-run spread (~1 %), `git revert aa4a015` (the revert of b7ae0d1) with the figures in
