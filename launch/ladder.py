@@ -430,7 +430,8 @@ def markdown(rows, fit, abl) -> str:
 
 
 def plots(rows, fit, out_dir: str) -> list[str]:
-  """loss_curves.png, frontier.png, residuals.png (matplotlib, an optional dependency)."""
+  """loss_curves.png, frontier.png, residuals.png and, with sweep points, sweep.png (held-out
+  loss against the peak learning rate per size and chain); matplotlib, an optional dependency."""
   try:
     import matplotlib
     matplotlib.use("Agg")
@@ -495,6 +496,31 @@ def plots(rows, fit, out_dir: str) -> list[str]:
     ax.legend(fontsize=7)
   ax.set_title("fit residuals")
   written.append(_save(fig, out_dir, "residuals.png"))
+
+  sweeps = [r for r in rows if r["kind"] == "sweep" and r["status"] == "done"
+            and r.get("eval_loss") is not None]
+  if sweeps:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    marks = {"muon": "o", "adamw": "s"}
+    for size in sorted({r["size"] for r in sweeps}):
+      for chain in sorted({r["chain"] for r in sweeps if r["size"] == size}):
+        pts = sorted((r["lr"], r["eval_loss"], r["seed"]) for r in sweeps
+                     if r["size"] == size and r["chain"] == chain)
+        first = min(seed for _, _, seed in pts)
+        line = [(lr, loss) for lr, loss, seed in pts if seed == first]
+        kw = dict(color=colours.get(size, "k"), marker=marks.get(chain, "^"),
+                  ls="-" if chain == "muon" else "--")
+        ax.plot(*zip(*line), label=f"{size} {chain} (seed {first})", **kw)
+        more = [(lr, loss) for lr, loss, seed in pts if seed != first]
+        if more:
+          ax.plot(*zip(*more), ls="none", mfc="none", color=kw["color"], marker=kw["marker"])
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("peak learning rate")
+    ax.set_ylabel("held-out loss (open marks: other seeds)")
+    ax.legend(fontsize=7)
+    ax.set_title("learning-rate sweeps at equal tokens")
+    written.append(_save(fig, out_dir, "sweep.png"))
   plt.close("all")
   return written
 

@@ -81,3 +81,9 @@ def test_report_reads_sweep_points_from_a_ladder_directory(tmp_path):
   r = ladder.report(str(tmp_path))
   assert "| L2d32 | muon | 0.001 → 2.9000, 0.003 → 2.5000, 0.01 → 2.7000 | 0.003 |" in r["markdown"]
   assert {c["chain"]: c["winner"] for c in r["sweeps"]} == {"muon": "muon", "adamw": "muon"}
+  try:
+    import matplotlib  # noqa: F401
+  except ImportError:
+    return
+  plots = {os.path.basename(p): p for p in r["plots"]}
+  assert os.path.getsize(plots["sweep.png"]) > 1000
