@@ -325,9 +325,12 @@ def schedule_input(run: RunConfig, ts: TrainSetup) -> Schedule:
 
 class Compiling:
   """Train-step programs compiling on worker threads, one per `train_vit` phase (XLA compiles
-  outside the GIL; `start_train_steps` returns at once). `wait` blocks until they are built."""
+  outside the GIL; `start_train_steps` returns at once). `wait` blocks until they are built.
+  `in_order`: one thread, the phases one after another in the order given (the first phase's
+  program is then ready as soon as it would be alone; the next compiles while it trains)."""
 
-  def __init__(self, jitted, mesh, phases, args, schedule: Schedule | None = None):
+  def __init__(self, jitted, mesh, phases, args, schedule: Schedule | None = None,
+               in_order: bool = False):
     extra = () if schedule is None else (schedule,)
 
     def one(train_vit):
@@ -335,32 +338,39 @@ class Compiling:
         return jitted.lower(*args, train_vit, *extra).compile()
 
     self.args = (*args, *extra)   # what the programs were compiled for (arrays or abstract)
-    self._pool = ThreadPoolExecutor(len(phases))
+    self._pool = ThreadPoolExecutor(1 if in_order else len(phases))
     self._futures = {tv: self._pool.submit(one, tv) for tv in phases}
     self._pool.shutdown(wait=False)  # no new work; the threads end with their compilation
 
-  def wait(self, poll: Callable[[], None] | None = None) -> dict[bool, Any]:
-    """The compiled programs by phase. The main thread only waits, so a signal handler runs at
-    once, and `poll` is called every 0.2 s of the wait: it may raise to abandon the compilation
-    (abandoned, not awaited: the caller exits without joining the threads)."""
-    pending = set(self._futures.values())
+  def holds(self, train_vit: bool) -> bool:
+    return train_vit in self._futures
+
+  def wait(self, poll: Callable[[], None] | None = None, only=None) -> dict[bool, Any]:
+    """The compiled programs by phase (of the phases in `only`, if given). The main thread only
+    waits, so a signal handler runs at once, and `poll` is called every 0.2 s of the wait: it may
+    raise to abandon the compilation (abandoned, not awaited: the caller exits without joining
+    the threads)."""
+    futures = {tv: f for tv, f in self._futures.items() if only is None or tv in only}
+    pending = set(futures.values())
     try:
       while pending:
         pending = wait(pending, timeout=0.2).not_done
         if poll is not None:
           poll()
-      return {tv: f.result() for tv, f in self._futures.items()}
+      return {tv: f.result() for tv, f in futures.items()}
     except BaseException:
       for f in self._futures.values():
         f.cancel()
       raise
 
 
-def start_train_steps(jitted, mesh, phases, args, schedule: Schedule | None = None) -> Compiling:
+def start_train_steps(jitted, mesh, phases, args, schedule: Schedule | None = None,
+                      in_order: bool = False) -> Compiling:
   """Start the AOT compilation of the train step for each `train_vit` phase; with the persistent
   cache a rerun loads them instead. With `schedule`, each program takes it after `args`: called
-  as `compiled(*args, schedule)`. `args` may be ShapeDtypeStructs with shardings (`ahead_args`)."""
-  return Compiling(jitted, mesh, phases, args, schedule)
+  as `compiled(*args, schedule)`. `args` may be ShapeDtypeStructs with shardings (`ahead_args`).
+  `in_order`: one after another, in the order of `phases` (see `Compiling`)."""
+  return Compiling(jitted, mesh, phases, args, schedule, in_order)
 
 
 def compile_train_steps(jitted, mesh, phases, args, schedule: Schedule | None = None, *,
@@ -384,8 +394,10 @@ def memory_shortfall(compiled, run: RunConfig, mesh, rows: int, param_bytes: flo
   (`memory_analysis`: arguments + outputs − donated + temporaries); the suggestion scales the
   temporaries with the micro-batch's rows and adds a float32 gradient accumulator of `param_bytes`
   (the parameters' bytes per device) where there was none: an estimate, said so."""
+  if device_bytes is None:
+    return None
   m = compiled.memory_analysis()
-  if device_bytes is None or m is None:
+  if m is None:
     return None
   fixed = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
   need = fixed + m.temp_size_in_bytes

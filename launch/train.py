@@ -350,6 +350,11 @@ def _commit(ctx: _Context, start: int) -> None:
   ctx.log.open_file(ctx.workdir)
 
 
+def _phases(train_vit_at, start: int, steps: int) -> list[bool]:
+  """The `train_vit` phases of steps [start, steps), the first one's first."""
+  return list(dict.fromkeys([train_vit_at(start), train_vit_at(steps - 1)]))
+
+
 def _log_compiling(run: setup.RunConfig, phases) -> None:
   log.info("compiling the train step (%s)", " and ".join(
       "ViT trainable" if tv else "ViT frozen" for tv in phases)
@@ -373,10 +378,11 @@ def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
   newest = (checkpointer.steps() or [0])[-1]
   ahead = None
   if newest < tcfg.steps:
-    phases = sorted({train_vit_at(newest), train_vit_at(tcfg.steps - 1)})
+    phases = _phases(train_vit_at, newest, tcfg.steps)
     _log_compiling(run, phases)
     ats, args, sched = setup.ahead_args(run, mesh, adapter, setup.global_batch(run, mesh))
-    ahead = setup.start_train_steps(setup.train_step_jit(run, ats), mesh, phases, args, sched)
+    ahead = setup.start_train_steps(setup.train_step_jit(run, ats), mesh, phases, args, sched,
+                                    in_order=True)
   t_ahead = time.perf_counter() - t_compile   # the abstract state, on this thread
   # --- model and optimizer, created directly with their shardings, or restored ---
   ts = setup.init_state(run, mesh)
@@ -412,35 +418,51 @@ def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
   log.info("process %d: first batch at step %d: %d rows, tokens sha256 %s",
            jax.process_index(), start + 1, len(rows["tokens"]), batch_digest(rows))
   batch = adapter(rows)
-  phases = sorted({train_vit_at(start), train_vit_at(tcfg.steps - 1)})
+  phases = _phases(train_vit_at, start, tcfg.steps)
   lr_schedule = setup.schedule_input(run, ts)  # data: a new train.steps compiles nothing new
-  train_steps = ahead.wait(poll=stop.check) if ahead is not None else {}
   why = None if ahead is None else setup.signature_mismatch(ahead.args,
                                                             (ts.state, batch, lr_schedule))
   if why is not None:
     log.warning("the train step compiled ahead does not take this run's arguments (%s): "
                 "compiling it again for them", why)
-    train_steps = {}
-  missing = [tv for tv in phases if tv not in train_steps]
+  sources = [ahead] if ahead is not None and why is None else []
+  missing = [tv for tv in phases if not any(c.holds(tv) for c in sources)]
   if missing:  # no ahead compilation (nothing was to train), another phase, or other arguments
-    if ahead is None or why is not None:
+    if not sources:
       t_compile = time.perf_counter()
     _log_compiling(run, missing)
-    train_steps.update(compile_train_steps(setup.train_step_jit(run, ts), mesh, missing,
-                                           (ts.state, batch), lr_schedule, poll=stop.check))
-  compile_s = time.perf_counter() - t_compile
-  log.info("train step compiled in %.1f s (%scompilation cache: %s)", compile_s,
-           "begun beside the model and optimizer state; " if ahead and not why else "",
-           ctx.cache_dir or "off")
-  if tcfg.memory_check:  # a program over the device's memory: one line now, not an OOM later
-    device_bytes = setup.device_memory(mesh)
-    param_bytes = sum(x.addressable_shards[0].data.nbytes
-                      for x in jax.tree.leaves(ts.state.params)) if device_bytes else 0.0
-    for tv in phases:
+    sources.append(setup.start_train_steps(setup.train_step_jit(run, ts), mesh, missing,
+                                           (ts.state, batch), lr_schedule, in_order=True))
+  # The phases' programs compile one after another: the first phase's is awaited here, a later
+  # phase's (the ViT unfrozen) goes on compiling on its thread while the first phase trains.
+  train_steps: dict[bool, Any] = {}
+  device_bytes = setup.device_memory(mesh) if tcfg.memory_check else None
+  param_bytes = sum(x.addressable_shards[0].data.nbytes
+                    for x in jax.tree.leaves(ts.state.params)) if device_bytes else 0.0
+
+  def program(tv: bool):
+    """The train step of phase `tv`, awaited (and checked against the device's memory) once."""
+    if tv not in train_steps:
+      t = time.perf_counter()
+      train_steps.update(next(c for c in sources if c.holds(tv)).wait(poll=stop.check,
+                                                                      only=(tv,)))
+      if tv != phases[0] and time.perf_counter() - t > 1.0:
+        log.info("waited %.1f s for the %s train step, compiling since the start",
+                 time.perf_counter() - t, "ViT-trainable" if tv else "ViT-frozen")
+      # a program over the device's memory: one line now, not an out-of-memory error later
       short = setup.memory_shortfall(train_steps[tv], run, mesh, setup.global_batch(run, mesh),
                                      param_bytes, device_bytes)
       if short:
         raise SetupError(short)
+    return train_steps[tv]
+
+  program(phases[0])
+  compile_s = time.perf_counter() - t_compile
+  log.info("train step compiled in %.1f s (%scompilation cache: %s)%s", compile_s,
+           "begun beside the model and optimizer state; " if ahead and not why else "",
+           ctx.cache_dir or "off",
+           "; the ViT-trainable program compiles on while the first phase trains"
+           if len(phases) > 1 else "")
   eval_step = setup.eval_step(run, ts, mesh)
   token_bytes = replicate(evaluation.token_byte_lengths(ctx.tokenizer, run.model.vocab_size),
                           ts.replicated)
@@ -479,7 +501,7 @@ def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
     # records the data position before the peek.
     if step + 1 < tcfg.steps:
       train_it.start_peek()
-    ts.state, m = train_steps[train_vit_at(step)](ts.state, batch, lr_schedule)
+    ts.state, m = program(train_vit_at(step))(ts.state, batch, lr_schedule)
     t2 = time.perf_counter()
     batch, step = None, step + 1
     host = 0.0
@@ -559,6 +581,7 @@ def main(argv):
     sys.stdout.flush()
     os._exit(0)  # compilation threads may still run: do not wait for them
   print(format_summary(summary, _WORKDIR.value), flush=True)
+  _exit(0)  # a later phase's compilation may still run when a signal ended the first phase
 
 
 if __name__ == "__main__":

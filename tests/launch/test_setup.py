@@ -207,3 +207,35 @@ def test_memory_shortfall_names_what_is_needed_and_the_micro_batch_that_fits():
   assert "train.grad_accum_steps=4 (8 rows a micro-batch per device" in msg and "~38.0 GiB" in msg
   assert "train.memory_check=False" in msg
   assert "not even one row" in short(100 * G, 12 * G)               # 11 + 100/32 + 2 > 12
+
+
+def test_phases_compile_in_order_and_the_first_is_awaited_alone():
+  """`in_order`: one worker compiles the phases one after another in the order given, and
+  `wait(only=...)` returns the first phase's program while the next is still compiling (the run
+  trains its first phase meanwhile)."""
+  import threading
+  import time
+  events, release = [], threading.Event()
+
+  class Lowered:
+    def __init__(self, tv):
+      self.tv = tv
+
+    def compile(self):
+      events.append(f"start {self.tv}")
+      if self.tv:                   # the later phase: held until the test lets it finish
+        assert release.wait(30)
+      else:
+        time.sleep(0.3)             # two workers would start the later phase meanwhile
+      events.append(f"end {self.tv}")
+      return f"program {self.tv}"
+
+  jitted = types.SimpleNamespace(lower=lambda *args: Lowered(args[-1]))
+  mesh = setup.build_mesh(setup.run_config(_cfg(), process_count=1).mesh, jax.devices()[:1])
+  c = setup.start_train_steps(jitted, mesh, [False, True], ("state", "batch"), in_order=True)
+  assert c.holds(False) and c.holds(True)
+  assert c.wait(only=(False,)) == {False: "program False"}
+  assert "end True" not in events   # the later phase still compiling
+  release.set()
+  assert c.wait(only=(True,)) == {True: "program True"}
+  assert events == ["start False", "end False", "start True", "end True"]   # one after another
