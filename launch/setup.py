@@ -380,9 +380,10 @@ def compile_train_steps(jitted, mesh, phases, args, schedule: Schedule | None = 
 
 
 def device_memory(mesh) -> float | None:
-  """Bytes one device of `mesh` gives a program (its allocator's limit: XLA_PYTHON_CLIENT_MEM_FRACTION
-  of a GPU's memory), or None where the backend does not say (the CPU)."""
-  stats = mesh.devices.flat[0].memory_stats() or {}
+  """Bytes one of this process's devices of `mesh` gives a program (its allocator's limit:
+  XLA_PYTHON_CLIENT_MEM_FRACTION of a GPU's memory), or None where the backend does not say (the
+  CPU). A device of another process cannot be asked: the first local one is."""
+  stats = mesh.local_devices[0].memory_stats() or {}
   return float(stats["bytes_limit"]) if stats.get("bytes_limit") else None
 
 
