@@ -113,6 +113,11 @@ class ModelConfig:
   # The residual: "mhc" (hc_mult streams mixed by mHC sites, docs/design.md §3) or "plain" (the
   # ablation baseline: one stream, X ← X + F(norm(X)), no mHC parameters; needs hc_mult = 1).
   residual: str = "mhc"
+  # Storage dtype of the residual streams X [B, T, n, d] between sublayers ("float32" or
+  # "bfloat16"; docs/design.md §3.5). The site math (expand, collapse, the mix, Engram's add) runs
+  # in float32 either way and rounds once when it writes X; bfloat16 halves the streams' bytes
+  # (what DeepSeek's own V4 code stores) and their cotangents travel in bfloat16 too.
+  hc_stream_dtype: Literal["float32", "bfloat16"] = "float32"
   engram_layer_ids: tuple[int, ...] = (1, 14)
   engram_max_ngram_size: int = 4
   engram_n_heads: int = 8
@@ -256,6 +261,8 @@ def _validate(c: ModelConfig) -> None:
        "logits)")
   need(c.moe_capacity_factor > 0, f"moe_capacity_factor must be positive (got {c.moe_capacity_factor})")
   need(c.residual in ("mhc", "plain"), f"residual must be 'mhc' or 'plain' (got {c.residual!r})")
+  need(c.hc_stream_dtype in ("float32", "bfloat16"),
+       f"hc_stream_dtype must be 'float32' or 'bfloat16' (got {c.hc_stream_dtype!r})")
   need(c.residual == "mhc" or c.hc_mult == 1,
        f"residual='plain' is one stream: hc_mult must be 1 (got {c.hc_mult})")
   n = c.num_hidden_layers

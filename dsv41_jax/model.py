@@ -141,7 +141,7 @@ class Transformer(nnx.Module):
     plain residual has one stream (hc_mult 1), so pre_mix = e_0 = 1 reads it as it is."""
     n = self.cfg.hc_mult
     B, T, D = h_BxTxD.shape
-    X = jnp.broadcast_to(h_BxTxD[:, :, None, :], (B, T, n, D)).astype(jnp.float32)
+    X = jnp.broadcast_to(h_BxTxD[:, :, None, :], (B, T, n, D)).astype(self.cfg.hc_stream_dtype)
     pre = jnp.broadcast_to(mhc.initial_pre(n), (B, T, n)).astype(jnp.float32)
     return StreamState(X, pre)
 

@@ -279,7 +279,8 @@ def engram_inject(x_BxTxNxD: jax.Array, kv_BxTxO: jax.Array, w_NxD: jax.Array,
   v = kv_BxTxO[..., N * D:]
   alpha = engram_gate(x_BxTxNxD, k, w_NxD, eps) * token_mask_BxT[..., None].astype(jnp.float32)
   update = alpha[..., None] * v[:, :, None, :].astype(jnp.float32)
-  return x_BxTxNxD + update.astype(x_BxTxNxD.dtype), alpha
+  # Added in float32, rounded once to the streams' dtype (the same bits for float32 streams).
+  return (x_BxTxNxD.astype(jnp.float32) + update).astype(x_BxTxNxD.dtype), alpha
 
 
 # --- statistics --------------------------------------------------------------------------------

@@ -136,14 +136,15 @@ expand.defvjp(_expand_fwd, _expand_bwd)
 
 @jax.custom_vjp
 def collapse(X_BxTxNxD, pre_BxTxN):
-  """Sublayer input Σ_i pre_i · X_i [B, T, d] (float32 math, X's dtype out); pre may be [n]."""
+  """Sublayer input Σ_i pre_i · X_i [B, T, d], float32 (the math and the result: the sublayer's
+  norm reads it before anything is rounded, whatever the streams' dtype); pre may be [n]."""
   n = X_BxTxNxD.shape[-2]
   X = X_BxTxNxD.astype(jnp.float32)
   pre = pre_BxTxN.astype(jnp.float32)
   y = pre[..., 0, None] * X[..., 0, :]
   for i in range(1, n):
     y = y + pre[..., i, None] * X[..., i, :]
-  return y.astype(X_BxTxNxD.dtype)
+  return y
 
 
 def _collapse_fwd(X, pre):
@@ -174,7 +175,7 @@ def hc_site(X_BxTxNxD: jax.Array, F_BxTxD: jax.Array, post_BxTxN: jax.Array,
   norm_weight its sublayer norm (attn_norm / ffn_norm):
 
     X'   = expand(X, post, comb, F)                          [B,T,n,d], X's dtype
-    x    = rms_norm(collapse(X', pre), norm_weight)          [B,T,d], X's dtype (sublayer input)
+    x    = rms_norm(collapse(X', pre), norm_weight)          [B,T,d], float32 (sublayer input)
     pre', post', comb' = hc_coefficients(X', fn, base, scale)   this site's coefficients
 
   Returns (X', x, pre', post', comb'). A model's first site has no previous expand: F = 0,

@@ -25,6 +25,8 @@ layer attends with the latest top-k of its run, so a Reindex layer in between ch
 Reuse layers after it read (§2, §5.5).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,37 +133,36 @@ def _moe(P, cfg, x, seg):
   return np_moe(experts, x, w, sel, seg != 0, cfg.swiglu_limit)
 
 
-def reference_logits(flat, cfg, tokens, pos, seg):
-  """docs/design.md §3.3 in float64, layer by layer."""
+def _bf16(X):
+  """X rounded to bfloat16 (round to nearest even), as float64."""
+  return np.asarray(jnp.asarray(X, jnp.bfloat16), np.float64)
+
+
+def reference_logits(flat, cfg, tokens, pos, seg, store=lambda X: X):
+  """docs/design.md §3.3 in float64, layer by layer; `store` is what writing the streams does to
+  them (bfloat16 streams: `_bf16`)."""
   hc = lambda X, P, site: ref_hc(X, P[f"{site}/fn"], P[f"{site}/base"], P[f"{site}/scale"],
                                  iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
                                  norm_eps=cfg.rms_norm_eps)
   eps, n = cfg.rms_norm_eps, cfg.hc_mult
-  X = np.repeat(flat["embed"][tokens][:, :, None, :], n, axis=2)
+  X = store(np.repeat(flat["embed"][tokens][:, :, None, :], n, axis=2))
   pre_mix = np.zeros((B, T, n))
   pre_mix[..., 0] = 1.0                                                   # e_0
   for layer, spec in enumerate(build_layer_plan(cfg).layers):
     P = layer_params(flat, cfg, layer)
     a_pre, a_post, a_comb = hc(X, P, "attn_hc")
     x = np_rms(_collapse(X, pre_mix), P["attn_norm/scale"], eps)           # previous site's pre
-    X = _expand(X, a_post, a_comb, _attention(P, cfg, spec, x, pos, seg))
+    X = store(_expand(X, a_post, a_comb, _attention(P, cfg, spec, x, pos, seg)))
     f_pre, f_post, f_comb = hc(X, P, "ffn_hc")
     x = np_rms(_collapse(X, a_pre), P["ffn_norm/scale"], eps)              # the attention site's
-    X = _expand(X, f_post, f_comb, _moe(P, cfg, x, seg))
+    X = store(_expand(X, f_post, f_comb, _moe(P, cfg, x, seg)))
     pre_mix = f_pre
   h = np_rms(_collapse(X, pre_mix), flat["final_norm/scale"], eps)        # last FFN site's pre
   return h @ flat["head"]
 
 
-@pytest.mark.parametrize("ops", [{}, {"hc_coefficients": "kernel", "hc_site": "kernel"}],
-                         ids=["default", "mhc_kernels"])
-def test_model_logits_equal_the_single_pass_restatement(ops):
-  # Also with the mHC kernels (pallas_kernels/mhc.py, interpreted): the fused site and the
-  # coefficients in the model against the same float64 schedule, at the same tolerance.
-  cfg = _cfg(**ops)
-  rng = np.random.default_rng(0)
-  model = Transformer(cfg, nnx.Rngs(1))
-  _randomize(model, rng)
+def _inputs(cfg, rng):
+  """Tokens, positions and segment ids of two packed rows (two documents; padding at the end)."""
   tokens = rng.integers(0, cfg.vocab_size, size=(B, T)).astype(np.int32)
   seg = np.ones((B, T), np.int32)
   seg[0, 5:] = 2                                   # two documents in row 0
@@ -170,14 +171,49 @@ def test_model_logits_equal_the_single_pass_restatement(ops):
   for b in range(B):
     for t in range(1, T):
       pos[b, t] = pos[b, t - 1] + 1 if seg[b, t] == seg[b, t - 1] else 0
+  return tokens, pos, seg
+
+
+def _model_logits(cfg, seed=0):
+  """(logits of a randomized model on packed rows, its float64 parameters, tokens, pos, seg)."""
+  rng = np.random.default_rng(seed)
+  model = Transformer(cfg, nnx.Rngs(1))
+  _randomize(model, rng)
+  tokens, pos, seg = _inputs(cfg, rng)
   batch = dict(tokens=jnp.asarray(tokens), positions=jnp.asarray(pos),
                segment_ids=jnp.asarray(seg))
   logits, _ = nnx.jit(lambda m, b: m(b, zero_moe_bias(cfg)))(model, batch)
-
   flat = {p: np.asarray(v, np.float64) for p, v in flatten_params(nnx.state(model, nnx.Param))}
+  return np.asarray(logits, np.float64), flat, tokens, pos, seg
+
+
+@pytest.mark.parametrize("ops", [{}, {"hc_coefficients": "kernel", "hc_site": "kernel"}],
+                         ids=["default", "mhc_kernels"])
+def test_model_logits_equal_the_single_pass_restatement(ops):
+  # Also with the mHC kernels (pallas_kernels/mhc.py, interpreted): the fused site and the
+  # coefficients in the model against the same float64 schedule, at the same tolerance.
+  cfg = _cfg(**ops)
+  logits, flat, tokens, pos, seg = _model_logits(cfg)
   want = reference_logits(flat, cfg, tokens, pos, seg)
   scale = np.abs(want).max()
-  np.testing.assert_allclose(np.asarray(logits, np.float64), want, rtol=0, atol=3e-6 * scale)
+  np.testing.assert_allclose(logits, want, rtol=0, atol=3e-6 * scale)
+
+
+@pytest.mark.parametrize("ops", [{}, {"hc_coefficients": "kernel", "hc_site": "kernel"}],
+                         ids=["default", "mhc_kernels"])
+def test_bfloat16_streams_are_rounded_where_the_model_writes_them(ops):
+  # hc_stream_dtype="bfloat16": X⁰ and every expand's X' rounded to bfloat16 once, everything else
+  # (coefficients, collapse, norms, sublayers) as in float32. The restatement rounds at the same
+  # three places, and the float32 test's tolerance holds (1.6e-7 measured: float32 arithmetic moved
+  # no value across a bfloat16 rounding boundary here); the unrounded restatement is 8e-3 off.
+  cfg = dataclasses.replace(_cfg(**ops), hc_stream_dtype="bfloat16")
+  logits, flat, tokens, pos, seg = _model_logits(cfg)
+  want = reference_logits(flat, cfg, tokens, pos, seg, store=_bf16)
+  unrounded = reference_logits(flat, cfg, tokens, pos, seg)
+  scale = np.abs(want).max()
+  err, off = np.abs(logits - want).max() / scale, np.abs(unrounded - want).max() / scale
+  print(f"bf16 streams: {err:.2e} from the rounded restatement, {off:.2e} rounded vs not")
+  assert err < 3e-6 < off / 100, (err, off)
 
 
 # --- 2. what a layer reads from the layers before it ---------------------------------------------
