@@ -60,12 +60,64 @@ def sinkhorn_project(logits_NxN: jax.Array, iters: int, eps: float) -> jax.Array
   return jax.lax.fori_loop(0, iters - 1, alternation, comb)
 
 
+def _bf16_terms(a: jax.Array, k: int) -> list[jax.Array]:
+  """k bfloat16 terms whose float32 sum is `a` (float32) to 8·k significant bits (3: all 24)."""
+  terms, rest = [], a.astype(jnp.float32)
+  for _ in range(k):
+    terms.append(rest.astype(jnp.bfloat16))
+    rest = rest - terms[-1].astype(jnp.float32)
+  return terms
+
+
+def _dot_f32(a, b, spec):
+  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+@jax.custom_vjp
+def _mix_bf16(x_BxK: jax.Array, fn_MxK: jax.Array) -> jax.Array:
+  """x @ fnᵀ for bfloat16 x and float32 fn, float32 out, as one bfloat16 tensor-core product:
+  fn = fn₁ + fn₂ + fn₃ in bfloat16 terms (exact), so [x·fn₁ | x·fn₂ | x·fn₃] are exact products
+  summed in float32, x read once in its own dtype (no float32 copy of the streams)."""
+  m = fn_MxK.shape[0]
+  y3 = _dot_f32(x_BxK, jnp.concatenate(_bf16_terms(fn_MxK, 3)), "...k,mk->...m")
+  return y3[..., :m] + y3[..., m:2 * m] + y3[..., 2 * m:]
+
+
+def _mix_bf16_fwd(x, fn):
+  return _mix_bf16(x, fn), (x, fn)
+
+
+def _mix_bf16_bwd(res, g):
+  """dx = g·fn to 16 bits (g₁fn₁ + g₁fn₂ + g₂fn₁; dx is rounded to bfloat16's 8), one product;
+  dfn = (g₁ + g₂ + g₃)ᵀ x exactly, one product over the tokens, float32 sums."""
+  x, fn = res
+  m = fn.shape[0]
+  g1, g2, g3 = _bf16_terms(g, 3)
+  f1, f2, _ = _bf16_terms(fn, 3)
+  dx = _dot_f32(jnp.concatenate([g1, g1, g2], -1), jnp.concatenate([f1, f2, f1]), "...m,mk->...k")
+  lead = tuple(range(x.ndim - 1))
+  d3 = jax.lax.dot_general(jnp.concatenate([g1, g2, g3], -1), x, ((lead, lead), ((), ())),
+                           preferred_element_type=jnp.float32)
+  return dx.astype(x.dtype), (d3[:m] + d3[m:2 * m] + d3[2 * m:]).astype(fn.dtype)
+
+
+_mix_bf16.defvjp(_mix_bf16_fwd, _mix_bf16_bwd)
+
+
 def hc_mix(X_BxTxNxD: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
-  """mix = (x̂ @ fnᵀ) · ρ [B, T, (2+n)n] float32, x̂ = X flattened over (n, d), ρ its RMS⁻¹ (§3.2)."""
+  """mix = (x̂ @ fnᵀ) · ρ [B, T, (2+n)n] float32, x̂ = X flattened over (n, d), ρ its RMS⁻¹ (§3.2).
+
+  Float32 streams: one float32 product at HIGHEST precision. Bfloat16 streams (§3.5): the same
+  values from one bfloat16 tensor-core product over x̂ as stored (`_mix_bf16`)."""
   *lead, n, d = X_BxTxNxD.shape
-  x = X_BxTxNxD.reshape(*lead, n * d).astype(jnp.float32)
-  mean_square = checkpoint_name(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + norm_eps, MIX)
-  y = jnp.einsum("...k,mk->...m", x, fn.astype(jnp.float32), precision=_HIGHEST)
+  x = X_BxTxNxD.reshape(*lead, n * d)
+  mean_square = checkpoint_name(
+      jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1, keepdims=True) + norm_eps, MIX)
+  if x.dtype == jnp.bfloat16:
+    y = _mix_bf16(x, fn.astype(jnp.float32))
+  else:
+    y = jnp.einsum("...k,mk->...m", x.astype(jnp.float32), fn.astype(jnp.float32),
+                   precision=_HIGHEST)
   return checkpoint_name(y, MIX) * jax.lax.rsqrt(mean_square)
 
 

@@ -171,6 +171,39 @@ def test_expand_and_collapse_forward_and_vjps(dtype):
     _close_grads(_vjp_all(mhc.collapse, (X, p)), _vjp_all(_einsum_collapse, (X, p)), ["X", "pre"])
 
 
+def test_mix_of_bfloat16_streams_against_float64():
+  """Bfloat16 streams (design §3.5): the mix x̂ · fnᵀ from one bfloat16 product over x̂ as stored
+  (fn as three exact bfloat16 terms) is as close to float64 as the float32 product of float32
+  streams; the product's x̂ cotangent within one bfloat16 ulp of the rounded float64 value, fn's
+  as close as a float32 sum; one product forward, two backward, every operand bfloat16 (x̂ is
+  never copied to float32 for them)."""
+  from pallas_kernels.ops import mhc as ops_mhc
+  rng = np.random.default_rng(11)
+  X = jnp.asarray(rng.standard_normal((2, 7, 4, 64)), jnp.bfloat16)
+  fn = jnp.asarray(rng.standard_normal((24, 256)) * 0.05, jnp.float32)
+  g = jnp.asarray(rng.standard_normal((2, 7, 24)), jnp.float32)
+  x64, f64, g64 = (np.asarray(a, np.float64) for a in (X.reshape(2, 7, 256), fn, g))
+  rho = 1 / np.sqrt(np.mean(x64 ** 2, -1, keepdims=True) + 1e-20)
+  mix = lambda X, fn: ops_mhc.hc_mix(X, fn, 1e-20)  # noqa: E731
+  want = (x64 @ f64.T) * rho
+  np.testing.assert_allclose(np.asarray(mix(X, fn), np.float64), want, rtol=0,
+                             atol=1e-6 * np.abs(want).max())
+  # The product's own VJP (hc_mix adds the mean square's cotangent to x̂'s in bfloat16, as
+  # autodiff sums every cotangent of a bfloat16 value).
+  x = X.reshape(2, 7, 256)
+  dx, dfn = jax.vjp(ops_mhc._mix_bf16, x, fn)[1](g)
+  assert dx.dtype == jnp.bfloat16 and dfn.dtype == jnp.float32
+  _within_bf16_ulp(dx, jnp.asarray(g64 @ f64, jnp.bfloat16))
+  dfn_want = np.einsum("btm,btk->mk", g64, x64)
+  np.testing.assert_allclose(np.asarray(dfn), dfn_want, rtol=0, atol=1e-6 * np.abs(dfn_want).max())
+  fwd = jax.make_jaxpr(mix)(X, fn).jaxpr
+  bwd = jax.make_jaxpr(lambda X, fn, g: jax.vjp(mix, X, fn)[1](g))(X, fn, g).jaxpr
+  dots = testing.jaxpr_eqns(fwd, "dot_general") + testing.jaxpr_eqns(bwd, "dot_general")
+  assert len(testing.jaxpr_eqns(fwd, "dot_general")) == 1 and len(dots) == 1 + 3
+  for e in dots:   # every product's operands bfloat16 (the backward's own forward included)
+    assert all(v.aval.dtype == jnp.bfloat16 for v in e.invars), e
+
+
 def test_expand_vjp_materialises_its_coefficient_sums():
   """The expand VJP's n + 1 row sums (post's and comb's cotangents) leave through one
   optimization barrier, so that XLA cannot fuse a sum over d into the gates' padded input as a
