@@ -92,7 +92,7 @@ GRIDS: dict[str, dict] = {
 }
 
 ABLATIONS = ("dense_attention", "full_depth_kv", "engram_off", "plain_residual", "qat",
-             "candidate_pool", "adamw")
+             "candidate_pool", "adamw", "bf16_streams")
 
 
 def plan_fields(layers: int) -> dict:
@@ -155,6 +155,8 @@ def ablate(model: dict, name: str) -> dict:
   candidate_pool   the hierarchical candidate pool on (docs/design.md §5.6).
   adamw            the optimizer: AdamW for every group instead of the Muon chain (`optim.chain`;
                    same schedule, weight decays and learning-rate multipliers).
+  bf16_streams     the mHC streams stored in bfloat16 (`hc_stream_dtype`, docs/design.md §3.5):
+                   a speed switch whose loss cost this arm measures.
   """
   if name == "dense_attention":
     n = model["num_hidden_layers"]
@@ -176,6 +178,8 @@ def ablate(model: dict, name: str) -> dict:
     model.update(use_candidate_pool=True)
   elif name == "adamw":
     return {"chain": "adamw"}
+  elif name == "bf16_streams":
+    model.update(hc_stream_dtype="bfloat16")
   else:
     raise ValueError(f"unknown ablation {name!r}; ablations are {ABLATIONS}")
   return {}

@@ -609,3 +609,11 @@ def test_adamw_ablation_changes_the_optimizer_chain_only():
   assert model_config(arm) == model_config(base)
   assert dict(arm.optim, chain="muon") == dict(base.optim)
   assert "adamw" in ladder_cfg.ABLATIONS
+
+
+def test_bf16_streams_ablation_changes_the_streams_dtype_only():
+  base = ladder_cfg.point_config("micro", "L2d32", 3)
+  arm = ladder_cfg.point_config("micro", "L2d32", 3, "bf16_streams")
+  assert model_config(arm).hc_stream_dtype == "bfloat16"
+  assert model_config(arm) == dataclasses.replace(model_config(base), hc_stream_dtype="bfloat16")
+  assert dict(arm.optim) == dict(base.optim)
