@@ -354,15 +354,19 @@ def _row_chunks(fn, t: int, chunk: int, xs):
 
 def score_and_select(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry_last_BxN,
                      segment_ids_BxT, *, k: int, query_chunk: int | None = 512,
-                     max_score_bytes: int = 1 << 31, interpret: bool | None = None,
+                     max_score_bytes: int = 1 << 31, max_slot_bytes: int = 1 << 31,
+                     interpret: bool | None = None,
                      block_t: int = 64, block_n: int = 64, num_warps: int = 4,
                      num_stages: int = 2, select: str = "auto"):
   """(topk_BxTxK int32, scores_at_topk_BxTxK float32): the kernel's form of the model function.
 
   The selection runs on I from the kernel (no gradient); `scores_at_topk` is recomputed from the
-  selected entries (`scores_at`, `query_chunk` rows at a time, fewer where one chunk's slot
-  gradients [B, rows, Kp, I] would reach 2^31 elements: Triton's 32-bit offsets) and carries the
-  gradient to q, w and index_k. `select`: "radix" (the XLA
+  selected entries (`scores_at`) and carries the gradient to q, w and index_k. `scores_at` runs
+  over chunks of at least `query_chunk` rows (None: the whole row), as many more as keep one
+  chunk's slot gradients [B, rows, Kp, I] within `max_slot_bytes` (fewer chunks: fewer kernels a
+  step; at s3's 4 × 4096 the whole row, 1.3 GB, was 2.7 % faster a train step than chunks of 512,
+  benchmarks/RESULTS.md), equal chunks, never one whose slot gradients reach 2^31 elements
+  (Triton's 32-bit offsets). `select`: "radix" (the XLA
   radix select, `pallas_kernels.topk_select`), "triton" (the same slots from one Triton program
   per row, `pallas_kernels.topk_triton`: 0.95 ms against the radix select's 4.57 and
   `lax.top_k`'s 4.26 at 4 × 4,096 × top-256 on the H200, RESULTS.md) or "auto" (triton where one
@@ -391,8 +395,11 @@ def score_and_select(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry
   rows_per_chunk = max(block_t, (max_score_bytes // (4 * B * N)) // block_t * block_t)
   topk = _row_chunks(select, T, rows_per_chunk,
                      (qs, ws, segment_ids_BxT, jnp.arange(T, dtype=jnp.int32)))
-  c = T if not query_chunk else int(query_chunk)
-  c = max(1, min(c, ((1 << 31) - 1) // (B * (k_eff + 64) * I)))   # Kp ≤ K + 63
+  slot_row = B * (k_eff + 64) * I                                   # Kp ≤ K + 63
+  c = T if not query_chunk else max(int(query_chunk), max_slot_bytes // (
+      slot_row * jnp.dtype(_contrib_dtype(q_BxTxHxI.dtype)).itemsize))
+  c = max(1, min(c, T, ((1 << 31) - 1) // slot_row))
+  c = -(-T // -(-T // c))                                           # equal chunks
   picked = _row_chunks(lambda q, w, i: scores_at(q, w, index_k_BxNxI, i, interpret), T, c,
                        (q_BxTxHxI, w_BxTxH, topk))
   return topk, picked

@@ -73,7 +73,7 @@ def test_selection_and_gradient_match_reference(m, row_bytes):
   # row_bytes: I for 16 rows at a time (N = 23), so top-k runs in 3 row chunks, the last ragged.
   q, w, kv, seg = _inputs(10 + m, m)
   kw = {} if row_bytes is None else dict(max_score_bytes=row_bytes)
-  topk, picked = _kernel_select(q, w, kv, seg, query_chunk=16, **kw)
+  topk, picked = _kernel_select(q, w, kv, seg, query_chunk=16, max_slot_bytes=0, **kw)
   rtopk, rpicked, _ = ix.score_and_select(q, w, kv, seg, k=K)
   assert int(jnp.sum(rtopk < 0)) > 0
   np.testing.assert_array_equal(np.asarray(topk) < 0, np.asarray(rtopk) < 0)
@@ -90,7 +90,7 @@ def test_selection_and_gradient_match_reference(m, row_bytes):
       return jnp.sum(jnp.take_along_axis(s, jnp.argsort(t, -1), -1) * r)
     return jax.grad(f, argnums=(0, 1, 2))(q, w, kv.index_k_BxNxI)
 
-  got = grads(lambda q, w, kv: _kernel_select(q, w, kv, seg, query_chunk=16, **kw))
+  got = grads(lambda q, w, kv: _kernel_select(q, w, kv, seg, query_chunk=16, max_slot_bytes=0, **kw))
   want = grads(lambda q, w, kv: ix.score_and_select(q, w, kv, seg, k=K)[:2])
   for g, h in zip(got, want):
     assert float(jnp.max(jnp.abs(h))) > 0.1
@@ -240,3 +240,23 @@ def test_scores_at_chunks_keep_triton_offsets_below_2_31():
   shapes = [e.outvars[0].aval.shape for e in testing.jaxpr_eqns(
       jaxpr, "pallas_call", lambda e: "indexer_at_topk" in str(e.params))]
   assert shapes and all(s[0] * s[1] * s[2] * i < 2 ** 31 and s[1] < t for s in shapes), shapes
+
+
+@pytest.mark.parametrize("max_slot_bytes, rows", [(1 << 31, 4096), (0, 512), (700 << 20, 2048)])
+def test_scores_at_chunks_grow_to_the_slot_bytes(max_slot_bytes, rows):
+  # s3's shapes (4 x 4096, top-256, I 128, bfloat16; query_chunk 512): the slot gradients of the
+  # whole row are 4·4096·320·128·2 B = 1.34 GB, so under the default 2 GiB one chunk; with no room
+  # the 512-row chunks; with 700 MiB equal chunks of 2048 rows (not 2,240 + a padded rest).
+  b, t, h, i, k = 4, 4096, 4, 128, 256
+  n = t // 2
+  spec = lambda *s, d=jnp.bfloat16: jax.ShapeDtypeStruct(s, d)
+  fn = lambda q, w, keys, eseg, last, seg: kx.score_and_select(
+      q, w, keys, eseg, last, seg, k=k, query_chunk=512, max_slot_bytes=max_slot_bytes,
+      interpret=False)
+  jaxpr = jax.make_jaxpr(fn)(spec(b, t, h, i), spec(b, t, h, d=jnp.float32), spec(b, n, i),
+                             spec(b, n, d=jnp.int32), spec(b, n, d=jnp.int32),
+                             spec(b, t, d=jnp.int32))
+  shapes = [e.outvars[0].aval.shape for e in testing.jaxpr_eqns(
+      jaxpr, "pallas_call", lambda e: "indexer_at_topk" in str(e.params))]
+  assert shapes and all(s[1] == rows for s in shapes), shapes
+
