@@ -144,9 +144,14 @@ def make_train_step(cfg: ModelConfig, graphdef: nnx.GraphDef, tx: optax.Gradient
     update_norm = optax.tree.norm(updates)
     # A finite gradient can still give a non-finite update (optimizer state gone bad): not applied.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
-    new_params = optax.apply_updates(params, updates)
-    new_bias = update_moe_bias(moe_bias, aux["load_2xE"], bias_gamma)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    # optax.apply_updates' p + u with the finite select in the same expression: one pass over the
+    # parameters (read p and u, write p') instead of a second that reads p' and p again (s3: 8.6 GB
+    # of float32 parameters). The same values as keep(apply_updates(params, updates), params).
+    new_params = jax.tree.map(
+        lambda p, u: jnp.where(finite, jnp.asarray(p + u).astype(jnp.asarray(p).dtype), p),
+        params, updates)
+    new_bias = update_moe_bias(moe_bias, aux["load_2xE"], bias_gamma)
     load = aux["load_2xE"].sum(axis=1)                       # [L, E] over both modalities
     metrics = dict(parts, loss=loss, grad_norm=grad_norm, finite=finite,
                    update_norm=update_norm,
@@ -154,7 +159,7 @@ def make_train_step(cfg: ModelConfig, graphdef: nnx.GraphDef, tx: optax.Gradient
                    moe_bias_range=moe_bias.max(-1) - moe_bias.min(-1),
                    dropped_fraction=aux["dropped_fraction"],
                    engram_gate=aux["engram_gate_N"], engram_rows_touched=aux["engram_rows_touched"])
-    return keep(TrainState(new_params, new_opt_state, new_bias), state), metrics
+    return TrainState(new_params, keep(new_opt_state, opt_state), keep(new_bias, moe_bias)), metrics
 
   return train_step
 
