@@ -20,6 +20,13 @@
 #   ONLY='*L12d384_*_lr0.001_seed0,*L12d384_*_lr0.002_seed0,*L12d384_*_lr0.008_seed0' (6 points)
 #   ONLY='*_seed1' (stage 2: each (size, chain)'s best at seed 1, 4 points)
 # and L12d384's lowest rates only if an optimum sits at 1e-3.
+# Session 44: L12d384's AdamW 1e-3, 2e-3, 8e-3 and Muon 2e-3 done (s44_call{3,4}); AdamW's optimum is
+# 2e-3, Muon's best so far 4e-3 at the top of what ran. Next, in this order:
+#   ONLY='*L12d384_muon_lr0.008_seed0,*L12d384_muon_lr0.001_seed0' (2 points, ~140 s each)
+#   ONLY='*_seed1' (stage 2, 4 points)
+# The carried build/clean is ~59 MB of the 64 MiB a carry may hold (the compilation cache is 38 MB,
+# 19 programs): if a call's new entries would pass it, drop the oldest entries of build/xla_cache
+# (AdamW's L8d256 programs are no longer needed after stage 2's L8d256 AdamW point).
 # Before each call: `mkdir -p build/clean/build/ladder_prev` and unpack every earlier call's
 # ladder_gpu.tar.gz there (tar -xzf ... -C build/clean/build/ladder_prev): its done points are
 # copied in and skipped, and their timings drive the time limit's estimates.
