@@ -47,18 +47,22 @@ def arm(pattern: str, key: str) -> dict[int, float]:
   return out
 
 
+def _mean_sd(x: list[float]) -> tuple[float, float]:
+  return (statistics.fmean(x) if x else math.nan,
+          statistics.stdev(x) if len(x) > 1 else math.nan)
+
+
 def compare(a: dict[int, float], b: dict[int, float]) -> dict:
+  """The seeds in both arms, each arm's (mean, sd) over them, and the paired differences B − A."""
   seeds = sorted(set(a) & set(b))
   diffs = [b[s] - a[s] for s in seeds]
-  n = len(diffs)
-  mean = statistics.fmean(diffs) if n else math.nan
-  sd = statistics.stdev(diffs) if n > 1 else math.nan
-  se = sd / math.sqrt(n) if n > 1 else math.nan
-  spread = max((statistics.stdev(x) for x in ([a[s] for s in seeds], [b[s] for s in seeds])
-                if n > 1), default=math.nan)
-  noise = n > 1 and abs(mean) < 2 * se and abs(mean) < spread
-  return dict(seeds=seeds, diffs=diffs, mean=mean, sd=sd, se=se,
-              t=mean / se if n > 1 and se > 0 else math.nan, spread=spread, within_noise=noise)
+  arms = {name: _mean_sd([x[s] for s in seeds]) for name, x in (("A", a), ("B", b))}
+  mean, sd = _mean_sd(diffs)
+  se = sd / math.sqrt(len(diffs)) if len(diffs) > 1 else math.nan
+  spread = max(arms["A"][1], arms["B"][1])
+  noise = len(diffs) > 1 and abs(mean) < 2 * se and abs(mean) < spread
+  return dict(seeds=seeds, diffs=diffs, arms=arms, mean=mean, sd=sd, se=se,
+              t=mean / se if se > 0 else math.nan, spread=spread, within_noise=noise)
 
 
 def main(argv=None) -> int:
@@ -75,10 +79,8 @@ def main(argv=None) -> int:
   print(f"| seed | A {args.key} | B {args.key} | B − A |\n|---:|---:|---:|---:|")
   for s, d in zip(r["seeds"], r["diffs"]):
     print(f"| {s} | {a[s]:.4f} | {b[s]:.4f} | {d:+.4f} |")
-  for name, x in (("A", a), ("B", b)):
-    v = [x[s] for s in r["seeds"]]
-    sd = statistics.stdev(v) if len(v) > 1 else math.nan
-    print(f"{name}: mean {statistics.fmean(v):.4f}, seed spread (sd) {sd:.4f} over {len(v)} seeds")
+  for name, (mean, sd) in r["arms"].items():
+    print(f"{name}: mean {mean:.4f}, seed spread (sd) {sd:.4f} over {len(r['seeds'])} seeds")
   print(f"B − A: mean {r['mean']:+.4f}, sd {r['sd']:.4f}, standard error {r['se']:.4f}, "
         f"t {r['t']:+.2f}")
   if r["within_noise"]:

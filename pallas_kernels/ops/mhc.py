@@ -93,7 +93,7 @@ def _mix_bf16_bwd(res, g):
   x, fn = res
   m = fn.shape[0]
   g1, g2, g3 = _bf16_terms(g, 3)
-  f1, f2, _ = _bf16_terms(fn, 3)
+  f1, f2 = _bf16_terms(fn, 2)
   dx = _dot_f32(jnp.concatenate([g1, g1, g2], -1), jnp.concatenate([f1, f2, f1]), "...m,mk->...k")
   lead = tuple(range(x.ndim - 1))
   d3 = jax.lax.dot_general(jnp.concatenate([g1, g2, g3], -1), x, ((lead, lead), ((), ())),

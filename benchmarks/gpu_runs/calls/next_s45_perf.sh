@@ -9,16 +9,10 @@
 # hc_stream_dtype="bfloat16" s3's and m3's default in configs/small.py.
 source benchmarks/gpu_runs/calls/prelude.sh
 OUT=$(realpath "$OUT")
-one() {  # $1 name, $2 seconds, rest: --set items
-  local name=$1 secs=$2; shift 2
-  step "s3 8 x (4 x 4096): $name"
-  timeout -s TERM "$secs" python3 -u benchmarks/gpu_step.py --sizes s3 --batch 4 --seq 4096 \
-      --grad_accum 8 --steps 2 --no_split --json "$OUT/s3_$name.json" ${1:+--set "$@"} | tail -4
-}
-one base 160
-one bf16 160 model.hc_stream_dtype=bfloat16
-step "profile s3 4 x 4096, bfloat16 streams"
-XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout -s TERM $(( 585 - SECONDS )) python3 -u \
+s3_accum base 160
+s3_accum bf16 160 model.hc_stream_dtype=bfloat16
+step "profile s3 4 x 4096, bfloat16 streams (gpu_profile.py turns command buffers off)"
+timeout -s TERM $(( 585 - SECONDS )) python3 -u \
     benchmarks/gpu_profile.py --size s3 --batch 4 --seq 4096 --steps 2 --top 30 --out /tmp/prof_s3 \
     --json "$OUT/prof_s3_bf16.json" --set model.hc_stream_dtype=bfloat16 | tail -60
 step done
