@@ -4,8 +4,10 @@
 # Session 44 measured the speed (s3, 8 x (4 x 4096): 2,777.0 -> 2,309.3 ms a step, MFU 8.6 -> 10.3 %);
 # the switch becomes s3's / m3's default only if the loss is within seed noise here.
 #   run(command="bash benchmarks/gpu_runs/calls/next_s45_bf16_ab.sh", carry=[".whl"], timeout_s=600)
-# SEEDS (default "0 1 2 3") picks the seeds; a call that stops early (the 540 s budget) leaves the
-# rest for `SEEDS="2 3"` next time, and their metrics.jsonl files come back either way.
+# SEEDS (default "0 1 2 3") picks the seeds. Session 45 measured a seed (both arms at once) at
+# 234-248 s, so a call fits two: seeds 0 and 1 are done (benchmarks/gpu_runs/2026-12-03/s45_call{2,3});
+# next: SEEDS="2 3". A seed starts only if ~260 s are left of the 545 (a seed stopped by the
+# timeout loses its metrics: it had not reached its evaluation).
 # Read: python benchmarks/seed_ab.py --a 'DIR/f32_seed*' --b 'DIR/bf16_seed*' (DIR = $OUT's copy).
 source benchmarks/gpu_runs/calls/prelude.sh
 OUT=$(realpath "$OUT")
@@ -20,7 +22,7 @@ arm() {  # $1 arm name, $2 seed, $3 dtype
   grep -h "held-out\|eval\|done\|error" /tmp/ab_$1_$2.out | tail -3
 }
 for seed in ${SEEDS:-0 1 2 3}; do
-  [ $SECONDS -lt 420 ] || { echo "no time for seed $seed"; break; }
+  [ $SECONDS -lt 285 ] || { echo "no time for seed $seed"; break; }
   step "seed $seed: float32 and bfloat16 streams at once"
   arm f32 $seed float32 & arm bf16 $seed bfloat16 & wait
 done
