@@ -14,5 +14,6 @@ s3_accum bf16 160 model.hc_stream_dtype=bfloat16
 step "profile s3 4 x 4096, bfloat16 streams (gpu_profile.py turns command buffers off)"
 timeout -s TERM $(( 585 - SECONDS )) python3 -u \
     benchmarks/gpu_profile.py --size s3 --batch 4 --seq 4096 --steps 2 --top 30 --out /tmp/prof_s3 \
-    --json "$OUT/prof_s3_bf16.json" --set model.hc_stream_dtype=bfloat16 | tail -60
+    --json "$OUT/prof_s3_bf16.json" --set model.hc_stream_dtype=bfloat16 > "$OUT/profile.txt" 2>&1
+sed -n "/component/,/^$/p" "$OUT/profile.txt"; tail -40 "$OUT/profile.txt"
 step done
