@@ -174,6 +174,10 @@ class ModelConfig:
   remat_saves: tuple[str, ...] = ()
   param_dtype: str = "float32"
   dtype: str = "bfloat16"
+  # The train step casts the dense and expert matmul weights that are only ever read in `dtype`
+  # to it once per step, before the forward and every micro-batch (`launch.step.CAST_ONCE`), not
+  # once per use in each forward and remat pass; the gradient is the same bit for bit.
+  cast_weights_once: bool = False
   # The vision pathway (ViT + projector, `dsv41_jax.vision.config.VisionConfig`); None = text only.
   vision: VisionConfig | None = None
 

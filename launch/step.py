@@ -38,6 +38,7 @@ entries of 18 Muon parameters after one step). Neither is taken.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -83,6 +84,31 @@ def micro_batches(batch: dict[str, Any], k: int) -> dict[str, Any]:
                       batch)
 
 
+# The parameters the model reads only as `ModelConfig.dtype`, each use a `w.astype(dtype)` of the
+# whole weight feeding a product (attention and indexer projections, experts, Engram's key/value
+# projection). `ModelConfig.cast_weights_once` casts them once per step: every micro-batch's forward
+# and remat forward then read the cast copy, and the gradient of that copy (the product's cotangent
+# in `dtype`, which autodiff of the per-use cast would convert to float32 unchanged) is converted
+# here. Not listed: weights also read in float32 (the compressor's, the router, mHC, norms, the
+# head under the chunked loss, the embedding's gather, Engram's tables and gates). A weight listed
+# here that some path reads in float32 changes the loss; `test_step` guards that on a model with
+# every kind of layer.
+CAST_ONCE = re.compile(r"^runs/\d+/[^/]+/(attn/(wq_a|wq_b|wkv|wo_a|wo_b)|indexer/(wk|wq_b|weights_proj)"
+                       r"|moe/(experts|shared)/(w1|w2|w3))$|^runs/\d+/engram/w_ekv$")
+
+
+def cast_once(params, dtype):
+  """The parameter tree with the `CAST_ONCE` leaves in `dtype`."""
+  def cast(path, leaf):
+    return leaf.astype(dtype) if CAST_ONCE.match(path_str(path)) else leaf
+  return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def uncast(grads, params):
+  """The gradient of `cast_once`'s tree as the gradient of `params` (each leaf to its dtype)."""
+  return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+
+
 # The model's per-layer means (aux) and the `batch_counts` unit each one averages over.
 _AUX_MEANS = {"dropped_fraction": "moe", "engram_gate_N": "engram",
               "engram_rows_touched": "engram_rows"}
@@ -107,16 +133,22 @@ def make_train_step(cfg: ModelConfig, graphdef: nnx.GraphDef, tx: optax.Gradient
     total, parts = objective(cfg, out, aux, batch, share)
     return total, (parts, aux)
 
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
 
-  def accumulated(params, moe_bias, batch, train_vit):
+  def grad_fn(read, params, *args):
+    """`value_and_grad` of `loss_fn` at `read` (`params`, or `cast_once`'s tree of it), the
+    gradient in the dtypes of `params`."""
+    out, grads = value_and_grad(read, *args)
+    return out, uncast(grads, params)
+
+  def accumulated(read, params, moe_bias, batch, train_vit):
     """(loss, parts, aux, grads) of the whole batch, summed over its micro-batches."""
     micro = micro_batches(batch, grad_accum_steps)
     counts = jax.lax.map(lambda mb: batch_counts(cfg, mb), micro)           # leaves [k, ...]
     shares = jax.tree.map(lambda c: c / jnp.maximum(c.sum(0), 1.0), counts)
 
     def one(mb, share):
-      (loss, (parts, aux)), grads = grad_fn(params, moe_bias, mb, train_vit, share)
+      (loss, (parts, aux)), grads = grad_fn(read, params, moe_bias, mb, train_vit, share)
       aux = dict(load_2xE=aux["load_2xE"], **{n: aux[n] * share[u] for n, u in _AUX_MEANS.items()})
       return loss, parts, aux, grads
 
@@ -133,10 +165,11 @@ def make_train_step(cfg: ModelConfig, graphdef: nnx.GraphDef, tx: optax.Gradient
     `schedule` (an `optim.schedule.Schedule`, an input of the program) sets the learning rate;
     None uses the optimizer config's schedule as constants."""
     params, opt_state, moe_bias = state
+    read = cast_once(params, cfg.dtype) if cfg.cast_weights_once else params
     if grad_accum_steps == 1:
-      (loss, (parts, aux)), grads = grad_fn(params, moe_bias, batch, train_vit)
+      (loss, (parts, aux)), grads = grad_fn(read, params, moe_bias, batch, train_vit)
     else:
-      loss, parts, aux, grads = accumulated(params, moe_bias, batch, train_vit)
+      loss, parts, aux, grads = accumulated(read, params, moe_bias, batch, train_vit)
     sq_sums = leaf_sq_sums(grads)        # one read of every gradient: the metric and the clip
     grad_norm = global_norm(sq_sums)
     extra = dict(grad_sq_sums=sq_sums, **({} if schedule is None else {"schedule": schedule}))

@@ -331,3 +331,50 @@ def test_accumulated_step_equals_one_step_over_the_whole_batch(accum_setup):
   for k in (2, 4):
     new_state, m = steps[k](state, batch)
     _assert_same_step(state, new_state, ref_state, m, ref_m, k)
+
+
+# --- weights cast once per step -----------------------------------------------------------------
+
+@pytest.mark.slow  # three compiles of the tiny model's accumulated step (~1 min each on 2 cores)
+def test_cast_weights_once_gives_the_same_step_bit_for_bit():
+  """`ModelConfig.cast_weights_once` (the `CAST_ONCE` weights cast to bfloat16 once per step, not
+  in each forward and remat pass) on the tiny model in bfloat16 with every CSA2 mode, Engram,
+  routed and shared experts, layer remat and 2 micro-batches: the new state and the metrics equal
+  the per-use casts' bit for bit. A listed weight that some path reads in float32 (planted: the
+  compressor's `wkv`) changes the loss."""
+  import dataclasses
+  import re
+  from dsv41_jax.model import init_model
+  from dsv41_jax.param_paths import iter_params
+  from launch import step as step_mod
+  cfg = testing.tiny_config(dtype="bfloat16", remat=True)
+  model = init_model(cfg, seed=0)
+  graphdef, params = nnx.split(model)
+  params = nnx.as_pure(params)
+  listed = [p for p, _ in iter_params(params) if step_mod.CAST_ONCE.match(p)]
+  for kind in ("attn/wq_a", "attn/wo_b", "indexer/wk", "indexer/weights_proj", "experts/w1",
+               "shared/w2", "engram/w_ekv"):
+    assert any(p.endswith(kind) for p in listed), kind
+  assert not any("compressor" in p or p.endswith("router") for p in listed)
+  ocfg = OptimConfig(lr=3e-3, warmup_steps=0, decay_start=10, decay_end=20, schedule_unit="steps")
+  tx = build_optimizer(ocfg, params, sub_tables=step_mod.engram_sub_tables(model))
+  batch = testing.packed_batch(cfg, 3, batch_size=4, max_docs=3, pad_from=[None, 9, None, 20])
+  state = TrainState(params, tx.init(params), jnp.zeros((cfg.num_hidden_layers, 2,
+                                                         cfg.n_routed_experts), jnp.float32))
+  run = lambda c: jax.jit(make_train_step(c, graphdef, tx, 0.01, 2))(state, batch)
+  ref_state, ref_m = run(cfg)
+  new_state, m = run(dataclasses.replace(cfg, cast_weights_once=True))
+  assert bool(ref_m["finite"])
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(new_state)[0],
+                          jax.tree.leaves(ref_state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+  for name in ref_m:
+    np.testing.assert_array_equal(np.asarray(m[name]), np.asarray(ref_m[name]), err_msg=name)
+  planted = re.compile(step_mod.CAST_ONCE.pattern + r"|^.*/compressor/wkv$")
+  original = step_mod.CAST_ONCE
+  try:
+    step_mod.CAST_ONCE = planted
+    _, planted_m = run(dataclasses.replace(cfg, cast_weights_once=True))
+  finally:
+    step_mod.CAST_ONCE = original
+  assert float(planted_m["loss"]) != float(ref_m["loss"])
