@@ -15,26 +15,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from dsv41_jax import model as M, testing
-from dsv41_jax.inference import Decoder
+from dsv41_jax import testing
 
 T, N = 32, 11
 
 
 def gaps(cfg) -> tuple[float, np.ndarray]:
   """(prefill's max |Δlogit|, decode's max |Δlogit| at each position from N − 1 on)."""
-  model = M.init_model(cfg, 0)
-  bias = jax.random.normal(jax.random.key(3), (cfg.num_hidden_layers, 2, cfg.n_routed_experts)) * 0.1
-  dec = Decoder(model, bias, stored_formats=False)
-  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, T)).astype(np.int32)
-  batch = dict(tokens=jnp.asarray(tokens), positions=jnp.arange(T)[None],
-               segment_ids=jnp.ones((1, T), jnp.int32),
-               engram_ids={k: jnp.asarray(v) for k, v in dec.engram_ids(tokens).items()})
-  ref = np.asarray(jax.jit(lambda b: model(b, bias)[0])(batch))[0]
+  dec, tokens, ref = testing.decode_reference(cfg, T)
   last, cache = dec.prefill(tokens[:, :N], T, depth="full")
   rows = [np.asarray(last)[0]]
   for t in range(N, T):
@@ -49,10 +39,7 @@ def main():
   ap.add_argument("--all_experts", action="store_true")
   ap.add_argument("--topk", type=int, default=None)
   args = ap.parse_args()
-  base = testing.tiny_config(index_head_dim=32, use_candidate_pool=True,
-                             candidate_source_layer_id=4, candidate_block_size=2,
-                             candidate_topk_blocks=2, moe_dispatch="capacity",
-                             moe_capacity_factor=2.0)
+  base = testing.inference_micro_config()
   extra = dict(num_experts_per_tok=base.n_routed_experts) if args.all_experts else {}
   if args.topk:
     extra["index_topk"] = args.topk

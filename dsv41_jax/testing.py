@@ -149,6 +149,32 @@ def tiny_vision_config(**overrides):
 
 # --- packed batches -----------------------------------------------------------------------------
 
+def inference_micro_config(**overrides) -> ModelConfig:
+  """The inference tests' micro model: `tiny_config` with the candidate pool (source at the
+  decoder's Full layer 4) and capacity dispatch that drops nothing."""
+  base = dict(index_head_dim=32, use_candidate_pool=True, candidate_source_layer_id=4,
+              candidate_block_size=2, candidate_topk_blocks=2, moe_dispatch="capacity",
+              moe_capacity_factor=2.0)
+  return tiny_config(**{**base, **overrides})
+
+
+def decode_reference(cfg: ModelConfig, T: int):
+  """(decoder, tokens [1, T], the forward pass's logits [T, V]) of `cfg`'s model at seed 0, with
+  random MoE routing biases and caches holding the forward pass's own values
+  (`stored_formats=False`): what every prefill and decode path is compared against."""
+  from dsv41_jax import model as M                     # the model imports this module's users
+  from dsv41_jax.inference import Decoder
+  model = M.init_model(cfg, 0)
+  bias = jax.random.normal(jax.random.key(3), (cfg.num_hidden_layers, 2, cfg.n_routed_experts)) * 0.1
+  dec = Decoder(model, bias, stored_formats=False)
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, T)).astype(np.int32)
+  batch = dict(tokens=jnp.asarray(tokens), positions=jnp.arange(T)[None],
+               segment_ids=jnp.ones((1, T), jnp.int32),
+               engram_ids={k: jnp.asarray(v) for k, v in dec.engram_ids(tokens).items()})
+  ref = np.asarray(jax.jit(lambda b: model(b, bias)[0])(batch))[0]
+  return dec, tokens, ref
+
+
 def make_batch(cfg: ModelConfig, tokens_BxT, segment_ids_BxT, image_mask_BxT=None, *,
                pad_id: int = 0, compression_map: np.ndarray | None = None) -> dict[str, Any]:
   """The model's and the loss's batch keys for given tokens and document layout (numpy).

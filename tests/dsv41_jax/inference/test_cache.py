@@ -12,14 +12,6 @@ from dsv41_jax.config import ModelConfig
 from dsv41_jax.inference import cache as C
 
 
-def micro_config() -> ModelConfig:
-  """The inference tests' micro model: `testing.tiny_config` with the candidate pool (source at
-  the decoder's Full layer 4) and capacity dispatch that drops nothing."""
-  return testing.tiny_config(index_head_dim=32, use_candidate_pool=True, candidate_source_layer_id=4,
-                             candidate_block_size=2, candidate_topk_blocks=2,
-                             moe_dispatch="capacity", moe_capacity_factor=2.0)
-
-
 @pytest.mark.parametrize("encode,decode_fn,fq", [
     (C.encode_fp4_main_kv, C.decode_fp4_main_kv, quant.fp4_main_kv),
     (C.encode_mxfp4, C.decode_mxfp4, quant.mxfp4),
@@ -42,7 +34,7 @@ def test_stored_codes_decode_to_the_fake_quantizer_bit_for_bit(encode, decode_fn
 
 @pytest.mark.parametrize("which", ["tiny", "flash"])
 def test_cache_bytes_per_token_from_the_arrays_equal_the_ledger(which):
-  c = micro_config() if which == "tiny" else ModelConfig()
+  c = testing.inference_micro_config() if which == "tiny" else ModelConfig()
   max_len = 64
   cache = C.init_cache(c, 2, max_len)
   layout = cache_layout.global_kv_layout(c)

@@ -22,9 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax import model as M
+from dsv41_jax import model as M, testing
 from dsv41_jax.inference import Decoder, cache as C, decode
-from tests.dsv41_jax.inference.test_cache import micro_config
 
 T = 32
 ATOL = 2e-5
@@ -32,20 +31,12 @@ ATOL = 2e-5
 
 @pytest.fixture(scope="module")
 def cfg():
-  return micro_config()
+  return testing.inference_micro_config()
 
 
 @pytest.fixture(scope="module")
 def setup(cfg):
-  model = M.init_model(cfg, 0)
-  bias = jax.random.normal(jax.random.key(3), (cfg.num_hidden_layers, 2, cfg.n_routed_experts)) * 0.1
-  dec = Decoder(model, bias, stored_formats=False)
-  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, T)).astype(np.int32)
-  batch = dict(tokens=jnp.asarray(tokens), positions=jnp.arange(T)[None],
-               segment_ids=jnp.ones((1, T), jnp.int32),
-               engram_ids={k: jnp.asarray(v) for k, v in dec.engram_ids(tokens).items()})
-  ref = np.asarray(jax.jit(lambda b: model(b, bias)[0])(batch))[0]
-  return dec, tokens, ref
+  return testing.decode_reference(cfg, T)
 
 
 def decode_from(dec, tokens, logits, cache, start):

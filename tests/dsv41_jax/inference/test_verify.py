@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsv41_jax import model as M
+from dsv41_jax import model as M, testing
 from dsv41_jax.inference import Decoder, cache as C, decode, verify
-from tests.dsv41_jax.inference.test_cache import micro_config
 
 T, N, Q = 32, 11, 5
 ATOL = 2e-5
@@ -25,7 +24,7 @@ ATOL = 2e-5
 
 @pytest.fixture(scope="module")
 def setup():
-  cfg = micro_config()
+  cfg = testing.inference_micro_config()
   model = M.init_model(cfg, 0)
   bias = jax.random.normal(jax.random.key(3), (cfg.num_hidden_layers, 2, cfg.n_routed_experts)) * 0.1
   dec = Decoder(model, bias, stored_formats=False)
