@@ -155,6 +155,10 @@ class ModelConfig:
   # MoE dispatch: "dropless" (exact) or "capacity" (static per-expert capacity).
   moe_dispatch: Literal["dropless", "capacity"] = "dropless"
   moe_capacity_factor: float = 1.25
+  # The routed experts' product outputs ([a | u] and the down-projection, before the pairs' float32
+  # sum): "float32" (the accumulator as it is) or "compute" (rounded once to `dtype`, as the
+  # official V4 code's bf16 Linears round them; half their bytes; `moe_dispatch` module docstring).
+  moe_product_dtype: Literal["float32", "compute"] = "float32"
   # Loss weights: sequence-wise balance loss (docs/design.md §8.4) and the indexer KL loss (§5.5).
   balance_loss_weight: float = 1e-4
   indexer_loss_weight: float = 1.0
@@ -263,6 +267,8 @@ def _validate(c: ModelConfig) -> None:
        "attn_query_chunk and index_query_chunk must be >= 0 (0 = the whole row)")
   need(c.lm_loss_chunk >= 0, f"lm_loss_chunk must be >= 0 (got {c.lm_loss_chunk}; 0 = plain "
        "logits)")
+  need(c.moe_product_dtype in ("float32", "compute"),
+       f"moe_product_dtype must be 'float32' or 'compute' (got {c.moe_product_dtype!r})")
   need(c.moe_capacity_factor > 0, f"moe_capacity_factor must be positive (got {c.moe_capacity_factor})")
   need(c.residual in ("mhc", "plain"), f"residual must be 'mhc' or 'plain' (got {c.residual!r})")
   need(c.hc_stream_dtype in ("float32", "bfloat16"),

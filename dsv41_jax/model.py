@@ -62,7 +62,8 @@ def layer_remat_policy(saves: tuple[str, ...] = ()):
   """`remat_policy`, plus what `ModelConfig.remat_saves` names (`config.REMAT_SAVES`):
   "projections" keeps every dot_general without batch dimensions (the dense projections of
   attention, indexer, shared experts and Engram: their recompute is matrix work), "experts" the
-  routed experts' gate|up grouped product (`moe_dispatch.GATE_UP`, float32 [N·K, 2F] a layer)."""
+  routed experts' gate|up grouped product (`moe_dispatch.GATE_UP`, [N·K, 2F] a layer in float32,
+  or in the compute dtype with `moe_product_dtype="compute"`)."""
   saves = frozenset(saves)
   if not saves:
     return remat_policy

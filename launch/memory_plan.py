@@ -198,14 +198,16 @@ def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int])
   With layer remat (cfg.remat) every layer keeps only its input carry for the backward pass; the
   largest layer is then recomputed with all its intermediates live, values and their cotangents
   both. Terms (a = itemsize of cfg.dtype, tp = the tensor axis size, N = hc_mult):
-    carries      (L + 1) · b·T·N·D·4                      f32 residual streams saved per layer
+    carries      (L + 1) · b·T·N·D·s                      residual streams saved per layer
+                 (s = itemsize of cfg.hc_stream_dtype: 4, or 2 for bfloat16 streams)
                  (without remat: every layer's working set below is kept instead)
     layer work   max over layers of 2·(attention + moe + mhc) + SCORE_COPIES·scores, per layer
       attention  b·T·(H/tp)·Dh·a  (q)  +  b·(H/tp)·T·(P+1)·S·4  (window scores, S = min(W, T),
                  P = ⌈(W−1)/S⌉ previous blocks)  +  "gather" global branch b·T·K·Dh·a + b·(H/tp)·T·K·4
       scores     "masked" global scores b·(H/tp)·T·⌈T/m⌉·4  +  indexer b·min(512, T)·H_I·⌈T/m⌉·4
                  (SCORE_COPIES live copies: measured, see the constant)
-      moe        b·T·k·(D + 3·I/tp)·a + b·T·k·D·4     (sorted pairs, gate/up/act, f32 outputs)
+      moe        b·T·k·(D + 3·I/tp)·a + b·T·k·D·o     (sorted pairs, gate/up/act, the outputs:
+                                                       o = 4, or a with moe_product_dtype "compute")
       mhc        4 · b·T·N·D·4                         (pre/post mixes of the streams, f32)
     logits       3 · n·(V/tp)·4                        (f32 logits, softmax, their gradient;
                                                        n = b·T, or min(b·T, lm_loss_chunk) tokens
@@ -217,6 +219,7 @@ def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int])
   Ht = -(-H // tp)
   plan = build_layer_plan(cfg)
   stream = b * T * N * D * 4
+  stored = b * T * N * D * jnp.dtype(cfg.hc_stream_dtype).itemsize
   S = min(cfg.sliding_window, T)
   prev = -(-(cfg.sliding_window - 1) // S)
 
@@ -233,12 +236,13 @@ def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int])
       if spec.owns_indexer:
         scores += b * min(512, T) * cfg.index_n_heads * n_ent * 4
     k, I = cfg.num_experts_per_tok, cfg.moe_intermediate_size
-    moe = b * T * k * (D + 3 * -(-I // tp)) * a + b * T * k * D * 4
+    o = a if cfg.moe_product_dtype == "compute" else 4
+    moe = b * T * k * (D + 3 * -(-I // tp)) * a + b * T * k * D * o
     return att + moe + 4 * stream, scores
 
   per_layer = [2 * lin + SCORE_COPIES * sc for lin, sc in map(layer, plan.layers)]
   if cfg.remat:
-    carries = (len(per_layer) + 1) * stream
+    carries = (len(per_layer) + 1) * stored
     work = max(per_layer)
   else:
     carries = 0.0

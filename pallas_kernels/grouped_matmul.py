@@ -4,12 +4,13 @@ The kernel of the op `grouped_matmul` (`pallas_kernels.ops.grouped_matmul`; `mos
 below): with group g owning
 rows [s_g, s_g + n_g) of x, s_g = Σ_{g'<g} n_g',
 
-  y[r]     = x[r] · w[g(r)]          [M, K] × [G, K, N] -> [M, N] float32; rows past Σ n_g are 0
+  y[r]     = x[r] · w[g(r)]          [M, K] × [G, K, N] -> [M, N] float32 (or x's dtype: `out_dtype`,
+                                     the float32 accumulator rounded once); rows past Σ n_g are 0
   dx[r]    = dy[r] · w[g(r)]ᵀ        input gradient  -> [M, K] in x's dtype
   dw[g]    = x_gᵀ · dy_g             weight gradient -> [G, K, N] in w's dtype (0 for empty groups)
 
-joined by one `jax.custom_vjp`. The float32 cotangent is rounded to x's dtype once, before both
-backward products (the tensor cores take bf16 operands); each product accumulates in float32 and
+joined by one `jax.custom_vjp`. The cotangent is rounded to x's dtype once (a no-op for an output
+in x's dtype, whose cotangent already is), before both backward products (the tensor cores take bf16 operands); each product accumulates in float32 and
 rounds once at the end, as `jax.grad` of `ragged_dot` rounds its gradients to the primal dtypes.
 No product ever builds a dense per-group [G, C, ·] buffer.
 
@@ -75,6 +76,9 @@ class Plan:
   backend: str = "mosaic_gpu"
   # The fastest of each product's sweep on the H200 (benchmarks/RESULTS.md, "Grouped GEMM").
   forward: TileConfig = TileConfig(max_concurrent_steps=4, grid_block_n=2)       # float32 out
+  # The forward with its output in x's dtype (`out_dtype`): the input gradient's blocks (the same
+  # kernel with a 16-bit output tile, so 6 pipeline stages fit); not yet swept on its own.
+  forward_narrow: TileConfig = TileConfig(max_concurrent_steps=6, grid_block_n=2)  # bf16 out
   input_grad: TileConfig = TileConfig(max_concurrent_steps=6, grid_block_n=2)    # bf16 out
   weight_grad: TileConfig = TileConfig(max_concurrent_steps=6, grid_block_n=1)   # bf16 out
   num_sms: int | None = None      # persistent programs; None = the device's SM count
@@ -109,6 +113,7 @@ def unsupported_reason(x_MxK, w_GxKxN, plan: Plan = Plan()) -> str | None:
   if x_MxK.dtype != w_GxKxN.dtype or x_MxK.dtype not in (jnp.bfloat16, jnp.float16):
     return f"dtypes {x_MxK.dtype}/{w_GxKxN.dtype}: the wgmma kernels take bf16 or f16 operands"
   for name, cfg, (rows, cols, red) in (("forward", plan.forward, (m, n, k)),
+                                       ("forward_narrow", plan.forward_narrow, (m, n, k)),
                                        ("input_grad", plan.input_grad, (m, k, n)),
                                        ("weight_grad", plan.weight_grad, (k, n, m))):
     if cols % cfg.block_n or (name == "weight_grad" and rows % cfg.block_m):
@@ -119,7 +124,7 @@ def unsupported_reason(x_MxK, w_GxKxN, plan: Plan = Plan()) -> str | None:
       return f"{name}: blocks must be multiples of 64 ({cfg})"
     if name != "weight_grad" and cfg.max_concurrent_steps < 2:
       return f"{name}: max_concurrent_steps must be >= 2 (the wgmma releases its slot a step late)"
-  out_bytes = {"forward": 4, "input_grad": 2, "weight_grad": 2}
+  out_bytes = {"forward": 4, "forward_narrow": 2, "input_grad": 2, "weight_grad": 2}
   for name in out_bytes:
     cfg = getattr(plan, name)
     need = smem_bytes(cfg, 2, out_bytes[name])
@@ -186,10 +191,10 @@ def _rows_live(y_MxN, group_sizes_G, bad):
   return jnp.where(bad, jnp.nan, jnp.where(live, y_MxN, 0))
 
 
-def _xla_forward(x_MxK, w_GxKxN, group_sizes_G):
+def _xla_forward(x_MxK, w_GxKxN, group_sizes_G, out_dtype=_F32):
   bad = _bad_sizes(group_sizes_G, x_MxK.shape[0])
   y = lax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G, preferred_element_type=_F32)
-  return _rows_live(y, group_sizes_G, bad)
+  return _rows_live(y, group_sizes_G, bad).astype(out_dtype)
 
 
 def _xla_input_grad(dy_MxN, w_GxKxN, group_sizes_G):
@@ -419,11 +424,12 @@ def _tgmm_kernel(x_MxK, dy_MxN, group_sizes_G, fill, *, out_dtype, cfg: TileConf
   return call(starts, ends, first.astype(jnp.int32), n_blocks, fill, x_MxK, dy_MxN)
 
 
-def _mgpu_forward(x_MxK, w_GxKxN, group_sizes_G, plan: Plan):
+def _mgpu_forward(x_MxK, w_GxKxN, group_sizes_G, plan: Plan, out_dtype=_F32):
+  cfg = plan.forward if jnp.dtype(out_dtype) == _F32 else plan.forward_narrow
   bad = _bad_sizes(group_sizes_G, x_MxK.shape[0])
-  tiles = _row_tiles(group_sizes_G, x_MxK.shape[0], plan.forward.block_m, bad)
-  return _gmm_kernel(x_MxK, w_GxKxN, tiles, _fill(bad), transpose_w=False, out_dtype=_F32,
-                     cfg=plan.forward, plan=plan)
+  tiles = _row_tiles(group_sizes_G, x_MxK.shape[0], cfg.block_m, bad)
+  return _gmm_kernel(x_MxK, w_GxKxN, tiles, _fill(bad), transpose_w=False, out_dtype=out_dtype,
+                     cfg=cfg, plan=plan)
 
 
 def _mgpu_input_grad(dy_MxN, w_GxKxN, group_sizes_G, plan: Plan):
@@ -440,7 +446,8 @@ def _mgpu_weight_grad(x_MxK, dy_MxN, group_sizes_G, plan: Plan):
 
 
 def products(plan: Plan):
-  """(forward, input_grad, weight_grad) of `plan.backend`, each (a, b, group_sizes) -> array."""
+  """(forward, input_grad, weight_grad) of `plan.backend`, each (a, b, group_sizes) -> array (the
+  forward also takes `out_dtype`: float32 or x's dtype)."""
   if plan.backend == "xla":
     return _xla_forward, _xla_input_grad, _xla_weight_grad
   if plan.backend == "mosaic_gpu":
@@ -452,16 +459,17 @@ def products(plan: Plan):
 
 # --- the custom VJP -----------------------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _grouped_matmul(plan: Plan, x_MxK, w_GxKxN, group_sizes_G):
-  return products(plan)[0](x_MxK, w_GxKxN, group_sizes_G)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _grouped_matmul(plan: Plan, out_dtype, x_MxK, w_GxKxN, group_sizes_G):
+  return products(plan)[0](x_MxK, w_GxKxN, group_sizes_G, out_dtype=out_dtype)
 
 
-def _grouped_matmul_fwd(plan, x_MxK, w_GxKxN, group_sizes_G):
-  return _grouped_matmul(plan, x_MxK, w_GxKxN, group_sizes_G), (x_MxK, w_GxKxN, group_sizes_G)
+def _grouped_matmul_fwd(plan, out_dtype, x_MxK, w_GxKxN, group_sizes_G):
+  return (_grouped_matmul(plan, out_dtype, x_MxK, w_GxKxN, group_sizes_G),
+          (x_MxK, w_GxKxN, group_sizes_G))
 
 
-def _grouped_matmul_bwd(plan, res, ct_MxN):
+def _grouped_matmul_bwd(plan, out_dtype, res, ct_MxN):
   x_MxK, w_GxKxN, group_sizes_G = res
   _, input_grad, weight_grad = products(plan)
   dy = ct_MxN.astype(x_MxK.dtype)
@@ -483,14 +491,16 @@ def _check_concrete_sizes(group_sizes_G, m: int):
                      f"min {sizes.min()} and sum {sizes.astype(np.int64).sum()}")
 
 
-def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, plan: Plan = Plan()):
-  """Rows of group g of x times w[g] (module docstring); float32 [M, N], differentiable.
+def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, plan: Plan = Plan(), out_dtype=jnp.float32):
+  """Rows of group g of x times w[g] (module docstring); [M, N] in `out_dtype`, differentiable.
 
   Args:
     x_MxK: rows sorted by group.
     w_GxKxN: one [K, N] matrix per group, in x's dtype.
     group_sizes_G: int rows per group, ≥ 0, Σ ≤ M (else ValueError if concrete, NaN if traced).
     plan: backend and block sizes; a "mosaic_gpu" plan needs `unsupported_reason(...) is None`.
+    out_dtype: float32 (the accumulator as it is) or x's dtype (the accumulator rounded once: half
+      the output's bytes, and its cotangent arrives in x's dtype, the backward's operand dtype).
   """
   m, k = x_MxK.shape
   if w_GxKxN.ndim != 3 or w_GxKxN.shape[1] != k or group_sizes_G.shape != w_GxKxN.shape[:1]:
@@ -499,11 +509,15 @@ def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, plan: Plan = Plan()):
   if not jnp.issubdtype(group_sizes_G.dtype, jnp.integer):
     raise ValueError(f"group_sizes must be integers, got {group_sizes_G.dtype}")
   _check_concrete_sizes(group_sizes_G, m)
+  out_dtype = jnp.dtype(out_dtype)
+  if out_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(x_MxK.dtype)):
+    raise ValueError(f"grouped_matmul out_dtype must be float32 or x's dtype {x_MxK.dtype}, "
+                     f"got {out_dtype}")
   if plan.backend == "mosaic_gpu":
     reason = unsupported_reason(x_MxK, w_GxKxN, plan)
     if reason is not None:
       raise ValueError(f"grouped_matmul Mosaic GPU kernels: {reason}")
-  return _grouped_matmul(plan, x_MxK, w_GxKxN, group_sizes_G.astype(jnp.int32))
+  return _grouped_matmul(plan, out_dtype, x_MxK, w_GxKxN, group_sizes_G.astype(jnp.int32))
 
 
 def _op_plan() -> Plan:
@@ -511,12 +525,13 @@ def _op_plan() -> Plan:
   return Plan(interpret=jax.default_backend() == "cpu")
 
 
-def op_unsupported_reason(x_sorted_PxD, w_ExDxF, group_sizes_E) -> str | None:
+def op_unsupported_reason(x_sorted_PxD, w_ExDxF, group_sizes_E, out_dtype=jnp.float32
+                          ) -> str | None:
   """Why `mosaic_grouped_matmul` cannot take the op's arguments here (None: it can)."""
   return unsupported_reason(x_sorted_PxD, w_ExDxF.astype(x_sorted_PxD.dtype), _op_plan())
 
 
-def mosaic_grouped_matmul(x_sorted_PxD, w_ExDxF, group_sizes_E):
+def mosaic_grouped_matmul(x_sorted_PxD, w_ExDxF, group_sizes_E, out_dtype=jnp.float32):
   """The op's kernel: `grouped_matmul` with w in x's dtype and the op's plan."""
   return grouped_matmul(x_sorted_PxD, w_ExDxF.astype(x_sorted_PxD.dtype), group_sizes_E,
-                        _op_plan())
+                        _op_plan(), out_dtype)

@@ -132,6 +132,7 @@ class MoE(nnx.Module):
     self.mode = cfg.moe_dispatch
     self.capacity_factor = cfg.moe_capacity_factor
     self.grouped_matmul_policy = cfg.ops.grouped_matmul
+    self.product_dtype = cfg.moe_product_dtype
     self.dtype = jnp.dtype(cfg.dtype)
     self.router = sharding.param(rngs, (d, e), ("embed", "expert_router"),
                                  sharding.fan_in_normal((0,)), pdt)
@@ -155,7 +156,8 @@ class MoE(nnx.Module):
     y, dropped = moe_dispatch.routed_experts(
         x, weights, experts, valid, self.experts.w1[...], self.experts.w3[...],
         self.experts.w2[...], mode=self.mode, capacity_factor=self.capacity_factor,
-        swiglu_limit=self.limit, policy=self.grouped_matmul_policy)
+        swiglu_limit=self.limit, policy=self.grouped_matmul_policy,
+        product_dtype=self.product_dtype)
     if self.shared is not None:
       y = y + self.shared(x)
     n_pairs = valid.sum() * self.k

@@ -7,6 +7,14 @@ scales the activation before the down-projection, `W2 (g · SiLU(a) ⊙ u)` in f
 to the compute dtype, as the official V4 `Expert` does: equal to g · W2(...) in exact arithmetic,
 and in bf16 the rounding of the released model. The pairs of a token are then summed in float32.
 
+Product outputs (`product_dtype`, `ModelConfig.moe_product_dtype`): "float32" keeps each expert
+product's float32 accumulator as its output ([a | u] and the down-projection, before the pairs'
+float32 sum); "compute" rounds each once to the compute dtype, as the official V4 code's bf16
+`Linear`s do (`gate = w1(x).float()`, the expert's output from `w2` in bf16, the pairs summed in
+float32): half the bytes of the two largest MoE intermediates, and their cotangents reach the
+backward products already in the operands' dtype. With the MLP width split over `tensor` the
+down-projection's partial sums stay float32 until the psum and are rounded after it.
+
 Pairs are ordered slot-major, `p = k·N + n` (every token's first choice before any second choice),
 and stably sorted by expert; that order is also the capacity priority.
 
@@ -55,6 +63,7 @@ from dsv41_jax import sharding
 from pallas_kernels import dispatch
 
 MODES = ("dropless", "capacity")
+PRODUCT_DTYPES = ("float32", "compute")
 
 # Remat name of the MoE layer's kept values (`dsv41_jax.model.remat_policy` saves them): here the
 # pair sort's permutation, its inverse and the group sizes (3 · N·K + E int32 a layer), so layer
@@ -109,7 +118,10 @@ def _weighted_swiglu_bwd(limit, dtype, res, dh_PxF):
                             au_Px2xF[:, 1])
   dh_PxF = dh_PxF.astype(jnp.float32)
   da_PxF, du_PxF = pullback(dh_PxF * weight_P[:, None])
-  d_au = jnp.pad(da_PxF, ((0, 0), (0, f))) + jnp.pad(du_PxF, ((0, 0), (f, 0)))
+  # in au's dtype: a bf16 [a | u] (`product_dtype="compute"`) takes its cotangent rounded once
+  # here, as the grouped product's backward would round it
+  d_au = (jnp.pad(da_PxF, ((0, 0), (0, f))) + jnp.pad(du_PxF, ((0, 0), (f, 0)))
+          ).astype(au_PxF2.dtype)
   # g's cotangent Σ_f dh·s as the VJP of g -> g·s with s placed in [P, 2, F] (zeros in the u
   # half): a reduction over d_au's index space, and, inside shard_map, the psum over the mesh axes
   # that au varies over and g does not (the MLP width split over `tensor`), as autodiff has it.
@@ -163,38 +175,48 @@ def _concrete(x):
     return None
 
 
-def grouped_matmul(x_sorted_PxD, w_ExDxF, group_sizes_E, policy: str = "auto"):
-  """Rows [Σ_{e'<e} g_e', Σ_{e'≤e} g_e') of x times w[e]; rows past Σ g are zero. Float32 out.
+def grouped_matmul(x_sorted_PxD, w_ExDxF, group_sizes_E, policy: str = "auto",
+                   out_dtype=jnp.float32):
+  """Rows [Σ_{e'<e} g_e', Σ_{e'≤e} g_e') of x times w[e]; rows past Σ g are zero. Float32
+  accumulation, `out_dtype` out (float32, or x's dtype: rounded once).
 
   The op `grouped_matmul` (`pallas_kernels.ops.grouped_matmul`, docs/design.md §T7) under
   `policy`. Group sizes that are negative or sum past P raise ValueError when concrete and make
   the product NaN when traced.
   """
-  return dispatch.call("grouped_matmul", x_sorted_PxD, w_ExDxF, group_sizes_E, policy=policy)
+  return dispatch.call("grouped_matmul", x_sorted_PxD, w_ExDxF, group_sizes_E, policy=policy,
+                       out_dtype=out_dtype)
 
 
 def grouped_ffn(x_sorted_PxD, weight_P, w1, w3, w2, group_sizes_E, limit: float,
-                policy: str = "auto"):
+                policy: str = "auto", gate_up_dtype=jnp.float32, out_dtype=jnp.float32):
   """Clamped SwiGLU experts over expert-sorted rows (grouped GEMMs), each row's activation times
-  its routing weight before W2 (`weighted_swiglu`); float32 [P, D].
+  its routing weight before W2 (`weighted_swiglu`); [P, D] in `out_dtype`.
 
   The gate and up projections are one grouped product with [w1 | w3] [E, D, 2F]: x is read once
-  and each output column is the same dot as in its own product (equal to two products)."""
+  and each output column is the same dot as in its own product (equal to two products). Each
+  product accumulates in float32; [a | u] is returned in `gate_up_dtype` and the down-projection
+  in `out_dtype` (float32, or the compute dtype: rounded once, module docstring)."""
   dt = x_sorted_PxD.dtype
   w13 = jnp.concatenate([w1.astype(dt), w3.astype(dt)], axis=-1)
-  au = checkpoint_name(grouped_matmul(x_sorted_PxD, w13, group_sizes_E, policy), GATE_UP)
+  au = checkpoint_name(grouped_matmul(x_sorted_PxD, w13, group_sizes_E, policy, gate_up_dtype),
+                       GATE_UP)
   h = weighted_swiglu(au, weight_P, limit, dt)
-  return grouped_matmul(h, w2, group_sizes_E, policy)
+  return grouped_matmul(h, w2, group_sizes_E, policy, out_dtype)
 
 
-def batched_ffn(x_ExCxD, weight_ExC, w1, w3, w2, limit: float):
+def batched_ffn(x_ExCxD, weight_ExC, w1, w3, w2, limit: float, gate_up_dtype=jnp.float32,
+                out_dtype=jnp.float32):
   """Clamped SwiGLU experts over a capacity buffer (batched matmuls), each slot's activation times
-  its routing weight before W2; float32 [E, C, D]."""
+  its routing weight before W2; [E, C, D] in `out_dtype` (a and u rounded to `gate_up_dtype`,
+  as `grouped_ffn` rounds them)."""
   dt = x_ExCxD.dtype
-  a = checkpoint_name(expert_einsum("ecd,edf->ecf", x_ExCxD, w1.astype(dt)), GATE_UP)
-  u = checkpoint_name(expert_einsum("ecd,edf->ecf", x_ExCxD, w3.astype(dt)), GATE_UP)
+  a = checkpoint_name(expert_einsum("ecd,edf->ecf", x_ExCxD, w1.astype(dt)).astype(gate_up_dtype),
+                      GATE_UP)
+  u = checkpoint_name(expert_einsum("ecd,edf->ecf", x_ExCxD, w3.astype(dt)).astype(gate_up_dtype),
+                      GATE_UP)
   h = (clamped_swiglu(a, u, limit) * weight_ExC[..., None]).astype(dt)
-  return expert_einsum("ecf,efd->ecd", h, w2.astype(dt))
+  return expert_einsum("ecf,efd->ecd", h, w2.astype(dt)).astype(out_dtype)
 
 
 # --- pair bookkeeping ---------------------------------------------------------------------------
@@ -313,7 +335,7 @@ def _capacity_local(x_NxD, weights_NxK, experts_NxK, valid_N, n_experts: int, ca
 # --- expert-parallel exchanges (run inside shard_map) -------------------------------------------
 
 def _ep_sorted_ffn(w1, w3, w2, *, n_experts: int, n_tokens: int, k: int, limit: float, policy: str,
-                   expert_axis, n_shards: int, tensor_axis):
+                   expert_axis, n_shards: int, tensor_axis, gate_up_dtype, out_dtype):
   """`sorted_ffn` that ships sorted rows to the experts' owners and back (dropless, exact)."""
   e_loc = n_experts // n_shards
   s = n_tokens * min(k, e_loc)  # worst case rows from one device to one owner
@@ -336,7 +358,8 @@ def _ep_sorted_ffn(w1, w3, w2, *, n_experts: int, n_tokens: int, k: int, limit: 
     order = jnp.argsort(recv_e, stable=True)
     inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     sizes = jnp.zeros((e_loc + 1,), jnp.int32).at[recv_e].add(1)[:e_loc]
-    y = grouped_ffn(recv_x[order], recv_w[order], w1, w3, w2, sizes, limit, policy)
+    y = grouped_ffn(recv_x[order], recv_w[order], w1, w3, w2, sizes, limit, policy,
+                    gate_up_dtype, out_dtype)
     if tensor_axis is not None:
       y = jax.lax.psum(y, tensor_axis)
     y = y[inv].astype(x_sorted_PxD.dtype).reshape(n_shards, s, d)
@@ -350,7 +373,7 @@ def _ep_sorted_ffn(w1, w3, w2, *, n_experts: int, n_tokens: int, k: int, limit: 
 
 
 def _ep_buffer_ffn(w1, w3, w2, *, n_experts: int, limit: float, expert_axis, n_shards: int,
-                   tensor_axis):
+                   tensor_axis, gate_up_dtype, out_dtype):
   """`buffer_ffn` that ships each owner its [E/G, C, D] slice of the capacity buffer and back."""
   e_loc = n_experts // n_shards
 
@@ -362,7 +385,7 @@ def _ep_buffer_ffn(w1, w3, w2, *, n_experts: int, limit: float, expert_axis, n_s
     recv_w = jax.lax.all_to_all(weight_ExC.reshape(n_shards, e_loc * c), expert_axis, 0, 0,
                                 tiled=True)
     w_loc = recv_w.reshape(n_shards, e_loc, c).transpose(1, 0, 2).reshape(e_loc, -1)
-    y = batched_ffn(x_loc, w_loc, w1, w3, w2, limit)
+    y = batched_ffn(x_loc, w_loc, w1, w3, w2, limit, gate_up_dtype, out_dtype)
     if tensor_axis is not None:
       y = jax.lax.psum(y, tensor_axis)
     y = y.astype(buf_ExCxD.dtype).reshape(e_loc, n_shards, c, d).transpose(1, 0, 2, 3)
@@ -375,8 +398,8 @@ def _ep_buffer_ffn(w1, w3, w2, *, n_experts: int, limit: float, expert_axis, n_s
 # --- entry point --------------------------------------------------------------------------------
 
 def _dispatch_shard(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1, w3, w2, *, mode: str,
-                    capacity_factor: float, limit: float, policy: str, expert_axis,
-                    n_shards: int, tensor_axis):
+                    capacity_factor: float, limit: float, policy: str, product_dtype: str,
+                    expert_axis, n_shards: int, tensor_axis):
   b, t, d = x_BxTxD.shape
   k = experts_BxTxK.shape[-1]
   n = b * t
@@ -390,25 +413,31 @@ def _dispatch_shard(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1, w3, w2
   bad_id = (e < 0) | (e >= n_experts)
   e = jnp.where(bad_id, n_experts, e)
   exchange = n_shards > 1
+  # The products' output dtypes: [a | u] and, unless partial sums over `tensor` follow, the
+  # down-projection's (otherwise rounded after the psum).
+  narrow = x.dtype if product_dtype == "compute" else jnp.dtype(jnp.float32)
+  out_dt = narrow if tensor_axis is None else jnp.dtype(jnp.float32)
+  dtypes = dict(gate_up_dtype=narrow, out_dtype=out_dt)
+  rounded = lambda y: y.astype(narrow) if tensor_axis is not None else y
   if mode == "dropless":
     if exchange:
       ffn = _ep_sorted_ffn(w1, w3, w2, n_experts=n_experts, n_tokens=n, k=k, limit=limit,
                            policy=policy, expert_axis=expert_axis, n_shards=n_shards,
-                           tensor_axis=tensor_axis)
+                           tensor_axis=tensor_axis, **dtypes)
     else:
       def ffn(xs, ws, es, gs):
-        y = grouped_ffn(xs, ws, w1, w3, w2, gs, limit, policy)
-        return jax.lax.psum(y, tensor_axis) if tensor_axis is not None else y
+        y = grouped_ffn(xs, ws, w1, w3, w2, gs, limit, policy, **dtypes)
+        return rounded(jax.lax.psum(y, tensor_axis)) if tensor_axis is not None else y
     y, dropped = _dropless_local(x, g, e, valid, n_experts, ffn)
   else:
     capacity = expert_capacity(n, k, n_experts, capacity_factor)
     if exchange:
       ffn = _ep_buffer_ffn(w1, w3, w2, n_experts=n_experts, limit=limit, expert_axis=expert_axis,
-                           n_shards=n_shards, tensor_axis=tensor_axis)
+                           n_shards=n_shards, tensor_axis=tensor_axis, **dtypes)
     else:
       def ffn(buf, wbuf):
-        y = batched_ffn(buf, wbuf, w1, w3, w2, limit)
-        return jax.lax.psum(y, tensor_axis) if tensor_axis is not None else y
+        y = batched_ffn(buf, wbuf, w1, w3, w2, limit, **dtypes)
+        return rounded(jax.lax.psum(y, tensor_axis)) if tensor_axis is not None else y
     y, dropped = _capacity_local(x, g, e, valid, n_experts, capacity, ffn)
   # + NaN or + 0 per token (y + 0 = y): a `where` with a [N, D] NaN operand was hoisted out of
   # the layer scan as a buffer every layer read, like the zeros of `_dropless_local`.
@@ -424,7 +453,8 @@ def _mesh_axes(mesh, logical: str) -> tuple[str, ...] | None:
 
 def routed_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1_ExDxF, w3_ExDxF,
                    w2_ExFxD, *, mode: str = "dropless", capacity_factor: float = 1.25,
-                   swiglu_limit: float = 10.0, policy: str = "auto", mesh=None):
+                   swiglu_limit: float = 10.0, policy: str = "auto", product_dtype: str = "float32",
+                   mesh=None):
   """Σ_{k} g_{t,k} · E_{e_{t,k}}(x_t) over the routed pairs of the valid tokens.
 
   Args:
@@ -434,6 +464,7 @@ def routed_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1_ExDxF, w
     w1_ExDxF, w3_ExDxF, w2_ExFxD: routed expert weights (cast to x's dtype).
     mode: "dropless" or "capacity" (module docstring).
     policy: the op `grouped_matmul`'s policy for `dropless` ("auto" | "reference" | "kernel").
+    product_dtype: "float32" or "compute": the expert products' output dtype (module docstring).
     mesh: a Mesh / AbstractMesh; None takes the context mesh (`jax.set_mesh`), none = local.
   Returns:
     (y_BxTxD float32, dropped_BxTxK bool): dropped marks valid pairs that capacity removed.
@@ -446,8 +477,11 @@ def routed_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1_ExDxF, w
     if ((ids < 0) | (ids >= w1_ExDxF.shape[0])).any():
       raise ValueError(f"expert ids of valid tokens must lie in [0, {w1_ExDxF.shape[0]}); got "
                        f"min {ids.min()}, max {ids.max()}")
+  if product_dtype not in PRODUCT_DTYPES:
+    raise ValueError(f"moe product dtype {product_dtype!r} is not one of {PRODUCT_DTYPES}")
   dispatch.check_policy("grouped_matmul", policy)
-  kw = dict(mode=mode, capacity_factor=capacity_factor, limit=swiglu_limit, policy=policy)
+  kw = dict(mode=mode, capacity_factor=capacity_factor, limit=swiglu_limit, policy=policy,
+            product_dtype=product_dtype)
   args = (x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1_ExDxF, w3_ExDxF, w2_ExFxD)
   if mesh is None:
     mesh = jax.sharding.get_abstract_mesh()

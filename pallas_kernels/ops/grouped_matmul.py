@@ -4,6 +4,8 @@ With group g owning rows [s_g, s_g + n_g) of x, s_g = Σ_{g'<g} n_g':
 
   y[r] = x[r] · w[g(r)]          [M, K] × [G, K, N] -> [M, N] float32; rows past Σ n_g are 0
 
+accumulated in float32 and returned in `out_dtype`: float32, or x's dtype (rounded once).
+
 The reference is XLA's `jax.lax.ragged_dot` (exact, jax's own VJP; slow on the GPU, ~10 TFLOP/s,
 benchmarks/RESULTS.md). It is the dispatcher's op `grouped_matmul`, whose kernel is the Mosaic GPU
 grouped GEMM with its own backward (`pallas_kernels/grouped_matmul.py`). Group sizes that are
@@ -25,8 +27,13 @@ def _concrete(x):
     return None
 
 
-def grouped_matmul(x_sorted_PxD, w_ExDxF, group_sizes_E):
-  """Rows [Σ_{e'<e} g_e', Σ_{e'≤e} g_e') of x times w[e] (w cast to x's dtype); float32 out."""
+def grouped_matmul(x_sorted_PxD, w_ExDxF, group_sizes_E, out_dtype=jnp.float32):
+  """Rows [Σ_{e'<e} g_e', Σ_{e'≤e} g_e') of x times w[e] (w cast to x's dtype); `out_dtype` out
+  (float32 or x's dtype: the float32 product rounded once)."""
+  out_dtype = jnp.dtype(out_dtype)
+  if out_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(x_sorted_PxD.dtype)):
+    raise ValueError(f"grouped_matmul out_dtype must be float32 or x's dtype "
+                     f"{x_sorted_PxD.dtype}, got {out_dtype}")
   w = w_ExDxF.astype(x_sorted_PxD.dtype)
   sizes = group_sizes_E.astype(jnp.int32)
   n_rows = x_sorted_PxD.shape[0]
@@ -38,4 +45,4 @@ def grouped_matmul(x_sorted_PxD, w_ExDxF, group_sizes_E):
   y = jax.lax.ragged_dot(x_sorted_PxD, w, sizes, preferred_element_type=jnp.float32)
   # + NaN or + 0 (y + 0 = y), not where(bad, NaN, y): inside a layer scan JAX hoists that where's
   # [M, N] NaN broadcast out of the loop as a buffer every layer then reads.
-  return y + jnp.where(bad, jnp.nan, 0.0)
+  return (y + jnp.where(bad, jnp.nan, 0.0)).astype(out_dtype)

@@ -86,7 +86,8 @@ def test_analytic_bytes_match_jax_shard_shapes_and_the_real_optimizer_state(size
 
 def test_activation_estimate_terms():
   """The estimate's terms follow its formula: logits and carries scale with rows, the masked
-  global branch grows quadratically in T while "gather" grows linearly."""
+  global branch grows quadratically in T while "gather" grows linearly; bfloat16 streams halve
+  the carries."""
   mcfg = model_config(tiny.get_config())
   one = memory_plan.activation_bytes(mcfg, 1, 128, {"data": 1})
   two = memory_plan.activation_bytes(mcfg, 2, 128, {"data": 1})
@@ -95,6 +96,8 @@ def test_activation_estimate_terms():
   assert one["logits"] == 3 * 128 * mcfg.vocab_size * 4
   layers = len(model_lib.build_layer_plan(mcfg).layers)
   assert one["carries"] == (layers + 1) * 128 * mcfg.hc_mult * mcfg.hidden_size * 4
+  bf16 = memory_plan.activation_bytes(mcfg.replace(hc_stream_dtype="bfloat16"), 1, 128, {"data": 1})
+  assert bf16["carries"] == one["carries"] / 2 and bf16["layer_work"] == one["layer_work"]
   tp = memory_plan.activation_bytes(mcfg, 1, 128, {"tensor": 2})
   assert tp["logits"] == one["logits"] / 2
   masked = [memory_plan.activation_bytes(mcfg, 1, T, {})["layer_work"] for T in (512, 1024, 2048)]

@@ -2,6 +2,7 @@
 the Mosaic GPU kernels in interpret mode against a per-group float64 loop, the tile map, and the
 bad-input behaviour of the swap point `dsv41_jax.layers.moe_dispatch.grouped_matmul`."""
 
+import dataclasses
 import logging
 
 import jax
@@ -150,6 +151,45 @@ def test_mosaic_kernels_interpret_match_loop():
   _close(dx, dx64, dxa, n, jnp.bfloat16)
   _close(dw, dw64, dwa, int(sizes.max()), jnp.bfloat16)
   assert np.all(np.asarray(dw, np.float32)[[0, 5]] == 0)
+
+
+@pytest.mark.parametrize("backend", ["xla", "mosaic_gpu"])
+def test_output_in_x_dtype_is_the_float32_output_rounded_once(backend):
+  # out_dtype=bf16: the same float32 accumulator rounded once at the store (bit for bit the float32
+  # output's rounding, NaN rows included); its cotangent arrives in bf16, so the backward equals the
+  # float32-output backward fed that cotangent (which rounds it to bf16 first) bit for bit. The
+  # Mosaic kernels in interpret mode with the narrow forward's own blocks.
+  rng = np.random.default_rng(4)
+  m, k, n, g = 256, 128, 128, 5
+  sizes = np.array([0, 90, 1, 120, 30], np.int32)   # 241 rows in groups
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((g, k, n)), jnp.bfloat16)
+  r = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+  cfg = gm.TileConfig(block_m=64, block_n=64, block_k=64, max_concurrent_steps=2, grid_block_n=2)
+  narrow = gm.TileConfig(block_m=64, block_n=128, block_k=64, max_concurrent_steps=3)
+  plan = (gm.Plan(backend="xla") if backend == "xla" else
+          gm.Plan(forward=cfg, forward_narrow=narrow, input_grad=cfg, weight_grad=cfg, num_sms=3,
+                  interpret=True))
+  s = jnp.asarray(sizes)
+  wide = gm.grouped_matmul(x, w, s, plan)
+  y = gm.grouped_matmul(x, w, s, plan, out_dtype=jnp.bfloat16)
+  assert wide.dtype == jnp.float32 and y.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(wide.astype(jnp.bfloat16),
+                                                                     np.float32))
+  grads = lambda out: jax.jit(jax.grad(
+      lambda x, w: jnp.sum(gm.grouped_matmul(x, w, s, plan, out_dtype=out).astype(jnp.float32)
+                           * r.astype(jnp.float32)), argnums=(0, 1)))(x, w)
+  for a, b in zip(grads(jnp.bfloat16), grads(jnp.float32)):
+    assert a.dtype == b.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  bad = jnp.asarray([0, 90, -1, 120, 30], jnp.int32)      # traced: the product is NaN, not wrong
+  poisoned = jax.jit(lambda s: gm.grouped_matmul(x, w, s, plan, out_dtype=jnp.bfloat16))(bad)
+  assert poisoned.dtype == jnp.bfloat16 and np.all(np.isnan(np.asarray(poisoned, np.float32)))
+  with pytest.raises(ValueError, match="out_dtype"):
+    gm.grouped_matmul(x, w, s, plan, out_dtype=jnp.float16)
+  if backend == "mosaic_gpu":   # the narrow forward's blocks are checked as its own
+    odd = dataclasses.replace(plan, forward_narrow=gm.TileConfig(block_n=96))
+    assert "forward_narrow" in gm.unsupported_reason(x, w, odd)
 
 
 def test_bad_group_sizes_raise_or_poison():

@@ -24,7 +24,11 @@ arm() {  # $1 arm name, $2 seed, $3 dtype
 for seed in ${SEEDS:-0 1 2 3}; do
   [ $SECONDS -lt 285 ] || { echo "no time for seed $seed"; break; }
   step "seed $seed: float32 and bfloat16 streams at once"
-  arm f32 $seed float32 & arm bf16 $seed bfloat16 & wait
+  # wait for the two arms by pid: a bare `wait` also waits for the prelude's `tee` (a process
+  # substitution), which never ends; that hung every call of sessions 45-46 after its first seed
+  arm f32 $seed float32 & a=$!
+  arm bf16 $seed bfloat16 & b=$!
+  wait $a $b
 done
 step summary
 python3 benchmarks/seed_ab.py --a "$OUT/f32_seed*" --b "$OUT/bf16_seed*"

@@ -187,9 +187,11 @@ def _skewed_routing(rng, n, k, e, empty=(2, 5)):
   return np.stack([rng.choice(e, k, replace=False, p=p / p.sum()) for _ in range(n)])
 
 
-def _autodiff_dropless(x_NxD, weights_NxK, experts_NxK, valid_N, w1, w3, w2, limit):
+def _autodiff_dropless(x_NxD, weights_NxK, experts_NxK, valid_N, w1, w3, w2, limit,
+                       narrow=False):
   """The dispatch with plain gathers (jax's scatter transposes) and separate gate / up products
-  through `ragged_dot`: what the fused product and the gather VJPs must equal."""
+  through `ragged_dot`: what the fused product and the gather VJPs must equal. `narrow`: each
+  product's float32 result rounded once to x's dtype (`product_dtype="compute"`)."""
   n, k = experts_NxK.shape
   e = w1.shape[0]
   dt = x_NxD.dtype
@@ -197,7 +199,9 @@ def _autodiff_dropless(x_NxD, weights_NxK, experts_NxK, valid_N, w1, w3, w2, lim
   order = jnp.argsort(e_P, stable=True)
   sizes = jnp.zeros((e + 1,), jnp.int32).at[e_P].add(1)[:e]
   xs = x_NxD[order % n]
-  mm = lambda a, w: jax.lax.ragged_dot(a, w.astype(dt), sizes, preferred_element_type=jnp.float32)
+  out = dt if narrow else jnp.float32
+  mm = lambda a, w: jax.lax.ragged_dot(a, w.astype(dt), sizes,
+                                       preferred_element_type=jnp.float32).astype(out)
   h = moe_dispatch.clamped_swiglu(mm(xs, w1), mm(xs, w3), limit)
   h = (h * weights_NxK.T.reshape(-1)[order][:, None]).astype(dt)
   y = jnp.where((e_P[order] < e)[:, None], mm(h, w2), 0.0)
@@ -240,6 +244,92 @@ def test_dropless_equals_ragged_dot_under_skewed_routing(dtype):
     np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max(), err_msg=name)
   empty = np.asarray(g_fast[2])[[2, 5]]
   assert np.all(empty == 0.0)   # the empty experts' weights get exactly no gradient
+
+
+@pytest.mark.parametrize("mode", ["dropless", "capacity"])
+def test_compute_dtype_products_equal_rounded_restatement(mode):
+  """`product_dtype="compute"` in bf16: [a | u] and each pair's down-projection rounded once to
+  bf16, then summed in float32. Equal to the plain-jax restatement with those roundings (values
+  and every gradient, the tolerances of the float32-product test above) and measurably different
+  from float32 products; an unknown product dtype is a clear error."""
+  rng = np.random.default_rng(23)
+  n, d, f, e, k = 40, 16, 8, 8, 2
+  experts = jnp.asarray(_skewed_routing(rng, n, k, e), jnp.int32)
+  weights = jnp.asarray(rng.uniform(0.2, 1.2, (n, k)), jnp.float32)
+  valid = jnp.asarray(rng.uniform(size=n) > 0.1)
+  x = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
+  ws = [jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), jnp.float32)
+        for s in ((e, d, f), (e, d, f), (e, f, d))]
+  r = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+
+  def routed(product_dtype):
+    def fn(x, g, w1, w3, w2):
+      y, _ = moe_dispatch.routed_experts(
+          x[None], g[None], experts[None], valid[None], w1, w3, w2, mode=mode,
+          capacity_factor=e / k, swiglu_limit=LIMIT, policy="reference",
+          product_dtype=product_dtype)
+      return y[0]
+    return fn
+
+  slow = lambda x, g, w1, w3, w2: _autodiff_dropless(x, g, experts, valid, w1, w3, w2, LIMIT,
+                                                     narrow=True)
+  loss = lambda f: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * r), argnums=range(5)))
+  args = (x, weights, *ws)
+  y, want, wide = (np.asarray(jax.jit(f)(*args)) for f in (routed("compute"), slow,
+                                                             routed("float32")))
+  np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
+  assert np.abs(wide - want).max() > 1e-3 * np.abs(want).max()   # the roundings are visible
+  (v_fast, g_fast), (v_slow, g_slow) = loss(routed("compute"))(*args), loss(slow)(*args)
+  np.testing.assert_allclose(float(v_fast), float(v_slow), rtol=1e-6)
+  for name, a, b in zip(["x", "weights", "w1", "w3", "w2"], g_fast, g_slow):
+    assert a.dtype == b.dtype, name
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    # x's gradient: one bf16 rounding (see above). Capacity's gradients are other products (the
+    # [E, C, ·] buffer's einsums, each rounded to bf16 once) than the restatement's ragged_dots,
+    # so a sum order can flip a bf16 rounding; its routing-weight gradient is autodiff through a
+    # bf16 rounding of g·s that jit on the CPU may keep in float32 (XLA's excess precision):
+    # ~1e-3 of its scale off the restatement with float32 products too, not only here.
+    tol = 2 ** -7 if name == "x" or mode == "capacity" else 1e-5
+    np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max(), err_msg=name)
+  with pytest.raises(ValueError, match="product dtype"):
+    routed("bfloat16")(*args)
+
+
+def test_compute_dtype_products_match_float64_official_order():
+  """Against the official V4 arithmetic restated in float64 (bf16 x and weights; a = w1 x and
+  u = w3 x rounded to bf16, the weighted activation rounded to bf16, each expert's W2 output
+  rounded to bf16, the pairs summed): within the one-bf16-ulp flips that float32 accumulation can
+  cause at a rounding boundary, while float32 products are ~1e-2 away."""
+  bf16 = jnp.bfloat16.dtype
+  rb = lambda a: np.asarray(a, np.float64).astype(bf16).astype(np.float64)
+  rng = np.random.default_rng(12)
+  b, t = 4, 8
+  x = rb(rng.normal(size=(b, t, D)) * 1.5)
+  w1, w3 = (rb(rng.normal(size=(E, D, F)) / 4) for _ in range(2))
+  w2 = rb(rng.normal(size=(E, F, D)) / np.sqrt(F))
+  sel = np.stack([rng.permutation(E)[:K] for _ in range(b * t)]).reshape(b, t, K)
+  g = rng.uniform(0.2, 1.3, size=(b, t, K)).astype(np.float32)
+  valid = np.ones((b, t), bool)
+  y64 = np.zeros((b, t, D))
+  for i, j, k in np.ndindex(b, t, K):
+    if valid[i, j]:
+      e = sel[i, j, k]
+      a = np.minimum(rb(x[i, j] @ w1[e]), LIMIT)
+      h = a / (1 + np.exp(-a)) * np.clip(rb(x[i, j] @ w3[e]), -LIMIT, LIMIT)
+      y64[i, j] += rb(rb(g[i, j, k] * h) @ w2[e])
+  got = {}
+  for pd in ("compute", "float32"):
+    y, _ = moe_dispatch.routed_experts(
+        jnp.asarray(x, jnp.bfloat16), jnp.asarray(g), jnp.asarray(sel, jnp.int32),
+        jnp.asarray(valid), *(jnp.asarray(w, jnp.float32) for w in (w1, w3, w2)),
+        swiglu_limit=LIMIT, product_dtype=pd)
+    got[pd] = np.asarray(y, np.float64)
+  # a flip of one rounding moves a pair's output by at most ~2 bf16 ulps of its scale
+  scale = np.abs(y64).max()
+  err = np.abs(got["compute"] - y64)
+  assert err.max() <= 2 * 2.0**-8 * scale, err.max() / scale
+  assert np.mean(err <= 1e-6 * scale) > 0.97       # nearly every value equal to float rounding
+  assert np.abs(got["float32"] - y64).max() > 4 * err.max()
 
 
 def test_fused_gate_up_product_equals_two_products():
@@ -476,3 +566,19 @@ def test_layer_gradients_under_remat_equal_autodiff_bit_for_bit(dtype, monkeypat
   for a, b in zip(leaves, jax.tree.leaves(plain)):
     a, b = np.atleast_1d(np.asarray(a, np.float32)), np.atleast_1d(np.asarray(b, np.float32))
     np.testing.assert_array_equal(a.view(np.int32), b.view(np.int32))
+
+
+def test_moe_layer_takes_the_product_dtype_from_its_config():
+  """`ModelConfig.moe_product_dtype` reaches the dispatch: in a bf16 model "compute" changes the
+  layer's output (the products rounded); in a float32 model it is the float32 path bit for bit."""
+  x, seg, image, bias = moe_inputs(7)
+  out = {}
+  for dtype in ("float32", "bfloat16"):
+    for pd in ("float32", "compute"):
+      model = MoE(moe_cfg(dtype=dtype, moe_product_dtype=pd), nnx.Rngs(3))
+      y, _ = call_moe(model, jnp.asarray(x, dtype), seg, image, bias)
+      out[dtype, pd] = np.asarray(y, np.float32)
+  np.testing.assert_array_equal(out["float32", "compute"], out["float32", "float32"])
+  assert np.abs(out["bfloat16", "compute"] - out["bfloat16", "float32"]).max() > 0
+  with pytest.raises(ValueError, match="moe_product_dtype"):
+    moe_cfg(moe_product_dtype="bfloat16")
