@@ -582,3 +582,36 @@ def test_moe_layer_takes_the_product_dtype_from_its_config():
   assert np.abs(out["bfloat16", "compute"] - out["bfloat16", "float32"]).max() > 0
   with pytest.raises(ValueError, match="moe_product_dtype"):
     moe_cfg(moe_product_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("mesh_shape", [{"data": 2, "expert": 4},
+                                        {"fsdp": 2, "expert": 2, "tensor": 2}])
+def test_compute_dtype_products_sharded_equal_single_device(mesh_shape):
+  """bf16 model, `moe_product_dtype="compute"`, dropless across the mesh (all-to-all to the
+  experts' owners; with `tensor` the down-projection's partials rounded after their psum): values
+  and gradients as on one device, within a bf16 rounding of each leaf's scale (the sharded run
+  sums in another order, so a rounding can flip; a lost exchange or partial sum is off by O(1))."""
+  cfg = moe_cfg(dtype="bfloat16", moe_product_dtype="compute")
+  model = MoE(cfg, nnx.Rngs(6))
+  x, seg, image, bias = moe_inputs(8, b=8, t=4)
+  x = jnp.asarray(x, jnp.bfloat16)
+  r = np.random.default_rng(9).normal(size=x.shape).astype(np.float32)
+  graphdef, state = nnx.split(model)
+
+  def loss(state, x, seg, image, bias, r):
+    y, aux = nnx.merge(graphdef, state)(x, segment_ids_BxT=seg, image_mask_BxT=image,
+                                        bias_2xE=bias)
+    return (y.astype(jnp.float32) * r).sum() + aux["balance_loss"], (y, aux)
+
+  # x's gradient (bf16) sums the K pairs', the shared expert's and the router's bf16 cotangents,
+  # and under `tensor` each is a psum of bf16-rounded halves: a few bf16 ulps of its scale, with
+  # float32 products as much as with "compute" products (checked when this test was written).
+  ulps = lambda path: 2.0**-5 if path == "['grads'][1]" else 2.0**-7
+  scale = lambda path, single: ulps(path) * float(np.abs(np.asarray(single, np.float32)).max())
+  result = testing.assert_sharded_matches(
+      _with_grads(loss), (state, x, seg, image, bias, r), testing.cpu_mesh(mesh_shape),
+      in_specs=("params", "batch", "batch", "batch", None, "batch"),
+      rtol=lambda path, _: 1e-6 if path.startswith("['aux']") else 0.0,
+      atol=lambda path, single: 0.0 if path.startswith("['aux']") else scale(path, single))
+  flat = jax.tree.leaves(result.single["grads"])
+  assert all(np.abs(np.asarray(g, np.float32)).max() > 0 for g in flat)
