@@ -183,9 +183,11 @@ TILES = {"csa2 fwd bk32": partial(ca.sparse_attend, block_k=32),
          "csa2 dq bk128": partial(ca.sparse_attend, block_k_bwd=128),
          "csa2 band bkw32": partial(ca.sparse_attend, block_kw=32),
          "csa2 band bkw128": partial(ca.sparse_attend, block_kw=128),
+         "csa2 warps2": partial(ca.sparse_attend, num_warps=2),
          "csa2 warps8": partial(ca.sparse_attend, num_warps=8),
          "csa2 stages1": partial(ca.sparse_attend, num_stages=1),
-         "csa2 stages3": partial(ca.sparse_attend, num_stages=3)}
+         "csa2 stages3": partial(ca.sparse_attend, num_stages=3),
+         "csa2 stages4": partial(ca.sparse_attend, num_stages=4)}
 
 
 def attn_bench(B, T, m, interp, reps, xla_impls=(("masked", None),), kernels=tuple(KERNELS), H=16,
