@@ -524,6 +524,11 @@ def main():
                                    kernels=("pallas csa2",), global_branch=False),
       "topk-4k": lambda: topk_bench(4, 4096, 256, interp, reps),
       "idx-4k": lambda: idx_bench(4096, interp, reps, H=16, I=128, K=256, B=4),
+      # the scores kernel's tiles (block_t queries, block_n entries, warps) at s3's shapes; the
+      # selection and the backward with the first
+      "idx-4k-tiles": lambda: idx_bench(4096, interp, reps, xla=False, H=16, I=128, K=256, B=4,
+                                        variants=((64, 64, 4), (128, 64, 4), (64, 128, 4),
+                                                  (128, 128, 8), (64, 64, 8), (32, 64, 4))),
       # m3's and s4's top-512 (configs/small.py): the measured envelopes stop at top-256.
       "4k-m1-k512": lambda: attn_bench(4, 4096, 1, interp, reps, both, K=512),
       "4k-m2-k512": lambda: attn_bench(4, 4096, 2, interp, reps, both, K=512),
