@@ -145,21 +145,30 @@ def test_expert_parallel_equals_single_device(mode, mesh_shape):
   assert all(np.abs(np.asarray(b)).max() > 0 for b in flat_1)
 
 
-@pytest.mark.parametrize("mode", ["dropless", "capacity"])
-def test_routing_weight_scales_the_activation_before_w2_in_bf16(mode):
-  """The official V4 order, W2 (g · SiLU(a) ⊙ u) with the weighted activation rounded to bf16,
-  restated in float64; weighting W2's output instead differs by ~1e-2 here."""
-  bf16 = jnp.bfloat16.dtype
-  rb = lambda a: np.asarray(a, np.float64).astype(bf16).astype(np.float64)   # round to bf16
-  rng = np.random.default_rng(11)
-  b, t = 4, 8
+def rb(a):
+  """a rounded to bf16, as float64."""
+  return np.asarray(a, np.float64).astype(jnp.bfloat16.dtype).astype(np.float64)
+
+
+def _official_case(seed, b=4, t=8):
+  """bf16-representable x [b, t, D] and expert weights (float64), K distinct experts per token,
+  routing weights, every token valid."""
+  rng = np.random.default_rng(seed)
   x = rb(rng.normal(size=(b, t, D)) * 1.5)
   w1, w3 = (rb(rng.normal(size=(E, D, F)) / 4) for _ in range(2))
   w2 = rb(rng.normal(size=(E, F, D)) / np.sqrt(F))
   sel = np.stack([rng.permutation(E)[:K] for _ in range(b * t)]).reshape(b, t, K)
   g = rng.uniform(0.2, 1.3, size=(b, t, K)).astype(np.float32)
-  valid = np.ones((b, t), bool)
+  return x, w1, w3, w2, sel, g, np.ones((b, t), bool)
+
+
+@pytest.mark.parametrize("mode", ["dropless", "capacity"])
+def test_routing_weight_scales_the_activation_before_w2_in_bf16(mode):
+  """The official V4 order, W2 (g · SiLU(a) ⊙ u) with the weighted activation rounded to bf16,
+  restated in float64; weighting W2's output instead differs by ~1e-2 here."""
+  x, w1, w3, w2, sel, g, valid = _official_case(11)
   valid[1, 5:] = False
+  b, t = valid.shape
 
   def ref(weight_first):
     y = np.zeros((b, t, D))
@@ -208,12 +217,10 @@ def _autodiff_dropless(x_NxD, weights_NxK, experts_NxK, valid_N, w1, w3, w2, lim
   return jnp.zeros((n * k, x_NxD.shape[1]), jnp.float32).at[order].set(y).reshape(k, n, -1).sum(0)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_dropless_equals_ragged_dot_under_skewed_routing(dtype):
-  """Fused [w1 | w3] product and gather-only VJPs = separate ragged_dot products and jax's own
-  scatter transposes, outputs and all gradients; two experts get no rows, padding tokens none."""
-  rng = np.random.default_rng(21)
-  n, d, f, e, k = 40, 16, 8, 8, 2
+def _skewed_case(seed, dtype, n=40, d=16, f=8, e=8, k=2):
+  """Skewed routing (experts 2 and 5 empty), routing weights, ~10 % padding tokens, x in `dtype`,
+  float32 expert weights scaled by their fan-in, and a cotangent r."""
+  rng = np.random.default_rng(seed)
   experts = jnp.asarray(_skewed_routing(rng, n, k, e), jnp.int32)
   weights = jnp.asarray(rng.uniform(0.2, 1.2, (n, k)), jnp.float32)
   valid = jnp.asarray(rng.uniform(size=n) > 0.1)
@@ -221,6 +228,14 @@ def test_dropless_equals_ragged_dot_under_skewed_routing(dtype):
   ws = [jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), jnp.float32)
         for s in ((e, d, f), (e, d, f), (e, f, d))]
   r = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+  return experts, weights, valid, x, ws, r
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_dropless_equals_ragged_dot_under_skewed_routing(dtype):
+  """Fused [w1 | w3] product and gather-only VJPs = separate ragged_dot products and jax's own
+  scatter transposes, outputs and all gradients; two experts get no rows, padding tokens none."""
+  experts, weights, valid, x, ws, r = _skewed_case(21, dtype)
 
   def fast(x, g, w1, w3, w2):
     y, _ = moe_dispatch.routed_experts(x[None], g[None], experts[None], valid[None], w1, w3, w2,
@@ -252,15 +267,8 @@ def test_compute_dtype_products_equal_rounded_restatement(mode):
   bf16, then summed in float32. Equal to the plain-jax restatement with those roundings (values
   and every gradient, the tolerances of the float32-product test above) and measurably different
   from float32 products; an unknown product dtype is a clear error."""
-  rng = np.random.default_rng(23)
-  n, d, f, e, k = 40, 16, 8, 8, 2
-  experts = jnp.asarray(_skewed_routing(rng, n, k, e), jnp.int32)
-  weights = jnp.asarray(rng.uniform(0.2, 1.2, (n, k)), jnp.float32)
-  valid = jnp.asarray(rng.uniform(size=n) > 0.1)
-  x = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
-  ws = [jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), jnp.float32)
-        for s in ((e, d, f), (e, d, f), (e, f, d))]
-  r = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+  experts, weights, valid, x, ws, r = _skewed_case(23, jnp.bfloat16)
+  e, k = ws[0].shape[0], experts.shape[1]
 
   def routed(product_dtype):
     def fn(x, g, w1, w3, w2):
@@ -300,16 +308,8 @@ def test_compute_dtype_products_match_float64_official_order():
   u = w3 x rounded to bf16, the weighted activation rounded to bf16, each expert's W2 output
   rounded to bf16, the pairs summed): within the one-bf16-ulp flips that float32 accumulation can
   cause at a rounding boundary, while float32 products are ~1e-2 away."""
-  bf16 = jnp.bfloat16.dtype
-  rb = lambda a: np.asarray(a, np.float64).astype(bf16).astype(np.float64)
-  rng = np.random.default_rng(12)
-  b, t = 4, 8
-  x = rb(rng.normal(size=(b, t, D)) * 1.5)
-  w1, w3 = (rb(rng.normal(size=(E, D, F)) / 4) for _ in range(2))
-  w2 = rb(rng.normal(size=(E, F, D)) / np.sqrt(F))
-  sel = np.stack([rng.permutation(E)[:K] for _ in range(b * t)]).reshape(b, t, K)
-  g = rng.uniform(0.2, 1.3, size=(b, t, K)).astype(np.float32)
-  valid = np.ones((b, t), bool)
+  x, w1, w3, w2, sel, g, valid = _official_case(12)
+  b, t = valid.shape
   y64 = np.zeros((b, t, D))
   for i, j, k in np.ndindex(b, t, K):
     if valid[i, j]:
