@@ -7,7 +7,8 @@ Each argument is a shell pattern of `launch.train` work directories whose names 
 loss at the end of the run). Prints each seed's pair and B − A, each arm's mean and sample standard
 deviation, the paired difference's mean, its standard error and a t statistic, and a plain verdict:
 "within seed noise" when |mean difference| < 2 standard errors and < the arms' seed spread, else
-which arm is lower and by how much. Exit 2 when no seed is in both arms.
+which arm is lower and by how much; with one common seed there is no spread and no verdict (a
+partial A/B is read as it comes in). Exit 2 when no seed is in both arms.
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ def main(argv=None) -> int:
     print(f"{name}: mean {mean:.4f}, seed spread (sd) {sd:.4f} over {len(r['seeds'])} seeds")
   print(f"B − A: mean {r['mean']:+.4f}, sd {r['sd']:.4f}, standard error {r['se']:.4f}, "
         f"t {r['t']:+.2f}")
-  if r["within_noise"]:
+  if len(r["seeds"]) < 2:
+    print("verdict: none yet (one seed: no seed spread to compare with)")
+  elif r["within_noise"]:
     print("verdict: within seed noise")
   else:
     lower = "B" if r["mean"] < 0 else "A"

@@ -45,3 +45,11 @@ def test_no_common_seed_is_an_error(tmp_path, capsys):
   _run(tmp_path, "y_seed1", [3.0])
   assert seed_ab.main(["--a", str(tmp_path / "x_seed*"), "--b", str(tmp_path / "y_seed*")]) == 2
   assert "no seed in both arms" in capsys.readouterr().err
+
+
+def test_one_common_seed_gives_no_verdict(tmp_path, capsys):
+  _run(tmp_path, "x_seed0", [3.0])
+  _run(tmp_path, "y_seed0", [2.9])
+  assert seed_ab.main(["--a", str(tmp_path / "x_seed*"), "--b", str(tmp_path / "y_seed*")]) == 0
+  out = capsys.readouterr().out
+  assert "verdict: none yet" in out and "lower by" not in out
