@@ -26,7 +26,8 @@ m3 is the 3B-class config for one H200 (issue 28); its memory plan at a 4 × 409
 (`python -m launch.aot --config=configs/small.py:m3 --mesh=data:1 --batch=4 --analytic`):
 parameters 16.6 GiB, gradients 16.6, optimizer 16.6, activations 37.1 (the bfloat16 streams
 kept per layer 2.4, the float32 logits of one 8192-token loss chunk 6.0), 86.8 GiB in all (an
-estimate: XLA's program for that micro-batch took 71.2 GiB on one H200, 2026-12-04). Launch (one host, every local GPU in the batch/expert axes):
+estimate: XLA's program for that micro-batch took 71.2 GiB on one H200, 2026-12-04). Launch (one
+host, every local GPU in the batch/expert axes):
 
   python -m launch.train --config=configs/small.py:s1 --workdir=/tmp/dsv41_s1
   python -m launch.train --config=configs/small.py:s2 --workdir=DIR \
