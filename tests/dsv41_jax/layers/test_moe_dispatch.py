@@ -265,8 +265,15 @@ def test_dropless_equals_ragged_dot_under_skewed_routing(dtype):
 def test_compute_dtype_products_equal_rounded_restatement(mode):
   """`product_dtype="compute"` in bf16: [a | u] and each pair's down-projection rounded once to
   bf16, then summed in float32. Equal to the plain-jax restatement with those roundings (values
-  and every gradient, the tolerances of the float32-product test above) and measurably different
-  from float32 products; an unknown product dtype is a clear error."""
+  and every gradient) and measurably different from float32 products; an unknown product dtype is
+  a clear error.
+
+  Tolerance. The restatement's products are other GEMMs (separate gate and up `ragged_dot`s; for
+  capacity, the buffer's einsums): where their float32 sums differ in the last bit next to a bf16
+  rounding boundary, one rounding flips (one bf16 ulp of that a, u or pair output). On this
+  machine none flips; on another CPU a few may. So: every value within a few bf16 ulps of the
+  output's scale, and at least 90 % equal to float32 rounding, where float32 products leave almost
+  none equal; every gradient within 2^-7 of its scale."""
   experts, weights, valid, x, ws, r = _skewed_case(23, jnp.bfloat16)
   e, k = ws[0].shape[0], experts.shape[1]
 
@@ -285,20 +292,19 @@ def test_compute_dtype_products_equal_rounded_restatement(mode):
   args = (x, weights, *ws)
   y, want, wide = (np.asarray(jax.jit(f)(*args)) for f in (routed("compute"), slow,
                                                              routed("float32")))
-  np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
-  assert np.abs(wide - want).max() > 1e-3 * np.abs(want).max()   # the roundings are visible
+  scale = np.abs(want).max()
+  equal = lambda got: np.mean(np.abs(got - want) <= 1e-6 * scale)
+  assert np.abs(y - want).max() <= 2.0**-6 * scale
+  assert equal(y) >= 0.9 and equal(wide) <= 0.5, (equal(y), equal(wide))
   (v_fast, g_fast), (v_slow, g_slow) = loss(routed("compute"))(*args), loss(slow)(*args)
-  np.testing.assert_allclose(float(v_fast), float(v_slow), rtol=1e-6)
+  np.testing.assert_allclose(float(v_fast), float(v_slow), rtol=2.0**-7)
   for name, a, b in zip(["x", "weights", "w1", "w3", "w2"], g_fast, g_slow):
     assert a.dtype == b.dtype, name
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    # x's gradient: one bf16 rounding (see above). Capacity's gradients are other products (the
-    # [E, C, ·] buffer's einsums, each rounded to bf16 once) than the restatement's ragged_dots,
-    # so a sum order can flip a bf16 rounding; its routing-weight gradient is autodiff through a
-    # bf16 rounding of g·s that jit on the CPU may keep in float32 (XLA's excess precision):
-    # ~1e-3 of its scale off the restatement with float32 products too, not only here.
-    tol = 2 ** -7 if name == "x" or mode == "capacity" else 1e-5
-    np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max(), err_msg=name)
+    # Besides the flips above: capacity's routing-weight gradient is autodiff through a bf16
+    # rounding of g·s that jit on the CPU may keep in float32 (XLA's excess precision), ~1e-3 of
+    # its scale off the restatement with float32 products too.
+    np.testing.assert_allclose(a, b, rtol=0, atol=2.0**-7 * np.abs(b).max(), err_msg=name)
   with pytest.raises(ValueError, match="product dtype"):
     routed("bfloat16")(*args)
 
@@ -328,7 +334,7 @@ def test_compute_dtype_products_match_float64_official_order():
   scale = np.abs(y64).max()
   err = np.abs(got["compute"] - y64)
   assert err.max() <= 2 * 2.0**-8 * scale, err.max() / scale
-  assert np.mean(err <= 1e-6 * scale) > 0.97       # nearly every value equal to float rounding
+  assert np.mean(err <= 1e-6 * scale) > 0.9        # nearly every value equal to float rounding
   assert np.abs(got["float32"] - y64).max() > 4 * err.max()
 
 
@@ -603,13 +609,15 @@ def test_compute_dtype_products_sharded_equal_single_device(mesh_shape):
                                         bias_2xE=bias)
     return (y.astype(jnp.float32) * r).sum() + aux["balance_loss"], (y, aux)
 
-  # The output is rounded to bf16 once either way (a flip: ~1 ulp, 2^-7 of its scale). Gradients
+  # The output: each pair's down-projection rounded to bf16 (the expert's GEMM may block its rows
+  # otherwise on another device), the sum rounded once more: a flip of each, 2^-6 of its scale.
+  # Gradients
   # are sums of bf16-rounded partials: x's of the K pairs', the shared expert's and the router's
   # cotangents, each a psum of bf16 halves under `tensor`; a weight's over the batch shards, each
   # shard's sum rounded before the psum. Up to 8 roundings of ~½ ulp each: 2^-5 of the leaf's
   # scale, which one XLA version needs and another does not (jax 0.11.2 put the shared expert's w2
   # gradient 4 ulps off; 0.10.2 within 1), with float32 products as much as with "compute" ones.
-  ulps = lambda path: 2.0**-5 if path.startswith("['grads']") else 2.0**-7
+  ulps = lambda path: 2.0**-5 if path.startswith("['grads']") else 2.0**-6
   scale = lambda path, single: ulps(path) * float(np.abs(np.asarray(single, np.float32)).max())
   result = testing.assert_sharded_matches(
       _with_grads(loss), (state, x, seg, image, bias, r), testing.cpu_mesh(mesh_shape),
