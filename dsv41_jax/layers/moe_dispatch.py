@@ -418,7 +418,6 @@ def _dispatch_shard(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1, w3, w2
   narrow = x.dtype if product_dtype == "compute" else jnp.dtype(jnp.float32)
   out_dt = narrow if tensor_axis is None else jnp.dtype(jnp.float32)
   dtypes = dict(gate_up_dtype=narrow, out_dtype=out_dt)
-  rounded = lambda y: y.astype(narrow) if tensor_axis is not None else y
   if mode == "dropless":
     if exchange:
       ffn = _ep_sorted_ffn(w1, w3, w2, n_experts=n_experts, n_tokens=n, k=k, limit=limit,
@@ -427,7 +426,7 @@ def _dispatch_shard(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1, w3, w2
     else:
       def ffn(xs, ws, es, gs):
         y = grouped_ffn(xs, ws, w1, w3, w2, gs, limit, policy, **dtypes)
-        return rounded(jax.lax.psum(y, tensor_axis)) if tensor_axis is not None else y
+        return y if tensor_axis is None else jax.lax.psum(y, tensor_axis).astype(narrow)
     y, dropped = _dropless_local(x, g, e, valid, n_experts, ffn)
   else:
     capacity = expert_capacity(n, k, n_experts, capacity_factor)
@@ -437,7 +436,7 @@ def _dispatch_shard(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1, w3, w2
     else:
       def ffn(buf, wbuf):
         y = batched_ffn(buf, wbuf, w1, w3, w2, limit, **dtypes)
-        return rounded(jax.lax.psum(y, tensor_axis)) if tensor_axis is not None else y
+        return y if tensor_axis is None else jax.lax.psum(y, tensor_axis).astype(narrow)
     y, dropped = _capacity_local(x, g, e, valid, n_experts, capacity, ffn)
   # + NaN or + 0 per token (y + 0 = y): a `where` with a [N, D] NaN operand was hoisted out of
   # the layer scan as a buffer every layer read, like the zeros of `_dropless_local`.

@@ -7,13 +7,7 @@
 #   run(command="bash benchmarks/gpu_runs/calls/next_s47_m3.sh", carry=[".whl"], timeout_s=600)
 source benchmarks/gpu_runs/calls/prelude.sh
 OUT=$(realpath "$OUT")
-m3_accum() {
-  local name=$1; shift
-  step "m3 8 x (4 x 4096): $name"
-  timeout -s TERM 170 python3 -u benchmarks/gpu_step.py --sizes m3 --batch 4 --seq 4096 \
-      --grad_accum 8 --steps 2 --no_split --json "$OUT/m3_$name.json" ${1:+--set "$@"} | tail -3
-}
-m3_accum base
-m3_accum compute model.moe_product_dtype=compute
-m3_accum compute_saves model.moe_product_dtype=compute model.remat_saves=experts
+accum m3 base 170
+accum m3 compute 170 model.moe_product_dtype=compute
+accum m3 compute_saves 170 model.moe_product_dtype=compute model.remat_saves=experts
 step done
