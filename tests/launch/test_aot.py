@@ -159,6 +159,10 @@ def test_small_configs_keep_flash_layout_and_plan():
     cfg = small.get_config(name)
     mcfg = model_config(cfg)
     assert mcfg.seq_len == cfg.data.seq_len and mcfg.vision is not None
+    # bfloat16 streams and compute-dtype expert products from s3 up (each by a 4-seed s1 A/B)
+    narrow = name in ("s3", "s4", "m3")
+    assert (mcfg.hc_stream_dtype, mcfg.moe_product_dtype) == (
+        ("bfloat16", "compute") if narrow else ("float32", "float32")), name
     if name.startswith("s"):   # m3 is a one-GPU 3B-class config beside the ladder
       now = (mcfg.hidden_size, mcfg.num_hidden_layers, mcfg.n_routed_experts)
       assert all(a > b for a, b in zip(now, last)), name

@@ -55,11 +55,12 @@ def _kernel_select(q, w, kv, seg, **kw):
                              k=K, interpret=True, **BLOCKS, **kw)
 
 
-@pytest.mark.parametrize("m", [1, 2])
-def test_masked_scores_match_reference(m):
+@pytest.mark.parametrize("m, tiles", [(1, BLOCKS), (2, BLOCKS), (1, {})])
+def test_masked_scores_match_reference(m, tiles):
+  # tiles {}: the default 64 × 128, one block holding all of T and N
   q, w, kv, seg = _inputs(m, m)
   got = kx.masked_scores(q, w, kv.index_k_BxNxI, kv.entry_segment_BxN, kv.entry_last_BxN, seg,
-                         jnp.arange(T), interpret=True, **BLOCKS)
+                         jnp.arange(T), interpret=True, **tiles)
   vis = np.asarray(entry_visible(kv, seg))
   want = np.asarray(ix.indexer_scores(q, kv.index_k_BxNxI, w))
   np.testing.assert_array_equal(np.isfinite(np.asarray(got)), vis)
