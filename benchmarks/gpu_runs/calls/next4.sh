@@ -24,7 +24,13 @@
 # 2e-3, Muon's best so far 4e-3 at the top of what ran. Next, in this order:
 #   ONLY='*L12d384_muon_lr0.008_seed0,*L12d384_muon_lr0.001_seed0' (2 points, ~140 s each)
 #   ONLY='*_seed1' (stage 2, 4 points)
-# The carried build/clean is ~59 MB of the 64 MiB a carry may hold (the compilation cache is 38 MB,
+# Sessions 45-47 had no device time for it. From session 46 on the checkout is fresh each session and
+# there is no build/clean: run `bash benchmarks/gpu_runs/calls/sweep_prepare.sh` (it unpacks every
+# archive into build/ladder_prev: 26 done points), commit, then from the repository root:
+#   run(command="ONLY='*L12d384_muon_lr0.008_seed0' SWEEP=1 bash benchmarks/gpu_runs/calls/next4.sh",
+#       carry=[".whl", "build/ladder_prev"], timeout_s=600)
+#   then ONLY='*_seed1' (stage 2, 4 points: over two calls if they do not fit one).
+# The carried build/clean was ~59 MB of the 64 MiB a carry may hold (the compilation cache is 38 MB,
 # 19 programs): if a call's new entries would pass it, drop the oldest entries of build/xla_cache
 # (AdamW's L8d256 programs are no longer needed after stage 2's L8d256 AdamW point).
 # Before each call: `mkdir -p build/clean/build/ladder_prev` and unpack every earlier call's
