@@ -8,11 +8,17 @@ The header (`header`: `command` and `machine`) gives the command line and the ma
 UTC, jax version, backend, devices, host cores), so every printed table says where its figures
 come from.
 
+Arms timed in turn (`Turns`, `gpu_step.py --turn DIR:N`): N processes that share DIR prepare and
+compile at once, then time one at a time.
+
 Imports only the standard library, numpy and jax, so GPU-only scripts run without the data stack.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import glob
 import os
 import sys
 import time
@@ -106,3 +112,31 @@ def set_overrides(cfg, items) -> None:
       raise SystemExit(f"error: --set {item}: {text!r} does not parse as "
                        f"{type(old).__name__}") from None
     node[leaf] = value
+
+
+class Turns:
+  """N processes sharing `DIR` (the spec "DIR:N"): each builds and compiles its program at once
+  with the others, then times it alone. `turn(i)` marks this process's i-th program compiled,
+  waits until the N processes' i-th are (at most `wait_s` seconds, so an arm that died is not
+  waited for longer), then holds an exclusive lock on DIR/lock for its block."""
+
+  def __init__(self, spec: str, wait_s: float = 600.0):
+    where, _, n = spec.rpartition(":")
+    if not where or not n.isdigit() or int(n) < 1:
+      raise SystemExit(f"error: --turn takes DIR:N (N processes share DIR), got {spec!r}")
+    self.dir, self.n, self.wait_s = where, int(n), wait_s
+    os.makedirs(self.dir, exist_ok=True)
+
+  @contextlib.contextmanager
+  def turn(self, index: int):
+    open(os.path.join(self.dir, f"ready.{index}.{os.getpid()}"), "w").close()
+    t0 = time.monotonic()
+    while (len(glob.glob(os.path.join(self.dir, f"ready.{index}.*"))) < self.n
+           and time.monotonic() - t0 < self.wait_s):
+      time.sleep(0.2)
+    with open(os.path.join(self.dir, "lock"), "w") as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)
+      try:
+        yield
+      finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)

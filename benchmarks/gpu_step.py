@@ -30,11 +30,20 @@ direction of every Engram table alone (`optim.sinkhorn.sinkhorn_direction` on it
 its sub-table layout); `--muon_precision` prints `benchmarks/muon_precision.real_gradient_rows` of
 the split's real gradients (both need the split).
 Prints one line per size as it goes and a markdown table at the end; `--json PATH` saves them.
+
+`--turn DIR:N`: N processes (arms of an A/B, each its own `--set` or its own copy of the tree) that
+share DIR build their state and compile at once, then time their steps one at a time: each waits
+until all N have compiled its size (at most `--turn_wait` s; an arm that died is not waited for
+longer) and runs its steps holding an exclusive lock on DIR/lock, so no arm's timed steps share the
+GPU or the host with another's work. Two s3 arms then cost about one arm's init + compile plus both
+arms' steps. Give each process its share of the GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
+for two); its compile seconds include the host time the others' compiles took from it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -53,7 +62,8 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks import muon_precision  # noqa: E402
-from benchmarks.common import header, md_header, median_seconds, set_overrides  # noqa: E402
+from benchmarks.common import (Turns, header, md_header, median_seconds,  # noqa: E402
+                               set_overrides)
 from configs import small  # noqa: E402
 from configs.common import MeshConfig  # noqa: E402
 from dsv41_jax import flops, model as model_lib  # noqa: E402
@@ -88,11 +98,12 @@ _STATES: dict = {}
 
 def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str | None = None,
           accum: int = 1, sinkhorn: bool = False, precision: bool = False,
-          overrides: tuple[str, ...] = ()) -> dict:
+          overrides: tuple[str, ...] = (), timed=contextlib.nullcontext) -> dict:
   """`spec` is a size of configs/small.py, optionally "/noremat" (no layer rematerialisation) or
   "/saves=projections+experts" (what layer remat keeps besides its fixed set, `model.remat_saves`);
   `B` rows per micro-batch, `accum` micro-batches per step; `overrides` "key=value" items of the
-  config (`benchmarks.common.set_overrides`), applied before the benchmark's own settings."""
+  config (`benchmarks.common.set_overrides`), applied before the benchmark's own settings;
+  `timed()` wraps the steps (and the split's timings: `Turns.turn`)."""
   size, _, variant = spec.partition("/")
   cfg = small.get_config(size)
   set_overrides(cfg, overrides)
@@ -153,67 +164,70 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str |
           f"(temporaries {mem.temp_size_in_bytes / 2**30:.1f})", flush=True)
   print(f"[{spec}] trace+lower {out['lower_s']:.1f} s, compile {out['compile_s']:.1f} s", flush=True)
 
-  state = train_state.state
-  losses, times = [], []
-  for i in range(steps + 1):
-    t0 = time.perf_counter()
-    state, m = compiled(state, batch)
-    losses.append(float(m["loss"]))
-    times.append(time.perf_counter() - t0)
-  out["step_s"] = float(np.median(times[1:]))
-  if profile_dir:  # two more steps under the profiler; benchmarks/trace_summary.py reads them
-    os.makedirs(profile_dir, exist_ok=True)
-    with open(os.path.join(profile_dir, spec.replace("/", "_") + ".hlo.txt"), "w") as f:
-      f.write(compiled.as_text())
-    with jax.profiler.trace(os.path.join(profile_dir, spec.replace("/", "_")),
-                            create_perfetto_trace=True):
-      for _ in range(2):
-        state, m = compiled(state, batch)
-        float(m["loss"])
-  _STATES[key] = dataclasses.replace(train_state, state=state)  # the state after the last step
-  out["losses"] = losses
-  out["tokens_per_s"] = B * accum * T / out["step_s"]
-  out["flops_per_token"] = flops.train_flops_per_token(mcfg.replace(seq_len=T))
-  peak = metrics_lib.peak_flops_per_device(dev.device_kind, 0.0) or 989e12
-  out["mfu"] = out["tokens_per_s"] * out["flops_per_token"] / peak
-  stats = dev.memory_stats() or {}
-  out["peak_gib"] = stats.get("peak_bytes_in_use", 0) / 2**30
-  print(f"[{spec}] step {out['step_s'] * 1e3:.1f} ms (median of {steps}), "
-        f"{out['tokens_per_s']:,.0f} tok/s, MFU {out['mfu']:.1%}, peak {out['peak_gib']:.1f} GiB, "
-        f"losses {losses[0]:.3f} → {losses[-1]:.3f}", flush=True)
-
-  if split and accum == 1:
-    params, opt_state, bias = state  # the step donated the initial arrays
-
-    def loss_fn(p, batch):
-      logits, aux = nnx.merge(graphdef, p)(model_inputs(batch), bias)
-      return objective(mcfg, logits, aux, batch)[0]
-
-    fwd_bwd = jax.jit(jax.value_and_grad(loss_fn))
-    with jax.set_mesh(mesh):
-      fb = fwd_bwd.lower(params, batch).compile()
-      _, grads = fb(params, batch)
-
-      def update(g, s, p):
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
-
-      upd = jax.jit(update).lower(grads, opt_state, params).compile()
-    out["fwd_bwd_s"] = median_seconds(fb, params, batch, reps=steps)
-    out["optimizer_s"] = median_seconds(upd, grads, opt_state, params, reps=steps)
-    rows_np = packed_rows(mcfg, B, T, 1)  # the adapter's work (hashing, transfer), timed
-    out["host_s"] = median_seconds(adapter, rows_np, reps=3)
-    print(f"[{spec}] split: forward+backward {out['fwd_bwd_s'] * 1e3:.1f} ms, optimizer "
-          f"{out['optimizer_s'] * 1e3:.1f} ms, host batch preparation {out['host_s'] * 1e3:.1f} ms",
+  with timed():
+    state = train_state.state
+    losses, times = [], []
+    for i in range(steps + 1):
+      t0 = time.perf_counter()
+      state, m = compiled(state, batch)
+      losses.append(float(m["loss"]))
+      times.append(time.perf_counter() - t0)
+    out["step_s"] = float(np.median(times[1:]))
+    if profile_dir:  # two more steps under the profiler; benchmarks/trace_summary.py reads them
+      os.makedirs(profile_dir, exist_ok=True)
+      with open(os.path.join(profile_dir, spec.replace("/", "_") + ".hlo.txt"), "w") as f:
+        f.write(compiled.as_text())
+      with jax.profiler.trace(os.path.join(profile_dir, spec.replace("/", "_")),
+                              create_perfetto_trace=True):
+        for _ in range(2):
+          state, m = compiled(state, batch)
+          float(m["loss"])
+    _STATES[key] = dataclasses.replace(train_state, state=state)  # the state after the last step
+    out["losses"] = losses
+    out["tokens_per_s"] = B * accum * T / out["step_s"]
+    out["flops_per_token"] = flops.train_flops_per_token(mcfg.replace(seq_len=T))
+    peak = metrics_lib.peak_flops_per_device(dev.device_kind, 0.0) or 989e12
+    out["mfu"] = out["tokens_per_s"] * out["flops_per_token"] / peak
+    stats = dev.memory_stats() or {}
+    out["peak_gib"] = stats.get("peak_bytes_in_use", 0) / 2**30
+    print(f"[{spec}] step {out['step_s'] * 1e3:.1f} ms (median of {steps}), "
+          f"{out['tokens_per_s']:,.0f} tok/s, MFU {out['mfu']:.1%}, "
+          f"peak {out['peak_gib']:.1f} GiB, losses {losses[0]:.3f} → {losses[-1]:.3f}",
           flush=True)
-    if sinkhorn:
-      out["sinkhorn_s"] = time_engram_sinkhorn(run, nnx.merge(graphdef, params), grads)
-      print(f"[{spec}] Sinkhorn of the Engram tables: {out['sinkhorn_s'] * 1e3:.1f} ms",
+
+    if split and accum == 1:
+      params, opt_state, bias = state  # the step donated the initial arrays
+
+      def loss_fn(p, batch):
+        logits, aux = nnx.merge(graphdef, p)(model_inputs(batch), bias)
+        return objective(mcfg, logits, aux, batch)[0]
+
+      fwd_bwd = jax.jit(jax.value_and_grad(loss_fn))
+      with jax.set_mesh(mesh):
+        fb = fwd_bwd.lower(params, batch).compile()
+        _, grads = fb(params, batch)
+
+        def update(g, s, p):
+          u, s = tx.update(g, s, p)
+          return optax.apply_updates(p, u), s
+
+        upd = jax.jit(update).lower(grads, opt_state, params).compile()
+      out["fwd_bwd_s"] = median_seconds(fb, params, batch, reps=steps)
+      out["optimizer_s"] = median_seconds(upd, grads, opt_state, params, reps=steps)
+      rows_np = packed_rows(mcfg, B, T, 1)  # the adapter's work (hashing, transfer), timed
+      out["host_s"] = median_seconds(adapter, rows_np, reps=3)
+      print(f"[{spec}] split: forward+backward {out['fwd_bwd_s'] * 1e3:.1f} ms, optimizer "
+            f"{out['optimizer_s'] * 1e3:.1f} ms, "
+            f"host batch preparation {out['host_s'] * 1e3:.1f} ms",
             flush=True)
-    if precision:
-      rows = muon_precision.real_gradient_rows(grads)
-      out["muon_precision"] = rows
-      muon_precision.print_rows(rows)
+      if sinkhorn:
+        out["sinkhorn_s"] = time_engram_sinkhorn(run, nnx.merge(graphdef, params), grads)
+        print(f"[{spec}] Sinkhorn of the Engram tables: {out['sinkhorn_s'] * 1e3:.1f} ms",
+              flush=True)
+      if precision:
+        rows = muon_precision.real_gradient_rows(grads)
+        out["muon_precision"] = rows
+        muon_precision.print_rows(rows)
   return out
 
 
@@ -244,12 +258,19 @@ def main():
                   help="Newton-Schulz singular values on the split's real gradients")
   ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                   help="config keys for every size, e.g. model.ops.hc_site=reference")
+  ap.add_argument("--turn", default=None, metavar="DIR:N",
+                  help="N processes sharing DIR compile at once and time in turn (module doc)")
+  ap.add_argument("--turn_wait", type=float, default=600.0,
+                  help="seconds to wait for the other processes' compiles")
   args = ap.parse_args()
+  turns = Turns(args.turn, args.turn_wait) if args.turn else None
   per_size = lambda v: v if len(v) == len(args.sizes) else v[:1] * len(args.sizes)
   rows = []
-  for size, B, k in zip(args.sizes, per_size(args.batch), per_size(args.grad_accum)):
+  for i, (size, B, k) in enumerate(zip(args.sizes, per_size(args.batch),
+                                       per_size(args.grad_accum))):
+    timed = (lambda i=i: turns.turn(i)) if turns else contextlib.nullcontext
     rows.append(bench(size, B, args.seq, args.steps, not args.no_split, args.profile, k,
-                      args.sinkhorn, args.muon_precision, tuple(args.set)))
+                      args.sinkhorn, args.muon_precision, tuple(args.set), timed))
     opt = [r["optimizer_s"] for r in rows if r["size"] == size and "optimizer_s" in r]
     if opt:
       rows[-1]["optimizer_share"] = opt[0] / rows[-1]["step_s"]

@@ -1,9 +1,12 @@
-"""benchmarks/common.py: the step benchmarks' `--set` config overrides."""
+"""benchmarks/common.py: the step benchmarks' `--set` config overrides; arms timed in turn."""
+
+import multiprocessing
+import time
 
 import ml_collections
 import pytest
 
-from benchmarks.common import set_overrides
+from benchmarks.common import Turns, set_overrides
 from configs import small
 
 
@@ -25,3 +28,33 @@ def test_set_overrides_parse_by_the_replaced_type_and_name_bad_items():
   set_overrides(d, ["a=x"])
   assert d.a == "x"
 
+
+
+def _arm(spec, delay, log_path):
+  """One arm: `delay` s of "compiling", then its timed block, logged as (start, end)."""
+  time.sleep(delay)
+  ready = time.time()
+  with Turns(spec, wait_s=30).turn(0):
+    start = time.time()
+    time.sleep(0.3)
+    end = time.time()
+  with open(log_path, "a") as f:
+    f.write(f"{start} {end} {ready}\n")
+
+
+def test_turns_wait_for_every_arm_then_time_one_at_a_time(tmp_path):
+  # Three processes that finish "compiling" at 0, 0.2 and 1.0 s: no timed block starts before the
+  # last is ready, and no two overlap.
+  spec, log = f"{tmp_path / 'turn'}:3", tmp_path / "log"
+  ctx = multiprocessing.get_context("spawn")
+  procs = [ctx.Process(target=_arm, args=(spec, d, log)) for d in (0.0, 0.2, 1.0)]
+  for p in procs:
+    p.start()
+  for p in procs:
+    p.join(60)
+  assert [p.exitcode for p in procs] == [0, 0, 0]
+  spans = sorted(tuple(map(float, line.split())) for line in log.read_text().splitlines())
+  assert len(spans) == 3 and spans[0][0] >= max(r for _, _, r in spans)
+  assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+  with pytest.raises(SystemExit, match="DIR:N"):
+    Turns("no_count")

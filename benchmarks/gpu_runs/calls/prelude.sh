@@ -15,3 +15,36 @@ accum() {
       --grad_accum 8 --steps 2 --no_split --json "$OUT/${size}_$name.json" ${1:+--set "$@"} | tail -4
 }
 s3_accum() { accum s3 "$@"; }
+# Arms compiled at once and timed in turn (gpu_step.py --turn; 2026-12-04: two s3 arms in about one
+# arm's init + compile). arms SIZE SECS NAME[@DIR][:KEY=VALUE,KEY=VALUE] ...: one process per arm,
+# each with 1/N of the GPU's memory (less 10 %); @DIR runs the arm in another copy of the tree (see
+# `tree_copy`); writes $OUT/SIZE_NAME.json and prints each arm's table row. Two s3 arms fit (43.6 GiB
+# each at 4 x 4096); m3 (80.7 GiB) does not pair.
+arms() {
+  local size=$1 secs=$2; shift 2
+  local n=$# turn; turn=$(mktemp -d) || return 1
+  local frac; frac=$(python3 -c "print(round(0.9 / $n, 3))")
+  step "$size 8 x (4 x 4096), compiled at once, timed in turn: $*"
+  local pids=() spec name dir sets
+  for spec in "$@"; do
+    name=${spec%%:*}; sets=""; [ "$spec" != "$name" ] && sets=${spec#*:}
+    dir=$(pwd); case $name in *@*) dir=${name#*@}; name=${name%%@*} ;; esac
+    (cd "$dir" && XLA_PYTHON_CLIENT_MEM_FRACTION=$frac timeout -s TERM "$secs" python3 -u \
+        benchmarks/gpu_step.py --sizes "$size" --batch 4 --seq 4096 --grad_accum 8 --steps 2 \
+        --no_split --turn "$turn:$n" --json "$OUT/${size}_$name.json" ${sets:+--set ${sets//,/ }} \
+        > "/tmp/arm_${size}_$name.out" 2>&1) & pids+=($!)
+  done
+  wait "${pids[@]}"   # by pid: a bare `wait` also waits for the tee above
+  for spec in "$@"; do
+    name=${spec%%:*}; name=${name%%@*}
+    echo "-- $name"; grep -E "^\| $size|rror" "/tmp/arm_${size}_$name.out" | tail -2
+  done
+}
+# tree_copy NAME FILE SED: a copy of the tree at /tmp/tree_NAME with FILE edited by SED; fails (and
+# says so) when SED changes nothing. Use as an arm's @DIR: arms s3 200 main idx@/tmp/tree_idx
+tree_copy() {
+  local dir=/tmp/tree_$1 file=$2 expr=$3
+  rm -rf "$dir" && mkdir -p "$dir" && cp -a . "$dir"/ && sed -i "$expr" "$dir/$file" || return 1
+  if cmp -s "$file" "$dir/$file"; then echo "tree_copy $1: '$expr' changed nothing in $file"; return 1; fi
+  diff "$file" "$dir/$file" | head -4
+}
