@@ -135,6 +135,14 @@ class Transformer(nnx.Module):
   def embed_tokens(self, tokens_BxT: jax.Array) -> jax.Array:
     cfg = self.cfg
     h = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(cfg.dtype)
+    # The looked-up rows first keep the table's split of d (`embed`, ZeRO-3 over fsdp), the batch
+    # over the other batch axes, and only then take the hidden state's layout (the batch over all
+    # of them). The constraint's transpose does the same to the gradient: the scatter-add into the
+    # d-split table gets its rows split on d by an all-to-all over fsdp, where from the hidden
+    # state's layout XLA's SPMD partitioner could only replicate the whole cotangent and slice it
+    # again ("Involuntary full rematerialization", on a mesh with fsdp and another batch axis;
+    # tests/dsv41_jax/test_sharding.py).
+    h = sharding.constrain(h, ("batch", "seq", "embed"), first=("embed",))
     return sharding.constrain(h, ("batch", "seq", "embed"))
 
   def initial_state(self, h_BxTxD: jax.Array) -> StreamState:

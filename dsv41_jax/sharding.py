@@ -142,12 +142,14 @@ def _rules(rules: Rules | None) -> Rules:
 
 def logical_to_mesh(axes: Sequence[str | None], ndim: int | None = None,
                     rules: Rules | None = None, *, strict: bool = False,
-                    name: str | None = None) -> P:
+                    name: str | None = None, first: Sequence[str] = ()) -> P:
   """PartitionSpec for logical `axes`; extra leading dims (scan-stacked layers) are replicated.
 
   A mesh axis is used at most once per spec. For activations (`strict=False`) a later logical
   axis whose mesh axis is taken stays unsplit on it; for parameters (`strict=True`) that is a
-  `ShardingError` naming the parameter `name`, and so is a logical axis the rules lack.
+  `ShardingError` naming the parameter `name`, and so is a logical axis the rules lack. The
+  logical axes named in `first` take their mesh axes before the others do (an activation that
+  keeps a parameter's split: `embed` before `batch` leaves the batch the other batch axes).
   """
   rules = _rules(rules)
   axes = tuple(axes)
@@ -155,10 +157,10 @@ def logical_to_mesh(axes: Sequence[str | None], ndim: int | None = None,
   if ndim is not None and ndim < len(axes):
     raise ShardingError(f"{what} of rank {ndim} cannot carry logical axes {axes}")
   used: dict[str, str] = {}
-  out: list = []
-  for logical in axes:
+  out: list = [None] * len(axes)
+  for i in sorted(range(len(axes)), key=lambda i: axes[i] not in first):
+    logical = axes[i]
     if logical is None:
-      out.append(None)
       continue
     if logical not in rules:
       raise ShardingError(f"{what}: logical axis {logical!r} has no entry in the sharding rules")
@@ -170,7 +172,7 @@ def logical_to_mesh(axes: Sequence[str | None], ndim: int | None = None,
                             f"twice, by {used[twice[0]]!r} and {logical!r}")
     free = tuple(t for t in targets if t not in used)
     used.update({t: logical for t in free})
-    out.append(free[0] if len(free) == 1 else (free or None))
+    out[i] = free[0] if len(free) == 1 else (free or None)
   lead = [] if ndim is None else [None] * (ndim - len(axes))
   return P(*lead, *out)
 
@@ -326,12 +328,14 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
   return Mesh(arr, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
-def constrain(x: jax.Array, axes: Sequence[str | None], rules: Rules | None = None) -> jax.Array:
-  """`with_sharding_constraint` by logical names when a mesh is in context; identity otherwise."""
+def constrain(x: jax.Array, axes: Sequence[str | None], rules: Rules | None = None, *,
+              first: Sequence[str] = ()) -> jax.Array:
+  """`with_sharding_constraint` by logical names when a mesh is in context; identity otherwise.
+  `first`: logical axes that take their mesh axes before the others (`logical_to_mesh`)."""
   mesh = context_mesh()
   if mesh is None:
     return x
-  spec = logical_to_mesh(axes, x.ndim, rules)
+  spec = logical_to_mesh(axes, x.ndim, rules, first=first)
   return jax.lax.with_sharding_constraint(x, fit_spec(spec, mesh))
 
 

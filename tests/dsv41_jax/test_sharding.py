@@ -1,6 +1,7 @@
 """dsv41_jax/sharding.py: the rules table claims every parameter once, bad tables and meshes are
 errors naming the culprit, a run can swap the whole table, and the collectives of the compiled MoE
-and of a dense block on an 8-device CPU mesh are pinned (a sharding regression fails loudly)."""
+and of a dense block on an 8-device CPU mesh are pinned (a sharding regression fails loudly), as is
+the absence of a full rematerialization from the embedding's gradient."""
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +71,9 @@ def test_use_rules_swaps_activation_layouts_and_helpers():
   assert sharding.batch_ways({"data": 2, "fsdp": 4, "tensor": 2}) == 8
   assert sharding.mesh_axes({"engram": 2, "data": 2, "fsdp": 1}, "engram_rows") == (
       "engram", "data")
+  # `first`: the embedding's looked-up rows keep the table's split of embed; the batch the rest
+  assert sharding.logical_to_mesh(("batch", "seq", "embed"), first=("embed",)) == P(
+      ("data", "expert", "engram"), None, "fsdp")
 
 
 # --- collectives of compiled steps (forward + backward) ----------------------------------------
@@ -104,6 +108,39 @@ def test_moe_dispatch_collectives_pinned():
     counts = testing.count_collectives(_grad_step(fn).lower(*args).compile())
   assert counts == {"all-reduce": 1, "all-gather": 0, "reduce-scatter": 0, "all-to-all": 6,
                     "collective-permute": 0}, counts
+
+
+def test_embedding_gradient_is_not_fully_rematerialized(capfd):
+  """The token embedding's gradient on data 4 × fsdp 2, summed over micro-batches as the train
+  step sums it: the scatter-add into the table (model width over fsdp) takes rows split on d,
+  which XLA's SPMD partitioner cannot reach from the hidden state's layout (batch over data ×
+  fsdp) but by replicating the whole cotangent and slicing it again. It reports that only as a
+  log line ("Involuntary full rematerialization"); the control shows the capture sees it."""
+  flag = "Involuntary full rematerialization"
+  cfg = testing.tiny_config(dtype="bfloat16")
+  mesh = testing.cpu_mesh({"data": 4, "fsdp": 2})
+  gdef, params = nnx.split(model_lib.abstract_model(cfg))
+  shardings = nnx.as_pure(sharding.state_shardings(params, mesh))
+  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        nnx.as_pure(params), shardings)
+
+  def grad_sum(params, tokens_KxBxT):
+    loss = lambda p, t: jnp.sum(nnx.merge(gdef, p).embed_tokens(t).astype(jnp.float32) ** 2)
+    zeros = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(
+        jnp.zeros(p.shape, p.dtype), s), params, shardings)
+    step = lambda acc, t: (jax.tree.map(jnp.add, acc, jax.grad(loss)(params, t)), None)
+    return jax.lax.scan(step, zeros, tokens_KxBxT)[0]
+
+  with jax.set_mesh(mesh):
+    tokens = jax.ShapeDtypeStruct((2, 8, cfg.seq_len), jnp.int32, sharding=jax.NamedSharding(
+        mesh, P(None, *sharding.batch_spec(mesh))))
+    jax.jit(grad_sum, out_shardings=shardings).lower(params, tokens).compile()
+    assert flag not in capfd.readouterr().err
+    rows = jax.ShapeDtypeStruct((8, cfg.seq_len, cfg.hidden_size), jnp.float32,
+                                sharding=sharding.batch_sharding(mesh, 3))
+    jax.jit(lambda x: jax.lax.with_sharding_constraint(x * 2, P(None, None, "fsdp")) * 3).lower(
+        rows).compile()
+    assert flag in capfd.readouterr().err
 
 
 def test_dense_block_collectives_pinned():
