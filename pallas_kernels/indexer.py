@@ -108,7 +108,7 @@ def masked_scores(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry_la
   """I [B, T, N] float32, −∞ where invisible, for queries at row indices `rows_T` (ascending).
 
   Tiles: at s3's 4 × 4096, 16 heads × 128, ratio 1 on the H200, 64 queries × 128 entries with 4
-  warps scored in 1.13 ms, against 1.49 for 64 × 64 and 1.32-1.89 for the other five measured
+  warps scored in 1.13 ms, against 1.49 for 64 × 64 and 1.32-1.89 for the four other tiles measured
   (benchmarks/RESULTS.md, 2026-12-04). The tile changes only the dots' float32 rounding
   (`tests/pallas_kernels/test_indexer.py` checks two tilings against the reference).
   """
