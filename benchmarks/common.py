@@ -116,23 +116,36 @@ def set_overrides(cfg, items) -> None:
 
 class Turns:
   """N processes sharing `DIR` (the spec "DIR:N"): each builds and compiles its program at once
-  with the others, then times it alone. `turn(i)` marks this process's i-th program compiled,
-  waits until the N processes' i-th are (at most `wait_s` seconds, so an arm that died is not
-  waited for longer), then holds an exclusive lock on DIR/lock for its block."""
+  with the others, then times it alone. Each process registers in DIR when it starts (`Turns`);
+  `turn(i)` marks its i-th program compiled, waits until every registered process that is still
+  alive has marked its i-th (and N have registered, or `start_s` passed), at most `wait_s`
+  seconds, then holds an exclusive lock on DIR/lock for its block. An arm that dies (out of
+  memory while compiling) is not waited for."""
 
-  def __init__(self, spec: str, wait_s: float = 600.0):
+  def __init__(self, spec: str, wait_s: float = 600.0, start_s: float = 60.0):
     where, _, n = spec.rpartition(":")
     if not where or not n.isdigit() or int(n) < 1:
       raise SystemExit(f"error: --turn takes DIR:N (N processes share DIR), got {spec!r}")
-    self.dir, self.n, self.wait_s = where, int(n), wait_s
+    self.dir, self.n, self.wait_s, self.start_s = where, int(n), wait_s, start_s
     os.makedirs(self.dir, exist_ok=True)
+    open(os.path.join(self.dir, f"arm.{os.getpid()}"), "w").close()
+    self.t0 = time.monotonic()
+
+  def _waiting_for(self, index: int) -> list[int]:
+    """The registered processes, alive, that have not marked their `index`-th program."""
+    pids = [int(p.rsplit(".", 1)[1]) for p in glob.glob(os.path.join(self.dir, "arm.*"))]
+    ready = os.path.join(self.dir, f"ready.{index}.{{}}")
+    return [p for p in pids if not os.path.exists(ready.format(p)) and _alive(p)]
 
   @contextlib.contextmanager
   def turn(self, index: int):
     open(os.path.join(self.dir, f"ready.{index}.{os.getpid()}"), "w").close()
     t0 = time.monotonic()
-    while (len(glob.glob(os.path.join(self.dir, f"ready.{index}.*"))) < self.n
-           and time.monotonic() - t0 < self.wait_s):
+    while time.monotonic() - t0 < self.wait_s:
+      started = (len(glob.glob(os.path.join(self.dir, "arm.*"))) >= self.n
+                 or time.monotonic() - self.t0 > self.start_s)
+      if started and not self._waiting_for(index):
+        break
       time.sleep(0.2)
     with open(os.path.join(self.dir, "lock"), "w") as lock:
       fcntl.flock(lock, fcntl.LOCK_EX)
@@ -140,3 +153,13 @@ class Turns:
         yield
       finally:
         fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True

@@ -42,6 +42,12 @@ def _arm(spec, delay, log_path):
     f.write(f"{start} {end} {ready}\n")
 
 
+def _dies(spec):
+  """An arm that registers and dies before its program is compiled (out of memory)."""
+  Turns(spec, wait_s=30)
+  raise SystemExit(1)
+
+
 def test_turns_wait_for_every_arm_then_time_one_at_a_time(tmp_path):
   # Three processes that finish "compiling" at 0, 0.2 and 1.0 s: no timed block starts before the
   # last is ready, and no two overlap.
@@ -58,3 +64,19 @@ def test_turns_wait_for_every_arm_then_time_one_at_a_time(tmp_path):
   assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
   with pytest.raises(SystemExit, match="DIR:N"):
     Turns("no_count")
+
+
+def test_turns_do_not_wait_for_an_arm_that_died(tmp_path):
+  spec, log = f"{tmp_path / 'turn'}:3", tmp_path / "log"
+  ctx = multiprocessing.get_context("spawn")
+  procs = [ctx.Process(target=_dies, args=(spec,))] + [
+      ctx.Process(target=_arm, args=(spec, d, log)) for d in (0.0, 0.5)]
+  t0 = time.time()
+  for p in procs:
+    p.start()
+  for p in procs:
+    p.join(60)
+  assert [p.exitcode for p in procs] == [1, 0, 0]
+  spans = sorted(tuple(map(float, line.split())) for line in log.read_text().splitlines())
+  assert len(spans) == 2 and spans[1][1] < t0 + 20    # not the 30 s wait
+  assert spans[0][0] >= max(r for _, _, r in spans) and spans[0][1] <= spans[1][0]
