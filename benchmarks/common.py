@@ -157,9 +157,9 @@ class Turns:
 
 def _alive(pid: int) -> bool:
   try:
-    os.kill(pid, 0)
+    os.kill(pid, 0)        # no signal: only whether the process exists
   except ProcessLookupError:
     return False
-  except PermissionError:
-    return True
+  except PermissionError:  # exists, another user's
+    pass
   return True

@@ -32,12 +32,12 @@ the split's real gradients (both need the split).
 Prints one line per size as it goes and a markdown table at the end; `--json PATH` saves them.
 
 `--turn DIR:N`: N processes (arms of an A/B, each its own `--set` or its own copy of the tree) that
-share DIR build their state and compile at once, then time their steps one at a time: each waits
-until all N have compiled its size (at most `--turn_wait` s; an arm that died is not waited for
-longer) and runs its steps holding an exclusive lock on DIR/lock, so no arm's timed steps share the
-GPU or the host with another's work. Two s3 arms then cost about one arm's init + compile plus both
-arms' steps. Give each process its share of the GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
-for two); its compile seconds include the host time the others' compiles took from it.
+share DIR build their state and compile at once, then time their steps (and the split) one at a
+time (`benchmarks.common.Turns`: each waits for the live arms' compiles, at most `--turn_wait` s),
+so no arm's timed steps share the GPU or the host with another's work. Two s3 arms should then cost
+about one arm's init + compile plus both arms' steps (not yet measured on the GPU). Give each
+process its share of the GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 for two); its compile
+seconds include the host time the others' compiles took from it.
 """
 
 from __future__ import annotations

@@ -29,9 +29,8 @@ def test_set_overrides_parse_by_the_replaced_type_and_name_bad_items():
   assert d.a == "x"
 
 
-
 def _arm(spec, delay, log_path):
-  """One arm: `delay` s of "compiling", then its timed block, logged as (start, end)."""
+  """One arm: `delay` s of "compiling", then its timed block, logged as (start, end, ready)."""
   time.sleep(delay)
   ready = time.time()
   with Turns(spec, wait_s=30).turn(0):
@@ -48,18 +47,26 @@ def _dies(spec):
   raise SystemExit(1)
 
 
-def test_turns_wait_for_every_arm_then_time_one_at_a_time(tmp_path):
-  # Three processes that finish "compiling" at 0, 0.2 and 1.0 s: no timed block starts before the
-  # last is ready, and no two overlap.
-  spec, log = f"{tmp_path / 'turn'}:3", tmp_path / "log"
+def _run(tmp_path, dying: int, delays) -> tuple[list, list]:
+  """`dying` arms that die and one `_arm` per delay, all sharing one DIR: (exit codes, sorted
+  (start, end, ready) spans of the arms that timed)."""
+  spec, log = f"{tmp_path / 'turn'}:{dying + len(delays)}", tmp_path / "log"
   ctx = multiprocessing.get_context("spawn")
-  procs = [ctx.Process(target=_arm, args=(spec, d, log)) for d in (0.0, 0.2, 1.0)]
+  procs = [ctx.Process(target=_dies, args=(spec,)) for _ in range(dying)] + [
+      ctx.Process(target=_arm, args=(spec, d, log)) for d in delays]
   for p in procs:
     p.start()
   for p in procs:
     p.join(60)
-  assert [p.exitcode for p in procs] == [0, 0, 0]
   spans = sorted(tuple(map(float, line.split())) for line in log.read_text().splitlines())
+  return [p.exitcode for p in procs], spans
+
+
+def test_turns_wait_for_every_arm_then_time_one_at_a_time(tmp_path):
+  # Three processes that finish "compiling" at 0, 0.2 and 1.0 s: no timed block starts before the
+  # last is ready, and no two overlap.
+  codes, spans = _run(tmp_path, 0, (0.0, 0.2, 1.0))
+  assert codes == [0, 0, 0]
   assert len(spans) == 3 and spans[0][0] >= max(r for _, _, r in spans)
   assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
   with pytest.raises(SystemExit, match="DIR:N"):
@@ -67,16 +74,8 @@ def test_turns_wait_for_every_arm_then_time_one_at_a_time(tmp_path):
 
 
 def test_turns_do_not_wait_for_an_arm_that_died(tmp_path):
-  spec, log = f"{tmp_path / 'turn'}:3", tmp_path / "log"
-  ctx = multiprocessing.get_context("spawn")
-  procs = [ctx.Process(target=_dies, args=(spec,))] + [
-      ctx.Process(target=_arm, args=(spec, d, log)) for d in (0.0, 0.5)]
   t0 = time.time()
-  for p in procs:
-    p.start()
-  for p in procs:
-    p.join(60)
-  assert [p.exitcode for p in procs] == [1, 0, 0]
-  spans = sorted(tuple(map(float, line.split())) for line in log.read_text().splitlines())
+  codes, spans = _run(tmp_path, 1, (0.0, 0.5))
+  assert codes == [1, 0, 0]
   assert len(spans) == 2 and spans[1][1] < t0 + 20    # not the 30 s wait
   assert spans[0][0] >= max(r for _, _, r in spans) and spans[0][1] <= spans[1][0]

@@ -15,8 +15,8 @@ accum() {
       --grad_accum 8 --steps 2 --no_split --json "$OUT/${size}_$name.json" ${1:+--set "$@"} | tail -4
 }
 s3_accum() { accum s3 "$@"; }
-# Arms compiled at once and timed in turn (gpu_step.py --turn; 2026-12-04: two s3 arms in about one
-# arm's init + compile). arms SIZE SECS NAME[@DIR][:KEY=VALUE,KEY=VALUE] ...: one process per arm,
+# Arms compiled at once and timed in turn (gpu_step.py --turn: two s3 arms should take about one
+# arm's init + compile plus both arms' steps; first used by next_s48_perf.sh). arms SIZE SECS NAME[@DIR][:KEY=VALUE,KEY=VALUE] ...: one process per arm,
 # each with 1/N of the GPU's memory (less 10 %); @DIR runs the arm in another copy of the tree (see
 # `tree_copy`); writes $OUT/SIZE_NAME.json and prints each arm's table row. Two s3 arms fit (43.6 GiB
 # each at 4 x 4096); m3 (80.7 GiB) does not pair.
