@@ -297,7 +297,8 @@ def abstract_state(run: RunConfig, mesh, rules=None) -> TrainSetup:
   graphdef, abs_vars = nnx.split(abs_model)
   shard = nnx.as_pure(sharding.state_shardings(abs_vars, mesh, rules))
   params = nnx.as_pure(abs_vars)
-  tx = build_optimizer(run.optim, params, sub_tables=engram_sub_tables(abs_model))
+  tx = build_optimizer(run.optim, params, sub_tables=engram_sub_tables(abs_model),
+                       param_shardings=shard)
   shardings = TrainState(shard, opt_state_shardings(tx, params, shard), NamedSharding(mesh, P()))
   abstract = TrainState(params, jax.eval_shape(tx.init, params),
                         jax.eval_shape(lambda: model_lib.zero_moe_bias(run.model)))

@@ -200,8 +200,8 @@ def frozen_trainable(cfg: OptimConfig, step: int) -> bool:
 
 
 def build_optimizer(cfg: OptimConfig, params, table: Sequence[Row] = TABLE,
-                    sub_tables: Mapping[str, Sequence[tuple[int, int]]] | None = None
-                    ) -> optax.GradientTransformation:
+                    sub_tables: Mapping[str, Sequence[tuple[int, int]]] | None = None,
+                    param_shardings=None) -> optax.GradientTransformation:
   """The full chain for this parameter tree (arrays, ShapeDtypeStructs or nnx.Params at leaves).
 
   `sub_tables` maps the path of a sinkhorn-group parameter that stacks several tables along its
@@ -209,6 +209,10 @@ def build_optimizer(cfg: OptimConfig, params, table: Sequence[Row] = TABLE,
   (docs/design.md §T2) and the rows in none of them stay untouched. With the Muon chain every
   Engram table (`STACKED_TABLES`) needs an entry: the model's layout is
   `launch.step.engram_sub_tables(model)`; one block `((0, rows),)` balances a table whole.
+
+  `param_shardings` (a tree like `params`; default: the leaves' own `.sharding`, where they have
+  one) gives Muon each parameter's layout, so that on a mesh Newton–Schulz runs on whole matrices
+  split by items over the devices (optim/muon.py); without layouts it runs as XLA partitions it.
 
   Raises `TableError` naming every parameter claimed by no row or by several, every frozen
   pattern that matches nothing, every bad `sub_tables` entry and every Engram table without one.
@@ -229,6 +233,10 @@ def build_optimizer(cfg: OptimConfig, params, table: Sequence[Row] = TABLE,
   unfreeze = cfg.unfreeze_at == "decay_start"
   group_mult = _group_lr_mult(cfg)
   multiplier = {p: group_mult[r.group] * _row_lr_mult(cfg, r) for p, r in rows.items()}
+  if param_shardings is None:
+    param_shardings = table_lib.map_params(lambda _, v: getattr(v, "sharding", None), params)
+  specs = {p: s.spec for p, s in table_lib.flatten_params(param_shardings)
+           if isinstance(s, NamedSharding)}
 
   def labels(tree):
     return table_lib.map_params(lambda path, _: rows[path].group, tree)
@@ -242,7 +250,7 @@ def build_optimizer(cfg: OptimConfig, params, table: Sequence[Row] = TABLE,
         "muon": optax.chain(
             scale_by_muon(cfg.muon_momentum, cfg.update_rms, lambda path: rows[path].headwise,
                           cfg.newton_schulz, frozen=lambda path: path in frozen,
-                          ns_schedule=cfg.ns_schedule),
+                          ns_schedule=cfg.ns_schedule, spec=specs.get),
             optax.add_decayed_weights(cfg.weight_decay)),
         "adamw": adamw(cfg.weight_decay),
         "sinkhorn": optax.chain(

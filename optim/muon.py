@@ -40,6 +40,19 @@ registered below), so `ns_dtype` may also be an op policy (`OptimConfig.newton_s
 takes bfloat16 off the CPU (unchanged from before the policy; its speed against float32 is not
 measured) and float32 on the CPU, "reference" float32, "kernel" bfloat16.
 
+On a mesh. Parameters are split over devices on their matrix axes too (the model width over
+`fsdp`, heads and MLP width over `tensor`), and XLA's partitioner formed a concatenated batch of
+such matrices only by replicating it ("Involuntary full rematerialization"), after which every
+device ran the products of nearly every matrix: the optimizer's largest cost did not shrink with
+the device count. So when the chain knows its parameters' layouts (`specs`) and a mesh is in
+context (`jax.set_mesh`), each parameter is orthogonalized on its own, in its own shape, after one
+all-to-all that moves the mesh axes off its matrix axes onto its item axes (layers, experts, heads)
+and spreads it over the mesh axes it does not use (`item_split_plan`, inside `shard_map`); each
+device then iterates whole matrices, its share of the items, with no collective in the loop, and
+the result moves back. A matrix axis whose mesh axes no item axis can take evenly is gathered
+whole instead (those devices then iterate the same matrices). Without a mesh the batches are as
+above.
+
 Frozen parameters (`frozen(path)`, the chain's frozen set, e.g. the ViT until the decay) get zero
 gradients and so a zero direction while frozen: their matrices are batched apart from the others,
 and each such batch runs Newton–Schulz only when some entry is non-zero (`lax.cond`), so a frozen
@@ -48,12 +61,13 @@ ViT costs no matrix products. Newton–Schulz maps zero to zero, so the result i
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec
 
 from optim import table as table_lib
 from pallas_kernels import dispatch
@@ -238,14 +252,136 @@ def _from_matrices(x: jax.Array, like: jax.Array, headwise: bool) -> jax.Array:
   return x.reshape(like.shape)
 
 
-def orthogonalize_many(gs: Sequence[jax.Array], headwise: Sequence[bool],
-                       ns_dtype: str = "float32", frozen: Sequence[bool] | None = None,
-                       ns_schedule: str = "spec") -> list[jax.Array]:
-  """`orthogonalize` of every array, with one batched Newton–Schulz per distinct matrix shape
-  (and per frozen-or-not: a batch of `frozen` arrays is skipped while all of it is zero)."""
+def _axes(entry) -> tuple[str, ...]:
+  return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
+class Move(NamedTuple):
+  """One step of `item_split_plan`: mesh axis `axis` leaves array axis `source` (None: the
+  parameter is replicated over it) for array axis `target`, where it becomes the innermost
+  (None: gathered, so the devices along it hold the same whole matrices)."""
+  axis: str
+  source: int | None
+  target: int | None
+
+
+def item_split_plan(shape: Sequence[int], spec: PartitionSpec, mesh_sizes: Mapping[str, int],
+                    headwise: bool) -> tuple[list[Move], PartitionSpec]:
+  """How a parameter of `shape`, laid out as `spec`, is laid out for Newton–Schulz on a mesh of
+  `mesh_sizes` (module docstring): each matrix axis made whole, its mesh axes (innermost first)
+  moved onto item axes, then every mesh axis the parameter does not use spread over item axes;
+  each onto the item axis with the most entries per device that it divides. A matrix axis whose
+  mesh axes cannot all move is gathered whole instead (its devices then iterate the same
+  matrices). Returns the moves in order and the resulting layout."""
+  ndim = len(shape)
+  matrix = (ndim - 3, ndim - 1) if headwise else (ndim - 2, ndim - 1)
+  size = lambda a: int(mesh_sizes.get(a, 1))
+  entries = [[a for a in _axes(e) if size(a) > 1] for e in (*spec, *[None] * (ndim - len(spec)))]
+  local = [n // int(np.prod([size(a) for a in e])) for n, e in zip(shape, entries)]
+  items = [i for i in range(ndim) if i not in matrix]
+  moves: list[Move] = []
+
+  def place(axes, source) -> bool:
+    trial, planned = list(local), []
+    for a in axes:
+      fits = [i for i in items if trial[i] % size(a) == 0]
+      if not fits:
+        return False
+      i = max(fits, key=lambda i: trial[i])
+      trial[i] //= size(a)
+      planned.append(Move(a, source, i))
+    local[:] = trial
+    moves.extend(planned)
+    for mv in planned:
+      entries[mv.target].append(mv.axis)
+    return True
+
+  for m in matrix:
+    axes = entries[m][::-1]
+    if not place(axes, m):
+      moves.extend(Move(a, m, None) for a in axes)
+    entries[m] = []
+  used = {a for e in entries for a in e}
+  for a in mesh_sizes:
+    if size(a) > 1 and a not in used:
+      place([a], None)
+  return moves, PartitionSpec(*(None if not e else (e[0] if len(e) == 1 else tuple(e))
+                                for e in entries))
+
+
+def _to_items(x: jax.Array, moves: Sequence[Move]) -> jax.Array:
+  """Inside `shard_map`: a device's block in the parameter's layout -> its block in the plan's."""
+  for a, source, target in moves:
+    if source is None:
+      x = _own_slice(x, a, target)
+    elif target is None:
+      x = jax.lax.all_gather(x, a, axis=source, tiled=True)
+    else:
+      x = jax.lax.all_to_all(x, a, split_axis=target, concat_axis=source, tiled=True)
+  return x
+
+
+def _own_slice(x: jax.Array, axis_name: str, axis: int) -> jax.Array:
+  """This device's block of `axis`, split over the mesh axis `axis_name`."""
+  n = x.shape[axis] // jax.lax.axis_size(axis_name)
+  return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis_name) * n, n, axis)
+
+
+def _from_items(x: jax.Array, moves: Sequence[Move]) -> jax.Array:
+  """The inverse of `_to_items`."""
+  for a, source, target in reversed(moves):
+    if source is None:
+      x = jax.lax.all_gather(x, a, axis=target, tiled=True)
+    elif target is None:
+      x = _own_slice(x, a, source)
+    else:
+      x = jax.lax.all_to_all(x, a, split_axis=source, concat_axis=target, tiled=True)
+  return x
+
+
+def _orthogonalize_in_place(g: jax.Array, headwise: bool, ns_dtype: str, frozen: bool,
+                            ns_schedule: str) -> jax.Array:
+  """`orthogonalize` of one parameter in its own shape (leading axes as batch axes, a head-wise
+  weight's heads moved first), no reshape or concatenation: on a mesh, its layout is kept."""
   ns_dtype, iterate = _iterator(ns_dtype)
   sched = schedule(ns_schedule)
+  x = jnp.moveaxis(g, -2, 0) if headwise else g
+  x = _normalized(x, sched.margin).astype(_iterate_dtype(ns_dtype))
+  run = lambda x: iterate(x, sched.coeffs)
+  if frozen:
+    x = jax.lax.cond(jnp.any(x != 0), run, lambda x: jnp.zeros(x.shape, jnp.float32), x)
+  else:
+    x = run(x)
+  return jnp.moveaxis(x, 0, -2) if headwise else x
+
+
+def orthogonalize_many(gs: Sequence[jax.Array], headwise: Sequence[bool],
+                       ns_dtype: str = "float32", frozen: Sequence[bool] | None = None,
+                       ns_schedule: str = "spec",
+                       specs: Sequence[PartitionSpec | None] | None = None) -> list[jax.Array]:
+  """`orthogonalize` of every array, with one batched Newton–Schulz per distinct matrix shape
+  (and per frozen-or-not: a batch of `frozen` arrays is skipped while all of it is zero). With
+  `specs` (each array's layout) and a mesh of more than one device in context, each array is
+  orthogonalized on its own, on whole matrices split by items (`item_split_plan`; module
+  docstring)."""
   frozen = [False] * len(gs) if frozen is None else list(frozen)
+  mesh = jax.sharding.get_abstract_mesh()
+  if (specs is not None and any(s is not None for s in specs) and mesh is not None
+      and not mesh.empty and mesh.size > 1):
+    sizes = dict(mesh.shape)
+    out = []
+    for g, h, f, spec in zip(gs, headwise, frozen, specs):
+      one = lambda x, h=h, f=f: _orthogonalize_in_place(x, h, ns_dtype, f, ns_schedule)
+      if spec is None:
+        out.append(one(g))
+        continue
+      moves, _ = item_split_plan(g.shape, spec, sizes, h)
+      body = lambda x, moves=moves, one=one: _from_items(one(_to_items(x, moves)), moves)
+      out.append(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
+                               check_vma=False)(g))
+    return out
+  ns_dtype, iterate = _iterator(ns_dtype)
+  sched = schedule(ns_schedule)
   mats = [_as_matrices(g, h) for g, h in zip(gs, headwise)]
   by_key: dict[tuple[int, int, bool], list[int]] = {}
   for i, x in enumerate(mats):
@@ -297,12 +433,15 @@ class MuonState(NamedTuple):
 
 def scale_by_muon(momentum: float, update_rms: float, headwise: Callable[[str], bool],
                   ns_dtype: str = "auto", frozen: Callable[[str], bool] = lambda path: False,
-                  ns_schedule: str = "spec") -> optax.GradientTransformation:
+                  ns_schedule: str = "spec",
+                  spec: Callable[[str], PartitionSpec | None] = lambda path: None
+                  ) -> optax.GradientTransformation:
   """Nesterov momentum + Newton–Schulz (schedule `ns_schedule`) + RMS rescaling; `headwise(path)`
-  picks the variant, `frozen(path)` marks parameters whose direction is zero while frozen (module
-  docstring).
+  picks the variant, `frozen(path)` marks parameters whose direction is zero while frozen,
+  `spec(path)` is a parameter's layout on the mesh, if known (module docstring).
 
-  All parameters' matrices are orthogonalized together (`orthogonalize_many`)."""
+  All parameters' matrices are orthogonalized together (`orthogonalize_many`); on a mesh, with
+  the layouts known, each parameter on its own, split by items over the devices."""
 
   def init_fn(params):
     return MuonState(momentum=table_lib.map_params(lambda _, p: jnp.zeros_like(p), params))
@@ -316,7 +455,8 @@ def scale_by_muon(momentum: float, update_rms: float, headwise: Callable[[str], 
     paths = [table_lib.path_str(p) for p, _ in flat_g]
     hw = [headwise(p) for p in paths]
     dirs = [g + momentum * m for (_, g), m in zip(flat_g, flat_m)]
-    orth = orthogonalize_many(dirs, hw, ns_dtype, [frozen(p) for p in paths], ns_schedule)
+    orth = orthogonalize_many(dirs, hw, ns_dtype, [frozen(p) for p in paths], ns_schedule,
+                              [spec(p) for p in paths])
     out = [(o * rms_scale(d.shape, h, update_rms)).astype(d.dtype)
            for o, d, h in zip(orth, dirs, hw)]
     return jax.tree.unflatten(treedef, out), MuonState(momentum=new_m)
