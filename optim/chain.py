@@ -212,7 +212,8 @@ def build_optimizer(cfg: OptimConfig, params, table: Sequence[Row] = TABLE,
 
   `param_shardings` (a tree like `params`; default: the leaves' own `.sharding`, where they have
   one) gives Muon each parameter's layout, so that on a mesh Newton–Schulz runs on whole matrices
-  split by items over the devices (optim/muon.py); without layouts it runs as XLA partitions it.
+  split by items over the devices (optim/muon.py; `cfg.ns_split`); without layouts it runs as XLA
+  partitions it.
 
   Raises `TableError` naming every parameter claimed by no row or by several, every frozen
   pattern that matches nothing, every bad `sub_tables` entry and every Engram table without one.
@@ -236,7 +237,7 @@ def build_optimizer(cfg: OptimConfig, params, table: Sequence[Row] = TABLE,
   if param_shardings is None:
     param_shardings = table_lib.map_params(lambda _, v: getattr(v, "sharding", None), params)
   specs = {p: s.spec for p, s in table_lib.flatten_params(param_shardings)
-           if isinstance(s, NamedSharding)}
+           if isinstance(s, NamedSharding) and cfg.ns_split == "items"}
 
   def labels(tree):
     return table_lib.map_params(lambda path, _: rows[path].group, tree)

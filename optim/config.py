@@ -59,6 +59,11 @@ class OptimConfig:
   # Newton–Schulz schedule (optim/muon.py NS_SCHEDULES): "spec" = 8 + 2 steps (docs/design.md
   # §T2), "polar_express" = the 8 per-step quintics of Polar Express (benchmarks/RESULTS.md).
   ns_schedule: str = "spec"
+  # How Newton–Schulz is split over a mesh (optim/muon.py): "items" = each device iterates its
+  # share of every parameter's whole matrices (the parameters' layouts known); "xla" = the batches
+  # as on one device, partitioned by XLA (every device then iterates nearly every matrix). One
+  # device is the same either way.
+  ns_split: str = "items"
   weight_decay: float = 0.1         # decoupled, for the muon and adamw groups
   # --- AdamW ---
   adam_b1: float = 0.9
@@ -108,6 +113,8 @@ class OptimConfig:
     need(self.sinkhorn_iters >= 1, f"sinkhorn_iters must be >= 1 (got {self.sinkhorn_iters})")
     need(self.newton_schulz in dispatch.POLICIES,
          f"newton_schulz: policy {self.newton_schulz!r} is not one of {', '.join(dispatch.POLICIES)}")
+    need(self.ns_split in ("items", "xla"),
+         f"ns_split must be 'items' or 'xla' (got {self.ns_split!r})")
     need(self.ns_schedule in NS_SCHEDULES,
          f"ns_schedule must be one of {', '.join(map(repr, NS_SCHEDULES))} "
          f"(got {self.ns_schedule!r})")

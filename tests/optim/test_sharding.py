@@ -1,15 +1,17 @@
 """Optimizer state sharded exactly like its parameter on an 8-device CPU mesh (docs/design.md §T2)."""
 
+import dataclasses
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding
 
 from dsv41_jax import sharding, testing
 from optim import chain, table
-from optim.config import OptimConfig
+from optim.config import OptimConfig, OptimConfigError
 
 LAYER = "runs/0/core"
 # (path, shape, logical axes): the model's names and axes, one leading stacked axis on layers.
@@ -102,9 +104,10 @@ def test_item_split_plan():
 
 def test_muon_on_a_mesh_iterates_its_share_of_whole_matrices(capfd):
   """On data 2 × fsdp 2 × tensor 2 with the parameters' layouts known and the mesh in context,
-  each device runs Newton–Schulz on 1/8 of the items, whole (the Gram products of the 16 × 16
-  short side batch 4 of the 32 matrices of a head-wise and of an expert weight, where XLA's own
-  partitioning ran all 64 on every device), with no "Involuntary full rematerialization", and
+  each device runs Newton–Schulz on 1/8 of the items, whole (no product batches more than 4
+  matrices: 4 of the 32 of a head-wise and of an expert weight each, where XLA's own partitioning
+  of the batches ran all 72 (32, 16) matrices on every device), with no "Involuntary full
+  rematerialization", and
   the update equals the unsharded one; a one-layer weight (gathered) and one whose matrix axis is
 split over two mesh axes too."""
   mesh = testing.cpu_mesh({"data": 2, "fsdp": 2, "tensor": 2})
@@ -131,9 +134,18 @@ split over two mesh axes too."""
     compiled = step.lower(grads, state, params).compile()
     updates, _ = compiled(grads, state, params)
   assert "Involuntary full rematerialization" not in capfd.readouterr().err
-  grams = [int(np.prod([int(n) for n in dims.split(",")[:-2]]))
-           for dims in re.findall(r"f32\[([0-9,]*,16,16)\]\{[0-9,]*\} dot\(", compiled.as_text())]
-  assert grams and max(grams) == 4, grams
+  # the most matrices one product of the program batches
+  batch = lambda c: max(int(np.prod([int(n) for n in dims.split(",")[:-2]])) for dims in
+                        re.findall(r"f32\[([0-9]+,[0-9]+,[0-9,]+)\]\{[0-9,]*\} dot\(", c.as_text()))
+  assert batch(compiled) == 4
+  # the control: `ns_split="xla"` (the batches as on one device, partitioned by XLA) has every
+  # device iterate all 72 matrices of the (32, 16) batch (wq_b, experts/w1, wo_b)
+  xla_tx = chain.build_optimizer(dataclasses.replace(cfg, ns_split="xla"), params)
+  with jax.set_mesh(mesh):
+    xla = jax.jit(xla_tx.update).lower(grads, state, params).compile()
+  assert batch(xla) == 72
+  with pytest.raises(OptimConfigError, match="ns_split must be 'items' or 'xla'"):
+    OptimConfig(ns_split="heads")
   host_params = jax.tree.map(jnp.asarray, host)
   ref, _ = tx.update(jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), grads),
                      tx.init(host_params), host_params)
