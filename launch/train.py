@@ -278,6 +278,11 @@ def _run(cfg: ml_collections.ConfigDict, workdir: str, stop: _Stop, profile_text
   rows = setup.global_batch(run, mesh)
   log.info("mesh %s over %d devices, %d process(es); global batch %d rows",
            dict(mesh.shape), mesh.size, jax.process_count(), rows)
+  if jax.default_backend() == "cpu" and mesh.size > 1 and run.model.scan_layers:
+    log.warning("on a CPU mesh XLA may stop a step with 'Termination timeout for ...' (collectives "
+                "inside the scanned layers' conditionals run in different orders on different "
+                "devices); --config.model.scan_layers=false avoids those conditionals (user guide "
+                "§8)")
   for warning in schedule.notes(run.optim, tcfg.steps):
     log.warning("schedule: %s", warning)
   primary = jax.process_index() == 0
