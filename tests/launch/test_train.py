@@ -641,6 +641,10 @@ def test_signal_in_a_gc_callback_is_not_lost(monkeypatch):
   drops it: the run compiled on and trained (seen as a flaky test_signal_during_compilation).
   Now it is noted there, nothing is printed, and the compilation's wait stops within its poll."""
   from launch import setup, train as train_lib
+  # Garbage that earlier tests in this worker left (orbax's read coroutines of a damaged
+  # checkpoint) is collected first: its finalizers report their own exceptions as unraisable,
+  # which says nothing about the signal (it failed this test once on CI, session 48).
+  gc.collect()
   unraisable = []
   monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
 
@@ -650,14 +654,17 @@ def test_signal_in_a_gc_callback_is_not_lost(monkeypatch):
       for _ in range(1000):   # backward jumps: the handler runs here, inside the callback
         pass
   stop = train_lib._Stop()
+  release = threading.Event()
   gc.callbacks.append(kill_in_callback)
   try:
     gc.collect()
   finally:
     gc.callbacks.remove(kill_in_callback)
+  # The signal, lost: reported as unraisable from the callback, or as the run's interruption.
+  lost = [u for u in unraisable
+          if u.object is kill_in_callback or isinstance(u.exc_value, train_lib.Interrupted)]
   try:
-    assert stop.requested == "SIGTERM" and unraisable == [], unraisable
-    release = threading.Event()
+    assert stop.requested == "SIGTERM" and lost == [], unraisable
 
     class Jitted:   # lower(...).compile() blocks until released, as a long compilation
       def lower(self, *args):
