@@ -347,12 +347,17 @@ def _orthogonalize_in_place(g: jax.Array, headwise: bool, ns_dtype: str, frozen:
   sched = schedule(ns_schedule)
   x = jnp.moveaxis(g, -2, 0) if headwise else g
   x = _normalized(x, sched.margin).astype(_iterate_dtype(ns_dtype))
-  run = lambda x: iterate(x, sched.coeffs)
-  if frozen:
-    x = jax.lax.cond(jnp.any(x != 0), run, lambda x: jnp.zeros(x.shape, jnp.float32), x)
-  else:
-    x = run(x)
+  x = _run_chain(x, iterate, sched.coeffs, frozen)
   return jnp.moveaxis(x, 0, -2) if headwise else x
+
+
+def _run_chain(x: jax.Array, iterate, coeffs, skippable: bool) -> jax.Array:
+  """The iterate on normalized matrices; a `skippable` (frozen) batch only while some entry is
+  non-zero (zero maps to zero either way)."""
+  run = lambda x: iterate(x, coeffs)
+  if skippable:
+    return jax.lax.cond(jnp.any(x != 0), run, lambda x: jnp.zeros(x.shape, jnp.float32), x)
+  return run(x)
 
 
 def orthogonalize_many(gs: Sequence[jax.Array], headwise: Sequence[bool],
@@ -371,14 +376,14 @@ def orthogonalize_many(gs: Sequence[jax.Array], headwise: Sequence[bool],
     sizes = dict(mesh.shape)
     out = []
     for g, h, f, spec in zip(gs, headwise, frozen, specs):
-      one = lambda x, h=h, f=f: _orthogonalize_in_place(x, h, ns_dtype, f, ns_schedule)
+      one = lambda x: _orthogonalize_in_place(x, h, ns_dtype, f, ns_schedule)
       if spec is None:
         out.append(one(g))
         continue
       moves, _ = item_split_plan(g.shape, spec, sizes, h)
-      body = lambda x, moves=moves, one=one: _from_items(one(_to_items(x, moves)), moves)
-      out.append(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
-                               check_vma=False)(g))
+      # Traced here, in this iteration, so the closures see this parameter's h, f and moves.
+      out.append(jax.shard_map(lambda x: _from_items(one(_to_items(x, moves)), moves), mesh=mesh,
+                               in_specs=spec, out_specs=spec, check_vma=False)(g))
     return out
   ns_dtype, iterate = _iterator(ns_dtype)
   sched = schedule(ns_schedule)
@@ -391,13 +396,7 @@ def orthogonalize_many(gs: Sequence[jax.Array], headwise: Sequence[bool],
     # Each item normalized, then rounded once to the iterate's dtype.
     items = [_normalized(mats[i], sched.margin).astype(_iterate_dtype(ns_dtype)) for i in idx]
     sizes = np.cumsum([w.shape[0] for w in items])[:-1]
-    x = jnp.concatenate(items, axis=0)
-    run = lambda x: iterate(x, sched.coeffs)
-    if skippable:
-      x = jax.lax.cond(jnp.any(x != 0), run,
-                       lambda x: jnp.zeros(x.shape, jnp.float32), x)
-    else:
-      x = run(x)
+    x = _run_chain(jnp.concatenate(items, axis=0), iterate, sched.coeffs, skippable)
     for i, y in zip(idx, jnp.split(x, sizes)):
       out[i] = _from_matrices(y, gs[i], headwise[i])
   return out

@@ -47,18 +47,34 @@ def _assert_like_params(state, shardings):
     assert leaf.sharding.is_equivalent_to(by_path[owner], leaf.ndim), (path, leaf.sharding)
 
 
+CFG = OptimConfig(lr=0.01, warmup_steps=0, decay_start=10, decay_end=20, schedule_unit="steps")
+
+
+def _sharded(mesh, params_at, seed):
+  """(shardings, host parameters, parameters, gradients) of (path, shape, logical axes) rows on
+  `mesh`, random normal."""
+  rng = np.random.default_rng(seed)
+  spec = lambda axes, ndim: sharding.fit_spec(sharding.logical_to_mesh(axes, ndim), mesh)
+  shardings = _nest({p: NamedSharding(mesh, spec(ax, len(s))) for p, s, ax in params_at})
+  host = _nest({p: rng.standard_normal(s).astype(np.float32) for p, s, _ in params_at})
+  grads = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), host)
+  return shardings, host, jax.device_put(host, shardings), jax.device_put(grads, shardings)
+
+
+def _assert_equals_unsharded(tx, host, grads, updates):
+  """The sharded step's updates equal an unsharded, eager one."""
+  host_params = jax.tree.map(jnp.asarray, host)
+  ref, _ = tx.update(jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), grads),
+                     tx.init(host_params), host_params)
+  for (p, a), (_, b) in zip(table.flatten_params(updates), table.flatten_params(ref)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-8, err_msg=p)
+
+
 def test_state_sharded_like_params_at_init_and_after_update():
   mesh = testing.cpu_mesh({"fsdp": 2, "expert": 2, "tensor": 2})
-  rng = np.random.default_rng(0)
-  spec = lambda axes, ndim: sharding.fit_spec(sharding.logical_to_mesh(axes, ndim), mesh)
-  shardings = _nest({p: NamedSharding(mesh, spec(ax, len(s))) for p, s, ax in PARAMS})
-  host = _nest({p: rng.standard_normal(s).astype(np.float32) for p, s, _ in PARAMS})
-  params = jax.device_put(host, shardings)
-  grads = jax.device_put(jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32),
-                                      host), shardings)
-  cfg = OptimConfig(lr=0.01, warmup_steps=0, decay_start=10, decay_end=20, schedule_unit="steps")
+  shardings, host, params, grads = _sharded(mesh, PARAMS, 0)
   # The Engram table: two (prime-sized) hash tables and padding rows, as the model lays them out.
-  tx = chain.build_optimizer(cfg, params, sub_tables={f"{LAYER}/engram/table": ((0, 13), (13, 17))})
+  tx = chain.build_optimizer(CFG, params, sub_tables={f"{LAYER}/engram/table": ((0, 13), (13, 17))})
   state = chain.init_opt_state(tx, params)
 
   # one buffer per parameter, two for the adamw leaves (final_norm, attn_norm); counters scalar
@@ -70,11 +86,7 @@ def test_state_sharded_like_params_at_init_and_after_update():
   updates, new_state = step(grads, state, params)
   _assert_like_params(new_state, shardings)
   # the sharded step computes the same update as an unsharded, eager one
-  host_params = jax.tree.map(jnp.asarray, host)
-  ref, _ = tx.update(jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), grads),
-                     tx.init(host_params), host_params)
-  for (p, a), (_, b) in zip(table.flatten_params(updates), table.flatten_params(ref)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-8, err_msg=p)
+  _assert_equals_unsharded(tx, host, grads, updates)
 
 
 def test_item_split_plan():
@@ -119,15 +131,8 @@ split over two mesh axes too."""
       # a matrix axis over two mesh axes (tensor, fsdp), moved innermost first
       (f"{LAYER}/attn/wo_b", (8, 32, 16), (None, "heads", None)),
   ]
-  rng = np.random.default_rng(3)
-  spec = lambda axes, ndim: sharding.fit_spec(sharding.logical_to_mesh(axes, ndim), mesh)
-  shardings = _nest({p: NamedSharding(mesh, spec(ax, len(s))) for p, s, ax in params_at})
-  host = _nest({p: rng.standard_normal(s).astype(np.float32) for p, s, _ in params_at})
-  params = jax.device_put(host, shardings)
-  grads = jax.device_put(jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32),
-                                      host), shardings)
-  cfg = OptimConfig(lr=0.01, warmup_steps=0, decay_start=10, decay_end=20, schedule_unit="steps")
-  tx = chain.build_optimizer(cfg, params)
+  shardings, host, params, grads = _sharded(mesh, params_at, 3)
+  tx = chain.build_optimizer(CFG, params)
   state = chain.init_opt_state(tx, params)
   with jax.set_mesh(mesh):
     step = jax.jit(tx.update, out_shardings=(shardings, chain.opt_state_shardings(tx, params)))
@@ -140,14 +145,10 @@ split over two mesh axes too."""
   assert batch(compiled) == 4
   # the control: `ns_split="xla"` (the batches as on one device, partitioned by XLA) has every
   # device iterate all 72 matrices of the (32, 16) batch (wq_b, experts/w1, wo_b)
-  xla_tx = chain.build_optimizer(dataclasses.replace(cfg, ns_split="xla"), params)
+  xla_tx = chain.build_optimizer(dataclasses.replace(CFG, ns_split="xla"), params)
   with jax.set_mesh(mesh):
     xla = jax.jit(xla_tx.update).lower(grads, state, params).compile()
   assert batch(xla) == 72
   with pytest.raises(OptimConfigError, match="ns_split must be 'items' or 'xla'"):
     OptimConfig(ns_split="heads")
-  host_params = jax.tree.map(jnp.asarray, host)
-  ref, _ = tx.update(jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), grads),
-                     tx.init(host_params), host_params)
-  for (p, a), (_, b) in zip(table.flatten_params(updates), table.flatten_params(ref)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-8, err_msg=p)
+  _assert_equals_unsharded(tx, host, grads, updates)
