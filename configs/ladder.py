@@ -82,7 +82,7 @@ GRIDS: dict[str, dict] = {
                 # AdamW's 8e-3 was added when L8d256's optimum sat at 4e-3, the range's top
                 # (2026-12-03, RESULTS "Muon against AdamW").
                 sweep=dict(sizes=("L8d256", "L12d384"), steps=400, seeds=(0, 1), evals=4,
-                           lrs={"muon": (5e-4, 1e-3, 2e-3, 4e-3, 8e-3),
+                           lrs={"muon": (5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2),
                                 "adamw": (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3)})),
     # The launch test's two points: configs/tiny.py:micro's scale (two layers, seq 32).
     "micro": dict(sizes={"L2d32": (2, 32)}, steps=(3, 6), seq=32, batch=4, lr=3e-3, warmup=1,

@@ -258,11 +258,24 @@ def run_ladder(config: str, workdir: str, ablations: bool = False, log=print,
   records = _run_points(path, spec, select(first, only, later_points(spec, first, sweeps)),
                         workdir, env, log, jobs, device, deadline)
   if sweeps:
-    done = {r["name"] for r in records}
-    more = [p for p in plan(spec, False, True, records) if p.name not in done]
-    records += _run_points(path, spec, select(more, only, first), workdir, env, log, jobs, device,
-                           deadline)
+    ran = {r["name"] for r in records}
+    more = [p for p in plan(spec, False, True, finished_first(first, records, workdir))
+            if p.name not in ran]
+    records += _run_points(path, spec, select(more, only, first + later_points(spec, first, True)),
+                           workdir, env, log, jobs, device, deadline)
   return records
+
+
+def finished_first(first: list[Point], records: list[dict], workdir: str) -> list[dict]:
+  """The records of every first-stage point that is done: this call's, and those an earlier call
+  left in `workdir` (a call that `--only` runs the second stage plans it from all of them)."""
+  out = {r["name"]: r for r in records}
+  for p in first:
+    if p.name not in out:
+      old = ladder_jobs.read_record(os.path.join(workdir, p.name))
+      if old is not None:
+        out[p.name] = old
+  return [r for r in out.values() if r.get("status") == "done"]
 
 
 def _run_points(path: str, spec, points: list[Point], workdir: str, env: dict[str, str], log,

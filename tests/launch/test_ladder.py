@@ -221,6 +221,29 @@ def test_only_selects_points_by_pattern_and_rejects_a_pattern_matching_none():
     ladder.select(grid, ["L99_800", "L8d256_200", "x"])
 
 
+def test_second_stage_plans_from_every_finished_first_stage_point(tmp_path):
+  """A call whose `--only` runs some first-stage points and names second-stage ones plans the
+  second stage from this call's records and those earlier calls left in the workdir (2026-12-05: a
+  call that ran two L12d384 points could not start L8d256's seed-1 points). Pure: no runs."""
+  spec = ladder_cfg.get_config("gpu")
+  first = ladder.plan(spec, False, True)
+  def rec(size, chain, lr, loss, status="done"):
+    name = f"sweeps/{size}_{chain}_lr{lr}_seed0"
+    return dict(name=name, kind="sweep", status=status, seed=0, size=size, chain=chain, lr=lr,
+                ablation=f"{chain}_lr{lr}", eval_loss=loss)
+  on_disk = [rec("L8d256", "muon", 0.004, 2.58), rec("L8d256", "muon", 0.008, 2.59),
+             rec("L8d256", "adamw", 0.004, 2.73), rec("L12d384", "adamw", 0.002, 2.64),
+             rec("L8d256", "adamw", 0.002, 1.0, status="failed")]
+  for r in on_disk:
+    ladder_jobs.write_record(str(tmp_path / r["name"]), r)
+  this_call = [rec("L12d384", "muon", 0.008, 2.50)]
+  got = ladder.finished_first(first, this_call, str(tmp_path))
+  assert sorted(r["name"] for r in got) == sorted(r["name"] for r in on_disk[:4] + this_call)
+  second = [p.name for p in ladder.sweep.stage_two(spec, ladder.Point, got)]
+  assert second == ["sweeps/L12d384_adamw_lr0.002_seed1", "sweeps/L12d384_muon_lr0.008_seed1",
+                    "sweeps/L8d256_adamw_lr0.004_seed1", "sweeps/L8d256_muon_lr0.004_seed1"]
+
+
 def test_micro_ladder_end_to_end_with_failure_and_resume(tmp_path, env):
   # First pass: the 6-step point cannot build its mesh (3 data shards on one device) and fails.
   flaky = tmp_path / "flaky_ladder.py"
