@@ -81,6 +81,10 @@ GRIDS: dict[str, dict] = {
                 # chain's default, 400 steps (6.6 M tokens) at two sizes; the best at 2 seeds.
                 # AdamW's 8e-3 was added when L8d256's optimum sat at 4e-3, the range's top
                 # (2026-12-03, RESULTS "Muon against AdamW").
+                # Each chain's best peak rate of the sweep at the ablation size (L12d384, 400
+                # steps; RESULTS "Muon against AdamW, tuned", 2026-12-05): the ablations run at
+                # them (the `adamw` switch at AdamW's), the grid's points at `lr` as they ran.
+                ablation_lrs=dict(muon=8e-3, adamw=2e-3),
                 sweep=dict(sizes=("L8d256", "L12d384"), steps=400, seeds=(0, 1), evals=4,
                            lrs={"muon": (5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2),
                                 "adamw": (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3)})),
@@ -157,6 +161,7 @@ def ablate(model: dict, name: str) -> dict:
                    same schedule, weight decays and learning-rate multipliers).
   bf16_streams     the mHC streams stored in bfloat16 (`hc_stream_dtype`, docs/design.md §3.5):
                    a speed switch whose loss cost this arm measures.
+  baseline         none: the ablations' reference point (at the grid's `ablation_lrs`, if any).
   """
   if name == "dense_attention":
     n = model["num_hidden_layers"]
@@ -178,6 +183,8 @@ def ablate(model: dict, name: str) -> dict:
     model.update(use_candidate_pool=True)
   elif name == "adamw":
     return {"chain": "adamw"}
+  elif name == "baseline":
+    pass
   elif name == "bf16_streams":
     model.update(hc_stream_dtype="bfloat16")
   else:
@@ -227,6 +234,8 @@ def point_config(grid: str, size: str, steps: int, ablation: str | None = None
   cfg.optim.decay_start = 0.6 * tokens
   cfg.optim.decay_end = float(tokens)
   cfg.optim.update(optim)
+  if ablation and not arm and "ablation_lrs" in g:
+    cfg.optim.lr = g["ablation_lrs"][cfg.optim.get("chain", "muon")]
   if arm:
     cfg.train.eval_every = max(1, steps // g["sweep"]["evals"])
   return cfg

@@ -154,7 +154,7 @@ def plan(spec, ablations: bool, sweeps: bool = False, records=()) -> list[Point]
   out = []
   for ab in ("",) + tuple(spec.ablations):
     for seed in spec.seeds:
-      arg = f"{grid}/{size}/{steps}" + (f"/{ab}" if ab else "")
+      arg = f"{grid}/{size}/{steps}/{ab or 'baseline'}"
       out.append(Point(f"ablations/{ab or 'baseline'}_seed{seed}", arg, seed, "ablation", size,
                        steps, ab))
   return out

@@ -221,6 +221,23 @@ def test_only_selects_points_by_pattern_and_rejects_a_pattern_matching_none():
     ladder.select(grid, ["L99_800", "L8d256_200", "x"])
 
 
+def test_gpu_ablations_run_at_each_chains_tuned_rate():
+  """The :gpu ablations (baseline and switches) take the sweep's best rate of their chain at the
+  ablation size (`ablation_lrs`); the grid point with the same size and budget keeps the grid's
+  rate as it ran; the CPU grid, without `ablation_lrs`, its own."""
+  spec = ladder_cfg.get_config("gpu")
+  tuned = ladder_cfg.GRIDS["gpu"]["ablation_lrs"]
+  points = ladder.plan(spec, True)
+  assert {p.arg.split("/")[-1] for p in points} == {"baseline", *spec.ablations}
+  for p in points:
+    cfg = ladder_cfg.get_config(p.arg)
+    chain = cfg.optim.get("chain", "muon")
+    assert (chain == "adamw") == p.arg.endswith("/adamw") and cfg.optim.lr == tuned[chain], p.arg
+  grid_point = ladder_cfg.get_config(f"gpu/{spec.ablation_size}/{spec.ablation_steps}")
+  assert grid_point.optim.lr == ladder_cfg.GRIDS["gpu"]["lr"] != tuned["muon"]
+  assert ladder_cfg.get_config("cpu/L10d32/60/adamw").optim.lr == ladder_cfg.GRIDS["cpu"]["lr"]
+
+
 def test_second_stage_plans_from_every_finished_first_stage_point(tmp_path):
   """A call whose `--only` runs some first-stage points and names second-stage ones plans the
   second stage from this call's records and those earlier calls left in the workdir (2026-12-05: a
