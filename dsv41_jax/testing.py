@@ -45,6 +45,10 @@ DEFAULT_CPU_DEVICES = 8
 # --- devices and meshes -------------------------------------------------------------------------
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
+# XLA's depth-first CPU schedule: with the breadth-first default, collectives inside and outside a
+# conditional could run in different orders on different fake devices and stop the program
+# (docs/user_guide.md §8, launch/xla_flags.py). A setting already in XLA_FLAGS wins.
+_SCHEDULE_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
 
 
 def _env_recipe(n: int) -> str:
@@ -64,7 +68,8 @@ def force_cpu_devices(n: int = DEFAULT_CPU_DEVICES) -> None:
   """Make jax start with `n` CPU devices and the CPU platform only.
 
   Works until the first jax operation (importing jax is fine). Sets XLA_FLAGS (keeping any other
-  flags, replacing an earlier device count) and JAX_PLATFORMS=cpu. Raises RuntimeError when jax
+  flags, replacing an earlier device count, adding XLA's depth-first CPU schedule unless the flag
+  is set) and JAX_PLATFORMS=cpu. Raises RuntimeError when jax
   has already started with fewer than `n` devices.
   """
   if n < 1:
@@ -76,6 +81,8 @@ def force_cpu_devices(n: int = DEFAULT_CPU_DEVICES) -> None:
                          f"for; {_env_recipe(n)}")
     return
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_COUNT_FLAG)]
+  if not any(f.startswith(_SCHEDULE_FLAG) for f in flags):
+    flags.append(f"{_SCHEDULE_FLAG}=false")
   os.environ["XLA_FLAGS"] = " ".join([*flags, f"{_COUNT_FLAG}={n}"])
   os.environ["JAX_PLATFORMS"] = "cpu"
   jax.config.update("jax_platforms", "cpu")

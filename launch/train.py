@@ -278,11 +278,14 @@ def _run(cfg: ml_collections.ConfigDict, workdir: str, stop: _Stop, profile_text
   rows = setup.global_batch(run, mesh)
   log.info("mesh %s over %d devices, %d process(es); global batch %d rows",
            dict(mesh.shape), mesh.size, jax.process_count(), rows)
-  if jax.default_backend() == "cpu" and mesh.size > 1 and run.model.scan_layers:
-    log.warning("on a CPU mesh XLA may stop a step with 'Termination timeout for ...' (collectives "
-                "inside the scanned layers' conditionals run in different orders on different "
-                "devices); --config.model.scan_layers=false avoids those conditionals (user guide "
-                "§8)")
+  if (jax.default_backend() == "cpu" and mesh.size > 1 and run.model.scan_layers
+      and not xla_flags.cpu_schedule_is_depth_first()):
+    log.warning("on a CPU mesh with XLA's breadth-first CPU schedule, a step may stop with "
+                "'Termination timeout for ...' (collectives inside the scanned layers' "
+                "conditionals run in different orders on different devices); "
+                "--xla_cpu_enable_concurrency_optimized_scheduler=false in XLA_FLAGS (the default "
+                "unless DSV41_XLA_DEFAULTS=0) or --config.model.scan_layers=false avoids it "
+                "(user guide §8)")
   for warning in schedule.notes(run.optim, tcfg.steps):
     log.warning("schedule: %s", warning)
   primary = jax.process_index() == 0

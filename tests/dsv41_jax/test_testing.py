@@ -37,13 +37,14 @@ def test_too_many_devices_names_the_environment_variables():
 
 def test_plugin_gives_a_fresh_pytest_process_8_cpu_devices(tmp_path):
   """`-p dsv41_jax.testing` (which imports jax) still sets the device count in time, keeping the
-  other XLA flags."""
+  other XLA flags and adding XLA's depth-first CPU schedule (user guide §8)."""
   (tmp_path / "test_devices.py").write_text(
       "import os, jax\n"
       "def test_devices():\n"
       "  assert (len(jax.devices()), jax.default_backend()) == (8, 'cpu')\n"
       "  assert os.environ['XLA_FLAGS'] == ('--xla_cpu_enable_fast_math=false '\n"
-      "                                     '--xla_force_host_platform_device_count=8')\n")
+      "      '--xla_cpu_enable_concurrency_optimized_scheduler=false '\n"
+      "      '--xla_force_host_platform_device_count=8')\n")
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   env["XLA_FLAGS"] = "--xla_cpu_enable_fast_math=false"
   env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])

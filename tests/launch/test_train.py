@@ -359,8 +359,9 @@ def test_damaged_newest_checkpoint_and_other_mesh(env, reference):
   assert "profile of steps 3-3 written to" in out
   mesh_line = re.search(r"mesh (\{.*?\}) over 8 devices", out)
   assert mesh_line and "'data': 2" in mesh_line.group(1) and "'expert': 4" in mesh_line.group(1)
-  # a CPU mesh with scanned layers names the XLA CPU hazard and its way round (user guide §8)
-  assert "--config.model.scan_layers=false avoids" in out
+  # launch.train's default XLA flags give the CPU its depth-first schedule, under which a CPU mesh
+  # with scanned layers does not stop (user guide §8): no warning about it
+  assert "breadth-first" not in out and "Termination timeout" not in out
   assert "checkpoint at step 4 cannot be restored" in out
   assert "resumed from step 2" in out
   assert os.path.isdir(os.path.join(workdir, "checkpoints", "damaged-4"))

@@ -30,6 +30,15 @@
 #   run(command="ONLY='*L12d384_muon_lr0.008_seed0' SWEEP=1 bash benchmarks/gpu_runs/calls/next4.sh",
 #       carry=[".whl", "build/ladder_prev"], timeout_s=600)
 #   then ONLY='*_seed1' (stage 2, 4 points: over two calls if they do not fit one).
+# Session 49 (2026-12-05): the sweep is done but one point (s49_call{2,3}); every optimum is bracketed.
+# Next, in this order (each from the repository root after sweep_prepare.sh, carrying
+# .whl, build/ladder_prev and build/xla_cache):
+#   ONLY='*L12d384_muon*_seed1' SWEEP=1 bash benchmarks/gpu_runs/calls/next4.sh   (1 point, ~135 s)
+#   ONLY='ablations/*_seed0' ABLATIONS=1 bash benchmarks/gpu_runs/calls/next4.sh  (issue 29 item 3:
+#     9 points at L12d384, 400 steps, at the tuned rates `ablation_lrs`; ~135 s each, 3 calls), then
+#   ONLY='ablations/*_seed1' ABLATIONS=1 ... (the seed spread each switch is judged against).
+# Report: python -m launch.ladder --report build/ladder_prev --out=benchmarks/ladder/gpu (the
+# ablation table is part of it).
 # The carried build/clean was ~59 MB of the 64 MiB a carry may hold (the compilation cache is 38 MB,
 # 19 programs): if a call's new entries would pass it, drop the oldest entries of build/xla_cache
 # (AdamW's L8d256 programs are no longer needed after stage 2's L8d256 AdamW point).
@@ -76,9 +85,9 @@ if [ -d build/xla_cache ]; then
 fi
 END=${END:-545}
 : "${ONLY:=*}" "${JOBS:=1}"
-step "ladder ${SWEEP:+sweep }$ONLY, $JOBS at once, $((END - SECONDS)) s"
+step "ladder ${SWEEP:+sweep }${ABLATIONS:+ablations }$ONLY, $JOBS at once, $((END - SECONDS)) s"
 timeout -s INT -k 15 $((END - SECONDS + 15)) python3 -m launch.ladder --config=configs/ladder.py:gpu \
-    --workdir=$W --jobs=$JOBS --only="$ONLY" --time_limit=$((END - SECONDS)) ${SWEEP:+--sweep}
+    --workdir=$W --jobs=$JOBS --only="$ONLY" --time_limit=$((END - SECONDS)) ${SWEEP:+--sweep} ${ABLATIONS:+--ablations}
 step report; timeout 20 python3 -m launch.ladder --report $W > $OUT/report.md
 step archive; (cd $W && find . -maxdepth 3 -type f \( -name point.json -o -name metrics.jsonl -o -name train.log \
     -o -name 'ladder.*' -o -name report.md -o -name '*.png' \) -print0 | tar --null -czf "$OUT/ladder_gpu.tar.gz" -T -)
