@@ -69,8 +69,8 @@ def force_cpu_devices(n: int = DEFAULT_CPU_DEVICES) -> None:
 
   Works until the first jax operation (importing jax is fine). Sets XLA_FLAGS (keeping any other
   flags, replacing an earlier device count, adding XLA's depth-first CPU schedule unless the flag
-  is set) and JAX_PLATFORMS=cpu. Raises RuntimeError when jax
-  has already started with fewer than `n` devices.
+  is set) and JAX_PLATFORMS=cpu. Raises RuntimeError when jax has already started with fewer
+  than `n` devices.
   """
   if n < 1:
     raise ValueError(f"asked for {n} CPU devices; need at least 1")

@@ -26,9 +26,8 @@ GPU_DEFAULTS = {
     "xla_gpu_experimental_enable_fusion_autotuner": "false",
     "xla_gpu_enable_triton_gemm": "false",
 }
-CPU_DEFAULTS = {
-    "xla_cpu_enable_concurrency_optimized_scheduler": "false",
-}
+CPU_SCHEDULE = "xla_cpu_enable_concurrency_optimized_scheduler"
+CPU_DEFAULTS = {CPU_SCHEDULE: "false"}
 
 
 def apply_defaults(environ=os.environ) -> str:
@@ -45,7 +44,7 @@ def apply_defaults(environ=os.environ) -> str:
 def cpu_schedule_is_depth_first(environ=os.environ) -> bool:
   """Whether XLA_FLAGS selects the CPU's depth-first schedule (the last setting of the flag wins,
   as in XLA's own parsing)."""
-  name = "--xla_cpu_enable_concurrency_optimized_scheduler"
+  name = f"--{CPU_SCHEDULE}"
   values = [f.split("=", 1)[1] if "=" in f else "true"
             for f in environ.get("XLA_FLAGS", "").split() if f.split("=", 1)[0] == name]
   return bool(values) and values[-1].lower() in ("false", "0")

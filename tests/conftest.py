@@ -13,8 +13,8 @@ except where equal bits need LLVM's full pipeline (`test_csa2_attention.py`). A
 flag already in XLA_FLAGS wins: `XLA_FLAGS=--xla_backend_optimization_level=3` runs the suite
 with the full pipeline. XLA's depth-first CPU schedule is set too, as `launch.train` sets it: it
 orders the program's operations, not their arithmetic, and keeps collectives in conditionals on a
-CPU mesh from stopping the program (user guide §8). (XLA's elemental emitters, FASTER_CPU's third flag, would change the HLO
-that tests inspect: a scatter expanded into a loop.)
+CPU mesh from stopping the program (user guide §8). (XLA's elemental emitters, FASTER_CPU's third
+flag, would change the HLO that tests inspect: a scatter expanded into a loop.)
 """
 
 import os
