@@ -378,6 +378,7 @@ def ablation_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
   """Per switch: held-out loss (and bpb) minus the baseline's at the same seed, over seeds."""
   abl = [r for r in rows if r["kind"] == "ablation" and r["status"] == "done"]
   base = {r["seed"]: r for r in abl if not r["ablation"]}
+  spread = float(np.ptp([b["eval_loss"] for b in base.values()])) if base else 0.0
   out = []
   for name in sorted({r["ablation"] for r in abl if r["ablation"]}):
     pairs = [(r, base[r["seed"]]) for r in abl if r["ablation"] == name and r["seed"] in base]
@@ -394,8 +395,22 @@ def ablation_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         delta_loss_std=float(dl.std(ddof=1)) if len(dl) > 1 else None,
         delta_bpb_mean=float(db.mean()),
         flops_ratio=pairs[0][0]["flops_per_token"] / pairs[0][1]["flops_per_token"],
-        baseline_spread=float(np.ptp([b["eval_loss"] for b in base.values()]))))
+        baseline_spread=spread, baseline_seeds=sorted(base),
+        verdict=ablation_verdict(dl, spread, len(base))))
   return out
+
+
+def ablation_verdict(deltas, baseline_spread: float, baseline_seeds: int) -> str:
+  """Whether a switch's effect is told apart from seed noise: "beyond the seed spread" when every
+  seed's Δ has the same sign and the smallest |Δ| exceeds the baseline's spread over seeds,
+  "within noise" when not, and "one baseline seed: no spread yet" while the baseline has one seed
+  (its spread of 0 would call every effect real)."""
+  if baseline_seeds < 2:
+    return "one baseline seed: no spread yet"
+  deltas = np.asarray(deltas)
+  same_sign = bool(np.all(deltas > 0) or np.all(deltas < 0))
+  return ("beyond the seed spread" if same_sign and np.abs(deltas).min() > baseline_spread
+          else "within noise")
 
 
 def markdown(rows, fit, abl) -> str:
@@ -433,12 +448,14 @@ def markdown(rows, fit, abl) -> str:
                  f"points; residuals {res}")
   if abl:
     lines += ["", "| switch | Δ held-out loss (mean) | min … max over seeds | seeds | FLOP/token ×"
-              " |", "|---|---:|---:|---|---:|"]
+              " | against the seed spread |", "|---|---:|---:|---|---:|---|"]
     for a in abl:
       lines.append(f"| {a['ablation']} | {a['delta_loss_mean']:+.4f} | "
                    f"{a['delta_loss_min']:+.4f} … {a['delta_loss_max']:+.4f} | "
-                   f"{','.join(map(str, a['seeds']))} | {a['flops_ratio']:.3f} |")
-    lines.append(f"\nbaseline held-out loss spread over seeds: {abl[0]['baseline_spread']:.4f}")
+                   f"{','.join(map(str, a['seeds']))} | {a['flops_ratio']:.3f} | {a['verdict']} |")
+    seeds = abl[0]["baseline_seeds"]
+    lines.append(f"\nbaseline held-out loss spread over seeds {','.join(map(str, seeds))}: "
+                 + (f"{abl[0]['baseline_spread']:.4f}" if len(seeds) > 1 else "none yet (one seed)"))
   return "\n".join(lines) + "\n"
 
 

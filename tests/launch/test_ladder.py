@@ -137,7 +137,10 @@ def test_report_fits_finished_points_lists_failed_and_tables_ablations(tmp_path)
   (a,) = r["ablations"]
   np.testing.assert_allclose([a["delta_loss_mean"], a["delta_loss_min"], a["delta_loss_max"]],
                              [-0.075, -0.1, -0.05], rtol=1e-12)
-  assert a["seeds"] == [0, 1]
+  assert a["seeds"] == [0, 1] and a["baseline_seeds"] == [0, 1]
+  # |Δ| of 0.05 at seed 1 is under the baseline's own spread of 0.1
+  np.testing.assert_allclose(a["baseline_spread"], 0.1, rtol=1e-12)
+  assert a["verdict"] == "within noise" and "| within noise |" in r["markdown"]
   with open(os.path.join(out, "ladder.csv")) as f:
     assert len(f.read().strip().splitlines()) == 15  # header + 14 points
   with open(os.path.join(out, "ladder.json")) as f:
@@ -152,6 +155,14 @@ def test_report_fits_finished_points_lists_failed_and_tables_ablations(tmp_path)
   assert sorted(os.path.basename(p) for p in r["plots"]) == [
       "frontier.png", "loss_curves.png", "residuals.png"]
   assert all(os.path.getsize(p) > 1000 for p in r["plots"])
+
+
+def test_ablation_verdict_needs_a_spread_and_one_sign():
+  assert ladder.ablation_verdict([0.3], 0.0, 1) == "one baseline seed: no spread yet"
+  assert ladder.ablation_verdict([0.05, 0.07], 0.04, 2) == "beyond the seed spread"
+  assert ladder.ablation_verdict([-0.05, -0.07], 0.04, 2) == "beyond the seed spread"
+  assert ladder.ablation_verdict([0.05, 0.03], 0.04, 2) == "within noise"   # one |Δ| under it
+  assert ladder.ablation_verdict([0.5, -0.5], 0.04, 2) == "within noise"    # the sign flips
 
 
 # --- the ladder end to end ------------------------------------------------------------------------
