@@ -37,8 +37,8 @@ A point that would not finish before it is not started: `estimate_seconds` times
 finished points of its size (of its sweep chain or ablation where there are such) in the ladder
 directory, trained in one run with the same number of runs at once, as their median seconds a step (metrics.jsonl's `step_time`) times its steps
 plus their median seconds outside the steps (start-up, compilation, evaluation, checkpoints),
-and must fit with a margin for run-to-run spread (`with_margin`); a point with no such finished
-point is started. The ladder goes on to the next point that fits. At
+and must fit with a margin for run-to-run spread (`with_margin`); with several at once and none
+timed so yet, `jobs` × its time alone; a point with no finished point of its size is started. The ladder goes on to the next point that fits. At
 the deadline the running points are stopped as on SIGTERM (checkpoint, recorded interrupted) and
 `TimeLimit` is raised: work that cannot finish on a machine that is then taken away (with its
 checkpoints) is not begun, and what was begun stays resumable where the directory survives.
@@ -152,15 +152,24 @@ def _arm(rec: dict[str, Any]) -> str:
 def estimate_seconds(point, jobs: int, timings: list[tuple[dict[str, Any], float]]) -> float | None:
   """`point`'s wall time by the finished points of its size run `jobs` at once
   (`finished_timings`), those of its arm (`_arm`) if there are any: median seconds a step × its
-  steps + median seconds outside the steps; None when there is no such point."""
-  size = [(rec, s) for rec, s in timings
-          if rec.get("size") == point.size and rec.get("jobs", 1) == jobs]
-  same = [(rec, s) for rec, s in size if _arm(rec) == _arm(dataclasses.asdict(point))] or size
-  if not same:
-    return None
-  per_step = statistics.median(s for _, s in same)
-  fixed = statistics.median(max(rec["seconds"] - rec["steps"] * s, 0.0) for rec, s in same)
-  return fixed + point.steps * per_step
+  steps + median seconds outside the steps. With `jobs` > 1 and no such point, `jobs` × its time
+  run alone, an upper bound while the runs share one device (2026-12-03: 4 at once took 3.1× their
+  time alone each), so the first points of a new `--jobs` start only where even that fits. None
+  when there is no point to time it by."""
+  def at(j):
+    size = [(rec, s) for rec, s in timings
+            if rec.get("size") == point.size and rec.get("jobs", 1) == j]
+    same = [(rec, s) for rec, s in size if _arm(rec) == _arm(dataclasses.asdict(point))] or size
+    if not same:
+      return None
+    per_step = statistics.median(s for _, s in same)
+    fixed = statistics.median(max(rec["seconds"] - rec["steps"] * s, 0.0) for rec, s in same)
+    return fixed + point.steps * per_step
+  own = at(jobs)
+  if own is not None or jobs == 1:
+    return own
+  alone = at(1)
+  return None if alone is None else jobs * alone
 
 
 def with_margin(seconds: float) -> float:

@@ -413,6 +413,9 @@ def test_time_limit_starts_only_the_points_the_finished_ones_say_will_fit(tmp_pa
   assert ladder_jobs.estimate_seconds(point("a", "S", 6), 1, timings) == 80.0 + 6 * 10.0
   assert ladder_jobs.estimate_seconds(point("a", "S", 6), 2, timings) == 5.0 + 6 * 1.0
   assert ladder_jobs.estimate_seconds(point("a", "T", 6), 1, timings) is None
+  # No S point run 3 at once: 3 x its time alone, an upper bound while they share the device.
+  assert ladder_jobs.estimate_seconds(point("a", "S", 6), 3, timings) == 3 * (80.0 + 6 * 10.0)
+  assert ladder_jobs.estimate_seconds(point("a", "T", 6), 3, timings) is None
   assert ladder_jobs.estimate_seconds(sweep("adamw"), 1, timings) == 12.0 + 6 * 4.0  # its chain
   assert ladder_jobs.estimate_seconds(sweep("muon"), 1, timings) == pytest.approx(
       statistics.median([20.0 - 2 * 4.0, 70.0, 90.0]) + 6 * 10.0)        # none: all of size S

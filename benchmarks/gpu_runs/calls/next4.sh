@@ -39,6 +39,14 @@
 #   ONLY='ablations/*_seed1' ABLATIONS=1 ... (the seed spread each switch is judged against).
 # Report: python -m launch.ladder --report build/ladder_prev --out=benchmarks/ladder/gpu (the
 # ablation table is part of it).
+# Session 50 (2026-12-05): stage 2 is complete (L12d384 Muon 8e-3 seed 1: 2.5323) and the ablations'
+# baseline and dense_attention ran at seed 0 (s50_call1); then no machine was lent. Next, from the
+# repository root after sweep_prepare.sh, carrying .whl, build/ladder_prev and build/xla_cache:
+#   ONLY='ablations/*_seed0' ABLATIONS=1 bash benchmarks/gpu_runs/calls/next4.sh   (7 left, ~3 a call)
+#   ONLY='ablations/*_seed1' ABLATIONS=1 ...                                         (9, ~3 calls)
+# JOBS=2 may fit more points a call: with no point yet timed at 2 at once, each is estimated at
+# twice its time alone (ladder_jobs.estimate_seconds), so the first such call starts only 2 points;
+# later calls time them by what the first measured.
 # The carried build/clean was ~59 MB of the 64 MiB a carry may hold (the compilation cache is 38 MB,
 # 19 programs): if a call's new entries would pass it, drop the oldest entries of build/xla_cache
 # (AdamW's L8d256 programs are no longer needed after stage 2's L8d256 AdamW point).
