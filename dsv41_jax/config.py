@@ -182,12 +182,6 @@ class ModelConfig:
   # to it once per step, before the forward and every micro-batch (`launch.step.CAST_ONCE`), not
   # once per use in each forward and remat pass; the gradient is the same bit for bit.
   cast_weights_once: bool = False
-  # How a scanned run reaches its Engram layer (docs/design.md §7): "cond", one scan whose layer
-  # body injects under a `lax.cond` on the layer's flag (the skipping layers copy the streams:
-  # ~5 ms a micro-batch of copies and cond fusions at s3 on the H200, RESULTS 2026-12-03); "split",
-  # the run scanned in two parts with the injection between them (no conditional, the body
-  # compiled twice). The same arithmetic either way.
-  engram_scan: Literal["cond", "split"] = "cond"
   # The vision pathway (ViT + projector, `dsv41_jax.vision.config.VisionConfig`); None = text only.
   vision: VisionConfig | None = None
 
@@ -277,8 +271,6 @@ def _validate(c: ModelConfig) -> None:
        f"moe_product_dtype must be 'float32' or 'compute' (got {c.moe_product_dtype!r})")
   need(c.moe_capacity_factor > 0, f"moe_capacity_factor must be positive (got {c.moe_capacity_factor})")
   need(c.residual in ("mhc", "plain"), f"residual must be 'mhc' or 'plain' (got {c.residual!r})")
-  need(c.engram_scan in ("cond", "split"),
-       f"engram_scan must be 'cond' or 'split' (got {c.engram_scan!r})")
   need(c.hc_stream_dtype in ("float32", "bfloat16"),
        f"hc_stream_dtype must be 'float32' or 'bfloat16' (got {c.hc_stream_dtype!r})")
   need(c.residual == "mhc" or c.hc_mult == 1,

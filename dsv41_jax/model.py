@@ -174,8 +174,7 @@ class Transformer(nnx.Module):
     engram_at = lambda flag: None
     touched = None
     if run.engram:
-      # The lookup (ids only) before the scan; the gated injection at the Engram layer (inside
-      # the scan under a cond, or between its two parts: `ModelConfig.engram_scan`).
+      # The lookup (ids only) before the scan; the gated injection inside, at the Engram layer.
       token_mask = (ctx.segment_ids_BxT > 0) & ~ctx.image_mask_BxT
       ids = ctx.engram_ids[run.engram_layer]
       memory_kv = stack.engram.memory(ids)
@@ -196,44 +195,22 @@ class Transformer(nnx.Module):
     kind_of = np.asarray(run.kind_of, np.int32)
     slot_of = np.asarray(run.slot_of, np.int32)
 
-    def scanned(engram_of):
-      """The scan body; `engram_of(e)` is the layer's Engram step for its flag e."""
-      def body(carry, xs):
-        core_p, pub_ps, bias_l, k, *e = xs
-        core = nnx.merge(core_def, core_p)
-        ps = [None if d is None else nnx.merge(d, p) for d, p in zip(pub_defs, pub_ps)]
-        return layer_forward(cfg, run.kinds, core, ps, carry, ctx, bias_l, k, engram_of(*e))
-      if cfg.remat:
-        body = jax.checkpoint(body, prevent_cse=False, policy=layer_remat_policy(cfg.remat_saves))
-      return body
+    def body(carry, xs):
+      core_p, pub_ps, bias_l, k, e = xs
+      core = nnx.merge(core_def, core_p)
+      ps = [None if d is None else nnx.merge(d, p) for d, p in zip(pub_defs, pub_ps)]
+      return layer_forward(cfg, run.kinds, core, ps, carry, ctx, bias_l, k, engram_at(e))
 
-    body = scanned(engram_at)
+    if cfg.remat:
+      body = jax.checkpoint(body, prevent_cse=False, policy=layer_remat_policy(cfg.remat_saves))
     if cfg.scan_layers and n > 1:
       # Each kind's weights gathered into one row per layer (rows of other kinds are never read;
       # the gather's transpose sums each layer's gradient back into its kind's stack).
       gathered = [None if p is None else jax.tree.map(
           lambda a, k=k: a[np.where(kind_of == k, slot_of, 0)], p)
           for k, p in enumerate(pub_states)]
-      xs = (core_state, gathered, bias, jnp.asarray(kind_of), jnp.asarray(is_engram))
-      if run.engram and cfg.engram_scan == "split":
-        # Layers before the Engram layer, its injection on the streams, then the rest from the
-        # Engram layer on: the bodies see e = False (no conditional); the gate goes to its row.
-        at = run.engram_layer - lo
-        no_engram = scanned(lambda: None)
-        part = lambda a, b: jax.tree.map(lambda x: x[a:b], xs[:4])
-        auxes = []
-        if at > 0:
-          state, a = jax.lax.scan(no_engram, state, part(0, at))
-          auxes.append(a)
-        X, gate = engram_at(True)(state.X_BxTxNxD)
-        state = state._replace(X_BxTxNxD=X)
-        state, a = jax.lax.scan(no_engram, state, part(at, n))
-        auxes.append(a)
-        aux = jax.tree.map(lambda *a: jnp.concatenate(a), *auxes)
-        rows = np.arange(n)[:, None] == at
-        aux = aux._replace(engram_gate_N=jnp.where(rows, gate, aux.engram_gate_N))
-      else:
-        state, aux = jax.lax.scan(body, state, xs)
+      state, aux = jax.lax.scan(body, state, (core_state, gathered, bias, jnp.asarray(kind_of),
+                                              jnp.asarray(is_engram)))
     else:
       auxes = []
       for i in range(n):
