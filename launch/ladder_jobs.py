@@ -35,11 +35,12 @@ Each log line of the ladder names its point: `[k/n] <name>: ...`.
 A time limit (`deadline`, `launch.ladder --time_limit`: a device lease, a batch job's wall clock).
 A point that would not finish before it is not started: `estimate_seconds` times it from the
 finished points of its size (of its sweep chain or ablation where there are such) in the ladder
-directory, trained in one run with the same number of runs at once, as their median seconds a step (metrics.jsonl's `step_time`) times its steps
-plus their median seconds outside the steps (start-up, compilation, evaluation, checkpoints),
-and must fit with a margin for run-to-run spread (`with_margin`); with several at once and none
-timed so yet, `jobs` × its time alone; a point with no finished point of its size is started. The ladder goes on to the next point that fits. At
-the deadline the running points are stopped as on SIGTERM (checkpoint, recorded interrupted) and
+directory, trained in one run with the same number of runs at once, as their median seconds a
+step (metrics.jsonl's `step_time`) times its steps plus their median seconds outside the steps
+(start-up, compilation, evaluation, checkpoints), and must fit with a margin for run-to-run
+spread (`with_margin`); with several at once and none timed so yet, `jobs` × its time alone; a
+point with no finished point of its size is started. The ladder goes on to the next point that
+fits. At the deadline the running points are stopped as on SIGTERM (checkpoint, recorded interrupted) and
 `TimeLimit` is raised: work that cannot finish on a machine that is then taken away (with its
 checkpoints) is not begun, and what was begun stays resumable where the directory survives.
 """

@@ -4,8 +4,10 @@
 # Four runs of that point for STEPS steps, logged every step: twice as it is, twice with XLA's
 # deterministic ops (--xla_gpu_deterministic_ops=true; also excludes the nondeterministic
 # scatter/select-and-scatter algorithms). Prints the first step where each pair's losses differ.
-#   run(command="bash benchmarks/gpu_runs/calls/next_s50_determinism.sh",
-#       carry=[".whl", "build/xla_cache"], timeout_s=300)
+#   run(command="STEPS=20 LIMIT=90 bash benchmarks/gpu_runs/calls/next_s50_determinism.sh",
+#       carry=[".whl", "build/xla_cache"], timeout_s=420)
+# (each run is cut at LIMIT seconds, default 110: four runs need up to 4 x LIMIT + the prelude;
+# ~250 s expected with the compilation cache carried.)
 source benchmarks/gpu_runs/calls/prelude.sh
 OUT=$(realpath "$OUT")
 CACHE=~/.cache/dsv41_jax/xla
