@@ -54,6 +54,25 @@ def expert_onehot(experts_BxTxK, n_experts: int):
   return jax.nn.one_hot(experts_BxTxK, n_experts, dtype=jnp.float32).sum(axis=-2)
 
 
+def document_totals(v_BxTxC, segment_ids_BxT):
+  """Each token's sum of v over its document (a run of equal segment ids in a row), [B, T, C].
+
+  Inclusive prefix sums read at the run's last token less the exclusive prefix sum at its first:
+  gathers along T, no scatter (a `segment_sum` over B·T segments was one on the GPU). Exact for
+  counts (integer-valued float32 below 2^24); meant for values that carry no gradient."""
+  t = segment_ids_BxT.shape[1]
+  pos = jnp.arange(t, dtype=jnp.int32)[None, :]
+  change = segment_ids_BxT[:, 1:] != segment_ids_BxT[:, :-1]
+  first = jnp.concatenate([jnp.ones_like(change[:, :1]), change], axis=1)
+  last = jnp.concatenate([change, jnp.ones_like(change[:, :1])], axis=1)
+  start = jax.lax.cummax(jnp.where(first, pos, 0), axis=1)[..., None]
+  end = jax.lax.cummin(jnp.where(last, pos, t - 1), axis=1, reverse=True)[..., None]
+  inclusive = jnp.cumsum(v_BxTxC, axis=1)
+  exclusive = inclusive - v_BxTxC
+  return (jnp.take_along_axis(inclusive, end, axis=1)
+          - jnp.take_along_axis(exclusive, start, axis=1))
+
+
 def sequence_balance_loss(scores_BxTxE, experts_BxTxK, segment_ids_BxT):
   """Sequence-wise balance loss of docs/design.md §8.4, unweighted (α applied by the caller).
 
@@ -61,22 +80,26 @@ def sequence_balance_loss(scores_BxTxE, experts_BxTxK, segment_ids_BxT):
     f_i = E / (K·T_doc) · Σ_t 1[i ∈ sel_t],  P_i = (1/T_doc) Σ_t s_{t,i} / Σ_j s_{t,j},
     L_doc = Σ_i f_i P_i,   loss = mean of L_doc over the documents in the batch.
   s are the unbiased sqrt-softplus scores; f carries no gradient. Padding is no document.
+
+  As f has no gradient, L_doc is linear in the normalised scores: Σ_{t ∈ doc} Σ_i ŝ_{t,i} · w_{t,i}
+  with w = E/K · count_i / T_doc² of the token's document, so the per-document sums are needed
+  only for the counts (`document_totals`, no gradient) and the scores' gradient is elementwise.
   """
-  b, t, e = scores_BxTxE.shape
+  e = scores_BxTxE.shape[-1]
   k = experts_BxTxK.shape[-1]
-  valid = (segment_ids_BxT != 0).astype(jnp.float32).reshape(b * t, 1)
-  doc = (document_index(segment_ids_BxT) + jnp.arange(b, dtype=jnp.int32)[:, None] * t).reshape(-1)
-  sel = expert_onehot(experts_BxTxK, e).reshape(b * t, e) * valid
-  s = scores_BxTxE.astype(jnp.float32).reshape(b * t, e)
-  s_norm = s / s.sum(-1, keepdims=True) * valid
-  seg_sum = lambda v: jax.ops.segment_sum(v, doc, num_segments=b * t, indices_are_sorted=True)
-  n_doc = seg_sum(valid)[:, 0]
-  count = jax.lax.stop_gradient(seg_sum(sel))
-  prob = seg_sum(s_norm)
-  safe = jnp.maximum(n_doc, 1.0)[:, None]
-  per_doc = ((e / k) * (count / safe) * (prob / safe)).sum(-1)
-  is_doc = n_doc > 0
-  return jnp.where(is_doc, per_doc, 0.0).sum() / jnp.maximum(is_doc.sum(), 1)
+  valid = (segment_ids_BxT != 0)
+  validf = valid.astype(jnp.float32)[..., None]                        # [B, T, 1]
+  sel = expert_onehot(experts_BxTxK, e) * validf                       # [B, T, E]
+  s = scores_BxTxE.astype(jnp.float32)
+  s_norm = s / s.sum(-1, keepdims=True) * validf
+  totals = jax.lax.stop_gradient(
+      document_totals(jnp.concatenate([validf, sel], axis=-1), segment_ids_BxT))
+  n_doc, count = totals[..., :1], totals[..., 1:]
+  w = (e / k) * count / jnp.square(jnp.maximum(n_doc, 1.0))
+  first = jnp.concatenate([jnp.ones_like(valid[:, :1]),
+                           segment_ids_BxT[:, 1:] != segment_ids_BxT[:, :-1]], axis=1)
+  n_docs = (first & valid).sum()
+  return (s_norm * w).sum() / jnp.maximum(n_docs, 1).astype(jnp.float32)
 
 
 def expert_load(experts_BxTxK, segment_ids_BxT, image_mask_BxT, n_experts: int):

@@ -26,7 +26,6 @@ ALLOWED = {
     ("scatter", "select_topk"): "top-k slots to their entry mask (bool)",
     ("scatter", "initial_pre"): "the one-hot e_0 pre-mix ([hc_mult])",
     ("scatter", "route"): "routed-expert load counts (int32, [E])",
-    ("scatter", "sequence_balance_loss.<locals>.<lambda>"): "per-row expert counts ([B, E])",
     ("scatter", "_capacity_local"): "capacity dispatch into expert buffers (issue 27: dropless)",
     ("scatter", "_sort_pairs"): "dropless dispatch: inverse permutation and group sizes (int32)",
     ("scatter", "_dropless_local"): "dropless dispatch: the routing weights' gradient back to "

@@ -9,7 +9,7 @@ from flax import nnx
 
 from dsv41_jax import testing
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.layers.moe import MoE, route
+from dsv41_jax.layers.moe import MoE, document_totals, route, sequence_balance_loss
 
 D, E, K, F = 16, 8, 2, 8
 LIMIT = 1.5  # small enough that the clamps of §8.2 bite on unit-scale inputs
@@ -78,9 +78,8 @@ def np_moe(params, x, w, sel, valid, limit, dropped=None):
   return y
 
 
-def _np_balance(s, sel, seg):
-  """docs/design.md §8.4 per document (runs of equal non-zero segment id), averaged over documents."""
-  losses = []
+def _np_documents(seg):
+  """(row, first, end) of each document: a run of equal non-zero segment ids in a row."""
   for i in range(seg.shape[0]):
     j = 0
     while j < seg.shape[1]:
@@ -88,14 +87,25 @@ def _np_balance(s, sel, seg):
       while end < seg.shape[1] and seg[i, end] == seg[i, j]:
         end += 1
       if seg[i, j] != 0:
-        n = end - j
-        f = np.zeros(E)
-        for tt in range(j, end):
-          for e in sel[i, tt]:
-            f[e] += E / (K * n)
-        prob = (s[i, j:end] / s[i, j:end].sum(-1, keepdims=True)).mean(0)
-        losses.append((f * prob).sum())
+        yield i, j, end
       j = end
+
+
+def _np_expert_share(sel, i, j, end):
+  """f of §8.4 for tokens j..end of row i: E / (K·T_doc) per selection."""
+  f = np.zeros(E)
+  for tt in range(j, end):
+    for e in sel[i, tt]:
+      f[e] += E / (K * (end - j))
+  return f
+
+
+def _np_balance(s, sel, seg):
+  """docs/design.md §8.4 per document (runs of equal non-zero segment id), averaged over documents."""
+  losses = []
+  for i, j, end in _np_documents(seg):
+    prob = (s[i, j:end] / s[i, j:end].sum(-1, keepdims=True)).mean(0)
+    losses.append((_np_expert_share(sel, i, j, end) * prob).sum())
   return np.mean(losses)
 
 
@@ -164,6 +174,70 @@ def test_padding_load_and_balance_loss():
   assert float(aux2["balance_loss"]) == float(aux["balance_loss"])
   shared_only = np_moe(p, x2, np.zeros((*seg.shape, K)), sel, np.zeros_like(valid), LIMIT)
   np.testing.assert_allclose(np.asarray(y2)[~valid], shared_only[~valid], rtol=1e-5, atol=2e-6)
+
+
+def _random_segments(rng, b, t):
+  """Rows of random runs: documents of 1-7 tokens, some padding runs (id 0), some neighbours
+  sharing an id (one document, as the loss reads them)."""
+  seg = np.zeros((b, t), np.int32)
+  for i in range(b):
+    j, doc = 0, 0
+    while j < t:
+      n = int(rng.integers(1, 8))
+      doc = 0 if rng.random() < 0.2 else (doc if rng.random() < 0.1 else doc + 1)
+      seg[i, j:j + n] = doc
+      j += n
+  return seg
+
+
+def _np_balance_grad(s, sel, seg):
+  """d(balance loss)/d(scores) in float64 by the chain rule of §8.4: through P only (f has no
+  gradient), then through the row normalisation ŝ = s / Σ s."""
+  g = np.zeros_like(s, np.float64)
+  docs = list(_np_documents(seg))
+  for i, j, end in docs:
+    dnorm = _np_expert_share(sel, i, j, end) / (end - j)       # dL_doc / dŝ_{t,i}
+    for tt in range(j, end):
+      row = s[i, tt].astype(np.float64)
+      g[i, tt] = (dnorm - (dnorm * row).sum() / row.sum()) / row.sum()
+  return g / max(len(docs), 1)
+
+
+def test_document_totals_equal_a_loop_over_runs():
+  rng = np.random.default_rng(11)
+  seg = _random_segments(rng, 5, 40)
+  v = rng.integers(0, 3, size=(5, 40, 4)).astype(np.float32)
+  want = np.zeros_like(v)
+  for i in range(5):
+    for t in range(40):
+      a = t
+      while a > 0 and seg[i, a - 1] == seg[i, t]:
+        a -= 1
+      z = t
+      while z < 39 and seg[i, z + 1] == seg[i, t]:
+        z += 1
+      want[i, t] = v[i, a:z + 1].sum(0)
+  np.testing.assert_array_equal(np.asarray(jax.jit(document_totals)(v, seg)), want)
+
+
+def test_balance_loss_and_its_gradient_equal_float64_per_document_sums():
+  """Random runs (padding runs, one-token documents, neighbours sharing an id): the loss equals the
+  per-document loop and its gradient the float64 chain rule; the program has no scatter."""
+  rng = np.random.default_rng(12)
+  b, t = 3, 64
+  seg = _random_segments(rng, b, t)
+  s = (rng.random((b, t, E)) + 0.05).astype(np.float32)
+  sel = np.argsort(rng.random((b, t, E)), -1)[..., :K].astype(np.int32)
+  f = jax.jit(jax.value_and_grad(sequence_balance_loss))
+  loss, grad = f(jnp.asarray(s), jnp.asarray(sel), jnp.asarray(seg))
+  np.testing.assert_allclose(float(loss), _np_balance(s, sel, seg), rtol=2e-6)
+  np.testing.assert_allclose(np.asarray(grad), _np_balance_grad(s, sel, seg), rtol=2e-5,
+                             atol=1e-7 * np.abs(_np_balance_grad(s, sel, seg)).max())
+  text = f.lower(jnp.asarray(s), jnp.asarray(sel), jnp.asarray(seg)).as_text()
+  assert "scatter" not in text
+  # all padding: no document, loss 0 and no gradient
+  loss0, grad0 = f(jnp.asarray(s), jnp.asarray(sel), jnp.zeros((b, t), jnp.int32))
+  assert float(loss0) == 0.0 and not np.asarray(grad0).any()
 
 
 def _count(jaxpr, name: str, param: str = "") -> int:
