@@ -5,6 +5,8 @@
   python -m launch.aot --config=configs/flash.py --mesh=fsdp:8,expert:8,engram:8 --analytic
   python -m launch.aot --config=configs/flash.py --mesh=fsdp:8,expert:8,engram:8 \
       --rules=engram_rows=engram+fsdp+expert          # what-if: another mapping of one logical axis
+  python -m launch.aot --config=configs/small.py:s3 --mesh=data:1 --batch=32 --analytic \
+      --backend=gpu                                   # the estimate for a GPU, made on the CPU
 
 Compiled plan: the train step of `launch.step` is lowered with abstract arguments that carry their
 shardings (parameters per `sharding.RULES`, optimizer buffers like their parameters, the batch over
@@ -12,7 +14,9 @@ the batch axes) and compiled for fake CPU devices, one per mesh position, withou
 prints XLA's per-device `memory_analysis()` (arguments, outputs, aliased donations, temporaries)
 beside the analytic plan of `launch.memory_plan`, so the estimate can be checked on every config
 that compiles. With `--analytic`, and automatically above `--max_compile_params`, only the
-analytic plan is printed.
+analytic plan is printed. The analytic activations are for `--backend` (default: the machine it
+runs on, the CPU): the op policies take kernels on a GPU that keep no score-sized buffers
+(`launch.memory_plan.kernels_taken`).
 
 `--rules` overrides entries of `sharding.RULES` and the plan runs under the whole resulting table
 (`sharding.use_rules`): parameter, optimizer-state and batch shardings, and in the compiled plan
@@ -221,7 +225,7 @@ def format_plan(name: str, plan: dict[str, Any], compiled: dict[str, Any] | None
       f"{plan['rows_per_device'] // k} row(s) per device)" if k > 1 else ""))
   lines.append(f"    optimizer      {_gib(plan['opt_bytes'])}   (1 buffer muon/sinkhorn, 2 adamw)")
   act = plan["activation_bytes"]
-  lines.append(f"    activations    {_gib(act['total'])}   estimate: carries "
+  lines.append(f"    activations    {_gib(act['total'])}   estimate for {plan['backend']}: carries "
                f"{_gib(act['carries']).strip()} + largest layer {_gib(act['layer_work']).strip()} + "
                f"logits {_gib(act['logits']).strip()}")
   lines.append(f"    total          {_gib(plan['total_bytes'])}")
@@ -242,8 +246,10 @@ def format_plan(name: str, plan: dict[str, Any], compiled: dict[str, Any] | None
 def plan(cfg: ml_collections.ConfigDict, mesh_text: str, *, batch: int | None = None,
          seq_len: int | None = None, devices: int | None = None, analytic: bool = False, rules_text: str | None = None,
          max_compile_params: float = DEFAULT_MAX_COMPILE_PARAMS, name: str = "config",
-         hlo_out: str | None = None) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
-  """The whole tool as a function: (analytic plan, compiled figures or None, printed report)."""
+         hlo_out: str | None = None, backend: str | None = None
+         ) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
+  """The whole tool as a function: (analytic plan, compiled figures or None, printed report).
+  `backend`: the machine the analytic activations are estimated for (None: this process's)."""
   rules = parse_rules(rules_text)
   shape = parse_mesh(mesh_text)
   if seq_len is not None:
@@ -258,7 +264,8 @@ def plan(cfg: ml_collections.ConfigDict, mesh_text: str, *, batch: int | None = 
   axes, ways = batch_ways(sizes, rules)
   gb, note = global_batch_for(batch, cfg.data.batch_size, ways)
   a_plan = analytic_plan(mcfg, sizes, gb, cfg.data.seq_len, rules,
-                         cfg.optim.get("chain", "muon"), cfg.train.get("grad_accum_steps", 1))
+                         cfg.optim.get("chain", "muon"), cfg.train.get("grad_accum_steps", 1),
+                         backend=backend)
   a_plan["batch_note"] = note
   compiled = None
   reason = ""
@@ -288,7 +295,8 @@ def main(argv):
     _, _, text = plan(_CONFIG.value, F.mesh, batch=F.batch, seq_len=F.seq, devices=F.devices,
                       analytic=F.analytic, rules_text=F.rules,
                       max_compile_params=F.max_compile_params,
-                      name=_flag(sys.argv, "config") or "config", hlo_out=F.hlo_out)
+                      name=_flag(sys.argv, "config") or "config", hlo_out=F.hlo_out,
+                      backend=F.backend)
   except (PlanError, ConfigError, sharding.ShardingError, setup.SetupError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
@@ -311,6 +319,9 @@ if __name__ == "__main__":
   flags.DEFINE_string("rules", None, "Override sharding rules: 'logical=axis+axis;logical=none'.")
   flags.DEFINE_float("max_compile_params", DEFAULT_MAX_COMPILE_PARAMS,
                      "Above this many parameters, plan analytically.")
+  flags.DEFINE_enum("backend", None, ["gpu", "cpu", "tpu"], "The machine the analytic "
+                    "activation estimate is for: which kernels the op policies take there "
+                    "(default: this process's jax backend).")
   flags.DEFINE_string("hlo_out", None, "Write the compiled train step's HLO text here "
                       "(benchmarks/hlo_traffic.py reads it).")
   flags.mark_flags_as_required(["config", "mesh"])

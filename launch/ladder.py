@@ -285,7 +285,7 @@ def _run_points(path: str, spec, points: list[Point], workdir: str, env: dict[st
   described = validate(path, points)
   if jobs > 1:
     dev = device()
-    ladder_jobs.check_fit(memory_need(path, points, dev.count), jobs, dev, env)
+    ladder_jobs.check_fit(memory_need(path, points, dev.count, dev.platform), jobs, dev, env)
     env = ladder_jobs.child_env(env, dev, jobs)
     points = ladder_jobs.longest_first(points, described)
   commands = {p.name: command(path, p, workdir) for p in points}
@@ -293,9 +293,10 @@ def _run_points(path: str, spec, points: list[Point], workdir: str, env: dict[st
                          deadline)
 
 
-def memory_need(path: str, points: list[Point], devices: int) -> dict[str, float]:
+def memory_need(path: str, points: list[Point], devices: int, platform: str) -> dict[str, float]:
   """Point name -> bytes per device of its train step by the analytic memory plan
-  (`launch.memory_plan.analytic_plan` on the config's mesh over `devices`, the config's batch);
+  (`launch.memory_plan.analytic_plan` on the config's mesh over `devices`, the config's batch,
+  for the runs' `platform`: this process never starts a backend of its own on their devices);
   a point whose mesh does not fit the devices is left out (its run fails and is recorded)."""
   from configs.common import model_config
   from launch import memory_plan
@@ -308,7 +309,8 @@ def memory_need(path: str, points: list[Point], devices: int) -> dict[str, float
       key = (model_config(cfg), tuple(sizes.items()), cfg.data.batch_size, cfg.data.seq_len,
              cfg.optim.get("chain", "muon"), cfg.train.get("grad_accum_steps", 1))
       if key not in plans:
-        plans[key] = memory_plan.analytic_plan(key[0], sizes, *key[2:4], None, *key[4:])
+        plans[key] = memory_plan.analytic_plan(key[0], sizes, *key[2:4], None, *key[4:],
+                                               backend=platform)
     except memory_plan.PlanError:
       continue
     out[p.name] = plans[key]["total_bytes"]

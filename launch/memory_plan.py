@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
@@ -33,6 +34,7 @@ from dsv41_jax import model as model_lib, sharding
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layer_plan import build_layer_plan
 from optim import table as table_lib
+from pallas_kernels import dispatch
 
 
 class PlanError(ValueError):
@@ -186,14 +188,51 @@ def _keep_axes(entry, names):
 # Live float32 buffers of a layer's score size ([b, H, T, N] global scores, [b, 512, H_I, N]
 # indexer logits) while the recomputed layer runs its backward: scores, mask, probabilities and
 # their cotangents. Measured, not derived: XLA's memory analysis of the micro model's gradient
-# step (configs/tiny.py:micro, data 2 × fsdp 2, batch 8, remat) at T = 128, 256, 512 fits
-# peak ≈ 0.028·T + 5.3·(score bytes of the largest layer) + 0.4 MiB; checked at other shapes by
-# tests/launch/test_memory_plan.py.
-SCORE_COPIES = 5
+# step (configs/tiny.py:micro, data 2 × fsdp 2, batch 8, remat) under the CPU schedule that
+# `launch.train` and the test suite use (depth-first) at T = 128, 256, 512 leaves 4.9, 4.2 and
+# 4.0 copies beside the other terms (2026-12-05; 5 fitted the breadth-first schedule of
+# 2026-11-30); checked at other shapes by tests/launch/test_memory_plan.py.
+SCORE_COPIES = 4
+
+# The kernels whose score-sized buffers stay on chip: with them a layer keeps no [T, N] scores
+# (`pallas_kernels.dispatch`, the ops `sparse_attention` and `indexer_topk`).
+ATTENTION_KERNEL = "pallas_kernels.csa2_attention:sparse_attend"
+INDEXER_KERNEL = "pallas_kernels.indexer:indexer_topk"
 
 
-def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int]) -> dict[str, float]:
-  """Estimated activation bytes per device for b rows of T tokens (an estimate, not a measurement).
+def kernels_taken(cfg: ModelConfig, spec, b: int, T: int, backend: str) -> tuple[bool, bool]:
+  """(attention, indexer): whether the config's op policies run the on-chip kernel for this
+  layer's global attention and its indexer on `backend`, decided by the dispatcher's own rules
+  on the shapes the layer gives them (`dispatch.implementation`)."""
+  if not spec.compress_ratio:
+    return False, False
+  sd, dt = jax.ShapeDtypeStruct, jnp.dtype(cfg.dtype)
+  H, Dh, n_ent = cfg.num_attention_heads, cfg.head_dim, spec.entries(T)
+  K = min(cfg.index_topk, n_ent)
+  seg = sd((b, T), jnp.int32)
+  attention = dispatch.implementation(
+      "sparse_attention", cfg.ops.sparse_attention, sd((b, T, H, Dh), dt), sd((b, T, Dh), dt),
+      seg, sd((H,), jnp.float32), sd((b, n_ent, Dh), dt), sd((b, T, K), jnp.int32),
+      backend=backend, window=cfg.sliding_window, scale=Dh ** -0.5, impl=cfg.global_attn_impl,
+      query_chunk=cfg.attn_query_chunk or None) == ATTENTION_KERNEL
+  indexer = False
+  if spec.owns_indexer:
+    HI, I = cfg.index_n_heads, cfg.index_head_dim
+    pool = spec.candidate_role == "consumer"
+    indexer = dispatch.implementation(
+        "indexer_topk", cfg.ops.indexer_topk, sd((b, T, HI, I), dt), sd((b, T, HI), jnp.float32),
+        sd((b, n_ent, I), dt), sd((b, n_ent), jnp.int32), sd((b, n_ent), jnp.int32), seg,
+        sd((b, T, 1), jnp.int32) if pool else None, backend=backend, k=cfg.index_topk,
+        make_pool=spec.candidate_role == "source",
+        query_chunk=cfg.index_query_chunk or None) == INDEXER_KERNEL
+  return attention, indexer
+
+
+def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int],
+                     backend: str | None = None) -> dict[str, float]:
+  """Estimated activation bytes per device for b rows of T tokens (an estimate, not a measurement)
+  of the step compiled for `backend` ("gpu", "cpu", "tpu"; None: this process's jax backend),
+  whose op policies (`cfg.ops`) may take kernels there that keep no score-sized buffers.
 
   With layer remat (cfg.remat) every layer keeps only its input carry for the backward pass; the
   largest layer is then recomputed with all its intermediates live, values and their cotangents
@@ -203,8 +242,11 @@ def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int])
                  (without remat: every layer's working set below is kept instead)
     layer work   max over layers of 2·(attention + moe + mhc) + SCORE_COPIES·scores, per layer
       attention  b·T·(H/tp)·Dh·a  (q)  +  b·(H/tp)·T·(P+1)·S·4  (window scores, S = min(W, T),
-                 P = ⌈(W−1)/S⌉ previous blocks)  +  "gather" global branch b·T·K·Dh·a + b·(H/tp)·T·K·4
-      scores     "masked" global scores b·(H/tp)·T·⌈T/m⌉·4  +  indexer b·min(512, T)·H_I·⌈T/m⌉·4
+                 P = ⌈(W−1)/S⌉ previous blocks)  +  "gather" global branch b·T·K·Dh·a + b·(H/tp)·T·K·4;
+                 where the attention kernel runs (`kernels_taken`): b·T·(H/tp)·(2·Dh·a + 4)
+                 (q, the output and its log-sum-exp: window and entries are scored on chip)
+      scores     "masked" global scores b·(H/tp)·T·⌈T/m⌉·4, not where the attention kernel runs
+                 + indexer b·min(512, T)·H_I·⌈T/m⌉·4, not where the indexer kernel runs
                  (SCORE_COPIES live copies: measured, see the constant)
       moe        b·T·k·(D + 3·I/tp)·a + b·T·k·D·o     (sorted pairs, gate/up/act, the outputs:
                                                        o = 4, or a with moe_product_dtype "compute")
@@ -213,6 +255,7 @@ def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int])
                                                        n = b·T, or min(b·T, lm_loss_chunk) tokens
                                                        at a time with `lm_loss_chunk`)
   """
+  backend = backend or jax.default_backend()
   a = jnp.dtype(cfg.dtype).itemsize
   tp = sizes.get("tensor", 1)
   D, N, H, Dh = cfg.hidden_size, cfg.hc_mult, cfg.num_attention_heads, cfg.head_dim
@@ -224,16 +267,22 @@ def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int])
   prev = -(-(cfg.sliding_window - 1) // S)
 
   def layer(spec) -> tuple[float, float]:
-    att = b * T * Ht * Dh * a + b * Ht * T * (prev + 1) * S * 4
+    attention_kernel, indexer_kernel = kernels_taken(cfg, spec, b, T, backend)
+    if attention_kernel:
+      att = b * T * Ht * (2 * Dh * a + 4)
+    else:
+      att = b * T * Ht * Dh * a + b * Ht * T * (prev + 1) * S * 4
     scores = 0.0
     if spec.compress_ratio:
       n_ent = spec.entries(T)
       K = min(cfg.index_topk, n_ent)
-      if cfg.global_attn_impl == "masked":
+      if attention_kernel:
+        pass
+      elif cfg.global_attn_impl == "masked":
         scores += b * Ht * T * n_ent * 4
       else:
         att += b * T * K * Dh * a + b * Ht * T * K * 4
-      if spec.owns_indexer:
+      if spec.owns_indexer and not indexer_kernel:
         scores += b * min(512, T) * cfg.index_n_heads * n_ent * 4
     k, I = cfg.num_experts_per_tok, cfg.moe_intermediate_size
     o = a if cfg.moe_product_dtype == "compute" else 4
@@ -254,8 +303,10 @@ def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int])
 
 
 def analytic_plan(cfg: ModelConfig, sizes: Mapping[str, int], global_batch: int, seq_len: int,
-                  rules=None, chain: str = "muon", grad_accum_steps: int = 1) -> dict[str, Any]:
-  """Per-device bytes of parameters, gradients, optimizer state and activations (see module doc)."""
+                  rules=None, chain: str = "muon", grad_accum_steps: int = 1,
+                  backend: str | None = None) -> dict[str, Any]:
+  """Per-device bytes of parameters, gradients, optimizer state and activations (see module doc)
+  of the step compiled for `backend` (None: this process's jax backend; `activation_bytes`)."""
   k = grad_accum_steps
   rules = dict(sharding.active_rules() if rules is None else rules)
   rows = param_shards(cfg, sizes, rules)
@@ -270,14 +321,15 @@ def analytic_plan(cfg: ModelConfig, sizes: Mapping[str, int], global_batch: int,
                     f"({k}) micro-batches over the {ways} batch shards {axes}; make it a multiple "
                     f"of {k * ways}")
   b = global_batch // ways
-  act = activation_bytes(cfg, b // k, seq_len, sizes)
+  backend = backend or jax.default_backend()
+  act = activation_bytes(cfg, b // k, seq_len, sizes, backend)
   grads = params * (2 if k > 1 else 1)
   by_group: dict[str, float] = {}
   for r in rows:
     by_group[r[4]] = by_group.get(r[4], 0.0) + r[3] * item
   return {
       "mesh": dict(sizes), "global_batch": global_batch, "rows_per_device": b,
-      "seq_len": seq_len, "batch_axes": axes,
+      "seq_len": seq_len, "batch_axes": axes, "backend": backend,
       "total_params": sum(math.prod(r[1]) for r in rows),
       "grad_accum_steps": k,
       "param_bytes": float(params), "grad_bytes": float(grads), "opt_bytes": float(opt),

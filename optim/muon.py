@@ -216,7 +216,7 @@ def iterate_bfloat16(x_BxMxN: jax.Array, coeffs=NS_COEFFS) -> jax.Array:
 
 
 def _off_cpu(args, kwargs) -> str | None:
-  if jax.default_backend() != "cpu":
+  if dispatch.backend() != "cpu":
     return None
   return "float32 on the CPU (no bfloat16 matrix units)"
 

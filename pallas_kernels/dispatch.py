@@ -47,6 +47,7 @@ to the op's row. A new op also needs a policy field in `ModelConfig.ops` (`OpPol
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import importlib
 import logging
@@ -58,6 +59,17 @@ from pallas_kernels import sharded
 from pallas_kernels.notices import log_once
 
 POLICIES = ("auto", "reference", "kernel")
+
+
+# The backend the rules decide for: jax's default backend, or the one `implementation` is asked
+# about (a plan made on one machine for another: `launch.memory_plan` on the CPU for a GPU).
+_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar("dispatch_backend",
+                                                                      default=None)
+
+
+def backend() -> str:
+  """The backend the kernel rules decide for (module doc of `implementation`)."""
+  return _BACKEND.get() or jax.default_backend()
 
 
 class PolicyError(ValueError):
@@ -97,10 +109,9 @@ def _resolve(path: str) -> Callable:
 
 def _triton(args, kwargs) -> str | None:
   """The Triton kernels run on a GPU, or interpreted on the CPU."""
-  backend = jax.default_backend()
-  if backend in ("gpu", "cpu"):
+  if backend() in ("gpu", "cpu"):
     return None
-  return f"a Triton kernel (GPU; interpreted on CPU) cannot run on {backend!r}"
+  return f"a Triton kernel (GPU; interpreted on CPU) cannot run on {backend()!r}"
 
 
 def _module_reason(path: str) -> Rule:
@@ -113,9 +124,9 @@ def _module_reason(path: str) -> Rule:
 def _gpu_only(measured: str) -> Rule:
   """Faster on the GPU (where `measured` says so); interpreted kernels elsewhere are slow."""
   def rule(args, kwargs):
-    if jax.default_backend() == "gpu":
+    if backend() == "gpu":
       return None
-    return f"measured faster on the GPU only ({measured}); {jax.default_backend()} runs the reference"
+    return f"measured faster on the GPU only ({measured}); {backend()} runs the reference"
   return rule
 
 
@@ -150,8 +161,8 @@ SPARSE_ATTENTION_MEASURED = dict(head_dim=128, max_heads=16, max_window=128, max
 
 
 def _sparse_attention_faster(args, kwargs) -> str | None:
-  if jax.default_backend() != "gpu":
-    return f"measured faster on the GPU only; {jax.default_backend()} runs the reference"
+  if backend() != "gpu":
+    return f"measured faster on the GPU only; {backend()} runs the reference"
   q, topk = args[0], args[5] if len(args) > 5 else None
   _, t, h, d = q.shape
   m = SPARSE_ATTENTION_MEASURED
@@ -176,8 +187,8 @@ INDEXER_MEASURED = dict(head_dim=128, max_heads=16, max_topk=512, min_tokens=409
 
 
 def _indexer_faster(args, kwargs) -> str | None:
-  if jax.default_backend() != "gpu":
-    return f"measured faster on the GPU only; {jax.default_backend()} runs the reference"
+  if backend() != "gpu":
+    return f"measured faster on the GPU only; {backend()} runs the reference"
   _, t, h, d = args[0].shape
   k, m = kwargs["k"], INDEXER_MEASURED
   where = ("measured faster at 16 index heads x 128, top-256 and top-512, 4,096 tokens "
@@ -288,12 +299,13 @@ def _per_shard(kernel: Kernel, fn: Callable) -> Callable:
   return fn if kernel.batched is None else sharded.over_batch(fn, kernel.batched)
 
 
-def choose(name: str, policy: str, *args, **kwargs) -> tuple[str, Callable]:
-  """(the implementation's "module:function", the callable `call` runs) for these arguments."""
+def _select(name: str, policy: str, args, kwargs) -> tuple[Kernel | None, str]:
+  """(the kernel `policy` takes for these arguments or None for the reference, the reasons the
+  kernels before it, or all of them, were passed over)."""
   check_policy(name, policy)
   op = _op(name)
   if policy == "reference":
-    return op.reference, _resolve(op.reference)
+    return None, "policy 'reference'"
   reasons = []
   for k in op.kernels:
     if k.batched is not None and len(args) != len(k.batched):
@@ -303,15 +315,39 @@ def choose(name: str, policy: str, *args, **kwargs) -> tuple[str, Callable]:
     if why is None and policy == "auto":
       why = k.faster(args, kwargs)
     if why is None:
-      if policy == "auto":
-        log_once((name, k.fn), f"op {name}: policy 'auto' runs the kernel {k.fn}", logging.INFO)
-      return k.fn, _per_shard(k, _resolve(k.fn))
+      return k, "; ".join(reasons)
     reasons.append(f"{k.fn}: {why}")
   reason = "; ".join(reasons) or "no kernel is registered"
   if policy == "kernel":
     raise PolicyError(f"op {name}: policy 'kernel' cannot run here: {reason}")
-  log_once((name, reason), f"op {name}: policy 'auto' runs the reference ({reason})", logging.INFO)
-  return op.reference, _resolve(op.reference)
+  return None, reason
+
+
+def choose(name: str, policy: str, *args, **kwargs) -> tuple[str, Callable]:
+  """(the implementation's "module:function", the callable `call` runs) for these arguments."""
+  k, reason = _select(name, policy, args, kwargs)
+  if k is not None:
+    if policy == "auto":
+      log_once((name, k.fn), f"op {name}: policy 'auto' runs the kernel {k.fn}", logging.INFO)
+    return k.fn, _per_shard(k, _resolve(k.fn))
+  path = _op(name).reference
+  if policy == "auto":
+    log_once((name, reason), f"op {name}: policy 'auto' runs the reference ({reason})",
+             logging.INFO)
+  return path, _resolve(path)
+
+
+def implementation(name: str, policy: str, *args, backend: str, **kwargs) -> str:
+  """The "module:function" that `call` would run for these arguments on `backend` ("gpu", "cpu",
+  "tpu"), deciding by the same rules without running or logging anything; the arrays may be
+  `jax.ShapeDtypeStruct`s. For plans made on one machine about another (`launch.memory_plan`);
+  `PolicyError` as `call` would raise it there."""
+  token = _BACKEND.set(backend)
+  try:
+    k, _ = _select(name, policy, args, kwargs)
+  finally:
+    _BACKEND.reset(token)
+  return _op(name).reference if k is None else k.fn
 
 
 def _kernel(name: str, path: str) -> Kernel | None:

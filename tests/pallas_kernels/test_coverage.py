@@ -231,3 +231,27 @@ def test_auto_runs_the_attention_kernel_in_the_model_on_a_gpu(monkeypatch):
     assert name in text, name
   assert "sparse_attention_probs" not in text
   assert triton_calls(lowered(64)) == 0
+
+
+def test_implementation_answers_for_another_backend_without_running_or_logging(caplog):
+  """`dispatch.implementation` decides by the rules `call` uses, for a backend other than this
+  process's (shapes only), says nothing in the log, and leaves the process's backend as it was."""
+  sd = jax.ShapeDtypeStruct
+
+  def attention(head_dim):
+    bf = jnp.bfloat16
+    return (sd((4, 4096, 16, head_dim), bf), sd((4, 4096, head_dim), bf),
+            sd((4, 4096), jnp.int32), sd((16,), jnp.float32), sd((4, 2048, head_dim), bf),
+            sd((4, 4096, 256), jnp.int32))
+  kw = dict(window=128, scale=128 ** -0.5, impl="masked", query_chunk=None)
+  with caplog.at_level("DEBUG"):
+    on = lambda backend, d=128, policy="auto": dispatch.implementation(  # noqa: E731
+        "sparse_attention", policy, *attention(d), backend=backend, **kw)
+    assert on("gpu") == "pallas_kernels.csa2_attention:sparse_attend"
+    assert on("cpu") == on("gpu", 64) == on("gpu", policy="reference") == (
+        "pallas_kernels.ops.sparse_attention:attend")
+    assert on("cpu", policy="kernel") == "pallas_kernels.csa2_attention:sparse_attend"
+    with pytest.raises(dispatch.PolicyError, match="cannot run on 'tpu'"):
+      on("tpu", policy="kernel")
+  assert dispatch.backend() == jax.default_backend() == "cpu"
+  assert not [r for r in caplog.records if "policy" in r.getMessage()]
