@@ -84,9 +84,10 @@ class TrainConfig:
   peak_flops_per_device: float = 0.0
   # A tqdm bar when stderr is a terminal; plain log lines otherwise (files, CI, schedulers).
   progress_bar: bool = True
-  # Before the first step on a GPU or TPU, the compiled train step's peak memory per device (XLA's
-  # memory analysis) must fit the device, else the run stops with the grad_accum_steps that would
-  # fit (launch/setup.py memory_shortfall). False: run it anyway.
+  # On a GPU or TPU, the analytic memory plan before compiling and the compiled train step's peak
+  # per device (XLA's memory analysis) before the first step must fit the device, else the run
+  # stops with the grad_accum_steps that would fit (launch/setup.py plan_shortfall,
+  # memory_shortfall). False: run it anyway.
   memory_check: bool = True
   # jax's persistent compilation cache (launch/compile_cache.py); "" = no cache.
   compilation_cache_dir: str = "~/.cache/dsv41_jax/xla"

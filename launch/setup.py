@@ -388,6 +388,49 @@ def device_memory(mesh) -> float | None:
   return float(stats["bytes_limit"]) if stats.get("bytes_limit") else None
 
 
+def _size(b: float) -> str:
+  return f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+
+
+def plan_shortfall(run: RunConfig, mesh, rows: int, device_bytes: float | None) -> str | None:
+  """None when the analytic memory plan of the train step (`launch.memory_plan.analytic_plan` for
+  this mesh's platform) fits `device_bytes` (None: unknown, no check), else one message: its
+  estimate, what the device gives, and the smallest `train.grad_accum_steps` whose plan fits.
+  Asked before anything compiles, so a step far over the device's memory costs no compile. The
+  plan is an estimate that has come under XLA's own figure (0.85-0.99 of six H200 programs,
+  docs/user_guide.md §8); the compiled program is checked again (`memory_shortfall`)."""
+  from launch import memory_plan
+  if device_bytes is None:
+    return None
+  k, ways = run.train.grad_accum_steps, sharding.batch_ways(mesh)
+  backend = mesh.devices.flat[0].platform
+  sizes = dict(mesh.shape)
+
+  def need(k2: int) -> float:
+    return memory_plan.analytic_plan(run.model, sizes, rows, run.data.seq_len,
+                                     chain=run.optim.chain, grad_accum_steps=k2,
+                                     backend=backend)["total_bytes"]
+  try:
+    total = need(k)
+  except memory_plan.PlanError:
+    return None
+  if total <= device_bytes:
+    return None
+  gib = _size
+  advice = ("no micro-batch of whole rows fits the estimate: shard the model over more devices "
+            "(mesh.fsdp, mesh.expert) or use fewer rows a step")
+  for k2 in range(k + 1, rows // ways + 1):
+    if rows % (k2 * ways) == 0 and need(k2) <= device_bytes:
+      advice = (f"train.grad_accum_steps={k2} ({rows // (k2 * ways)} rows a micro-batch per "
+                f"device, the same {rows}-row step) is estimated at {gib(need(k2))}")
+      break
+  return (f"the memory plan estimates the train step at {gib(total)} a device ({rows // (k * ways)} "
+          f"rows a micro-batch per device, train.grad_accum_steps={k}; `python -m launch.aot "
+          f"--analytic --backend={backend}` prints its terms), more than the "
+          f"{gib(device_bytes)} the device gives it; {advice}; or train.memory_check=False to "
+          "compile it anyway")
+
+
 def memory_shortfall(compiled, run: RunConfig, mesh, rows: int, param_bytes: float,
                      device_bytes: float | None) -> str | None:
   """None when the compiled train step's peak per device fits `device_bytes` (None: unknown, no
@@ -405,7 +448,7 @@ def memory_shortfall(compiled, run: RunConfig, mesh, rows: int, param_bytes: flo
   need = fixed + m.temp_size_in_bytes
   if need <= device_bytes:
     return None
-  gib = lambda b: f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+  gib = _size
   k, ways = run.train.grad_accum_steps, sharding.batch_ways(mesh)
   advice = ("not even one row a micro-batch would fit: shard the model over more devices "
             "(mesh.fsdp, mesh.expert) or use fewer rows a step")

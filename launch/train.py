@@ -23,8 +23,9 @@ logged figures, the bar and the summary in `launch/progress.py`, the log file in
   damaged newest checkpoint is still moved aside to `damaged-<step>` when an older one restores.)
 * Errors. Configuration, file-system and input mistakes (unknown key, bad value, mesh vs devices,
   batch vs data axes, missing data or tokenizer file, a work directory that is not writable or
-  holds another model, a checkpoint save that fails on a full disk, a compiled train step over
-  the device's memory: `train.memory_check`) stop with one `error: ...` line naming the key or
+  holds another model, a checkpoint save that fails on a full disk, a train step over the
+  device's memory by the analytic plan before compiling or by XLA once compiled:
+  `train.memory_check`) stop with one `error: ...` line naming the key or
   path and exit status 2; the last good checkpoint stays.
 * Non-finite steps are not applied; after `train.max_bad_steps` in a row the run stops (exit 2).
 * Output. A progress bar when stderr is a terminal (its ETA and tokens/s start after
@@ -385,7 +386,12 @@ def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
   t_compile = time.perf_counter()
   newest = (checkpointer.steps() or [0])[-1]
   ahead = None
+  device_bytes = setup.device_memory(mesh) if tcfg.memory_check else None
   if newest < tcfg.steps:
+    # a step the memory plan puts over the device's memory: one line now, no compile
+    short = setup.plan_shortfall(run, mesh, setup.global_batch(run, mesh), device_bytes)
+    if short:
+      raise SetupError(short)
     phases = _phases(train_vit_at, newest, tcfg.steps)
     _log_compiling(run, phases)
     ats, args, sched = setup.ahead_args(run, mesh, adapter, setup.global_batch(run, mesh))
@@ -444,7 +450,6 @@ def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
   # The phases' programs compile one after another: the first phase's is awaited here, a later
   # phase's (the ViT unfrozen) goes on compiling on its thread while the first phase trains.
   train_steps: dict[bool, Any] = {}
-  device_bytes = setup.device_memory(mesh) if tcfg.memory_check else None
   param_bytes = sum(x.addressable_shards[0].data.nbytes
                     for x in jax.tree.leaves(ts.state.params)) if device_bytes else 0.0
 

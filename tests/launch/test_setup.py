@@ -209,6 +209,32 @@ def test_memory_shortfall_names_what_is_needed_and_the_micro_batch_that_fits():
   assert "not even one row" in short(100 * G, 12 * G)               # 11 + 100/32 + 2 > 12
 
 
+def test_plan_shortfall_stops_before_compiling_with_the_micro_batch_the_plan_fits():
+  """The analytic memory plan over the device's memory gives one line before anything compiles:
+  its estimate, the device's, and the smallest grad_accum_steps whose plan fits (those figures are
+  the plan's own, recomputed here); nothing when it fits or the device's memory is unknown."""
+  from launch import memory_plan
+  run = setup.run_config(_cfg(**{"data.batch_size": 32}), process_count=1)
+  mesh = setup.build_mesh(run.mesh, jax.devices()[:1])
+  plan = lambda k: memory_plan.analytic_plan(                              # noqa: E731
+      run.model, dict(mesh.shape), 32, run.data.seq_len, chain=run.optim.chain,
+      grad_accum_steps=k, backend="cpu")["total_bytes"]
+  assert setup.plan_shortfall(run, mesh, 32, None) is None
+  assert setup.plan_shortfall(run, mesh, 32, plan(1)) is None
+  device = (plan(4) + plan(2)) / 2          # between: 2 micro-batches do not fit, 4 do
+  assert plan(2) > device >= plan(4)
+  msg = setup.plan_shortfall(run, mesh, 32, device)
+  assert "\n" not in msg
+  gib = lambda b: (f"{b / 2**30:.1f} GiB" if b >= 2**30              # noqa: E731
+                   else f"{b / 2**20:.1f} MiB")
+  assert f"estimates the train step at {gib(plan(1))} a device (32 rows" in msg
+  assert f"more than the {gib(device)} the device gives it" in msg
+  assert (f"train.grad_accum_steps=4 (8 rows a micro-batch per device, the same 32-row step) is "
+          f"estimated at {gib(plan(4))}") in msg
+  assert "--analytic --backend=cpu" in msg and "train.memory_check=False" in msg
+  assert "no micro-batch of whole rows" in setup.plan_shortfall(run, mesh, 32, plan(32) / 2)
+
+
 def test_phases_compile_in_order_and_the_first_is_awaited_alone():
   """`in_order`: one worker compiles the phases one after another in the order given, and
   `wait(only=...)` returns the first phase's program while the next is still compiling (the run

@@ -514,7 +514,7 @@ def test_bad_input_stops_before_any_step(env, reference):
   optimizer's tokens per step), a missing data path, a missing tokenizer file, a work directory
   that cannot be written, a mesh that does not match the 8 devices, a batch that does not split
   over the data axes, a work directory of another model, a work directory whose checkpoints
-  are all damaged."""
+  are all damaged, a step the memory plan puts over the device's memory."""
   blocker = str(env["root"] / "a_file")
   with open(blocker, "w") as f:
     f.write("not a directory")
@@ -539,12 +539,23 @@ def test_bad_input_stops_before_any_step(env, reference):
   shutil.copytree(reference["workdir"], all_damaged)
   for step in (2, 4):
     corrupt(os.path.join(all_damaged, "checkpoints", str(step)))
+  # A device of 1 MiB (the CPU's memory is not known, so it is made up): the memory plan stops
+  # the run before the train step compiles.
+  cases["device_memory"] = ((), ["the memory plan estimates the train step at",
+                                 "more than the 1.0 MiB the device gives it"])
+  small_device = [textwrap.dedent("""
+      from absl import app
+      from launch import setup, train
+      setup.device_memory = lambda mesh: float(2 ** 20)
+      app.run(train.main, flags_parser=train.parse_flags)
+      """)]
   procs, digests = {}, {reference["workdir"]: files_digest(reference["workdir"]),
                          all_damaged: files_digest(all_damaged)}
   for name, (overrides, _) in cases.items():
     workdir = {"model": reference["workdir"], "all_damaged": all_damaged,
                "workdir": f"{blocker}/run"}.get(name, str(env["root"] / f"bad_{name}"))
-    procs[name] = (start(env, workdir, *overrides), workdir)
+    procs[name] = (start(env, workdir, *overrides,
+                         driver=small_device if name == "device_memory" else None), workdir)
   before = files_digest(reference["workdir"] + "/checkpoints")
   for name, (p, workdir) in procs.items():
     rc, out = finish(p, timeout=120)
