@@ -27,7 +27,7 @@ ALLOWED = {
     ("scatter", "initial_pre"): "the one-hot e_0 pre-mix ([hc_mult])",
     ("scatter", "route"): "routed-expert load counts (int32, [E])",
     ("scatter", "_capacity_local"): "capacity dispatch into expert buffers (issue 27: dropless)",
-    ("scatter", "_sort_pairs"): "dropless dispatch: inverse permutation and group sizes (int32)",
+    ("scatter", "_sort_pairs"): "dropless dispatch: the inverse permutation (int32, no collisions)",
     ("scatter", "_dropless_local"): "dropless dispatch: the routing weights' gradient back to "
                                     "their (token, slot) pairs ([N·k])",
     ("scatter", "selected_mask.<locals>.<lambda>"): "masked global attention's entry mask "
