@@ -159,6 +159,12 @@ class ModelConfig:
   # sum): "float32" (the accumulator as it is) or "compute" (rounded once to `dtype`, as the
   # official V4 code's bf16 Linears round them; half their bytes; `moe_dispatch` module docstring).
   moe_product_dtype: Literal["float32", "compute"] = "float32"
+  # The router's float32 product (and its two transposes in the backward): "highest" (float32 at
+  # HIGHEST: on a GPU float32 arithmetic, off the tensor cores) or "bf16_6x" (the same product as
+  # six bfloat16 tensor-core products of the operands' three-part splits, float32 accumulation:
+  # exact for bfloat16 activations times float32 weights up to the sum's rounding; XLA's
+  # BF16_BF16_F32_X6 algorithm; on the CPU XLA computes it in float32). docs/design.md §8.2.
+  router_precision: Literal["highest", "bf16_6x"] = "highest"
   # Loss weights: sequence-wise balance loss (docs/design.md §8.4) and the indexer KL loss (§5.5).
   balance_loss_weight: float = 1e-4
   indexer_loss_weight: float = 1.0
@@ -269,6 +275,8 @@ def _validate(c: ModelConfig) -> None:
        "logits)")
   need(c.moe_product_dtype in ("float32", "compute"),
        f"moe_product_dtype must be 'float32' or 'compute' (got {c.moe_product_dtype!r})")
+  need(c.router_precision in ("highest", "bf16_6x"),
+       f"router_precision must be 'highest' or 'bf16_6x' (got {c.router_precision!r})")
   need(c.moe_capacity_factor > 0, f"moe_capacity_factor must be positive (got {c.moe_capacity_factor})")
   need(c.residual in ("mhc", "plain"), f"residual must be 'mhc' or 'plain' (got {c.residual!r})")
   need(c.hc_stream_dtype in ("float32", "bfloat16"),

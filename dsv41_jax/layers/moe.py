@@ -111,6 +111,11 @@ def expert_load(experts_BxTxK, segment_ids_BxT, image_mask_BxT, n_experts: int):
   return jnp.stack([jnp.einsum("bte,bt->e", sel, text), jnp.einsum("bte,bt->e", sel, image)])
 
 
+# `ModelConfig.router_precision` -> the router product's `precision` (its transposes inherit it).
+ROUTER_PRECISION = {"highest": jax.lax.Precision.HIGHEST,
+                    "bf16_6x": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6}
+
+
 class Experts(nnx.Module):
   """Routed expert weights: w1, w3 [expert, embed, mlp], w2 [expert, mlp, embed]."""
 
@@ -156,6 +161,7 @@ class MoE(nnx.Module):
     self.capacity_factor = cfg.moe_capacity_factor
     self.grouped_matmul_policy = cfg.ops.grouped_matmul
     self.product_dtype = cfg.moe_product_dtype
+    self.router_precision = ROUTER_PRECISION[cfg.router_precision]
     self.dtype = jnp.dtype(cfg.dtype)
     self.router = sharding.param(rngs, (d, e), ("embed", "expert_router"),
                                  sharding.fan_in_normal((0,)), pdt)
@@ -171,7 +177,7 @@ class MoE(nnx.Module):
     # whose own gradients need only their inputs.
     logits = checkpoint_name(jnp.einsum("btd,de->bte", x_BxTxD.astype(jnp.float32),
                                         self.router[...].astype(jnp.float32),
-                                        precision=jax.lax.Precision.HIGHEST), moe_dispatch.KEPT)
+                                        precision=self.router_precision), moe_dispatch.KEPT)
     bias_BxTxE = jnp.where(image_mask_BxT[..., None], bias_2xE[1], bias_2xE[0])
     weights, experts, scores = route(logits, bias_BxTxE, self.k, self.route_scale, self.gate_temp)
     valid = segment_ids_BxT != 0

@@ -272,3 +272,28 @@ def test_layer_remat_keeps_the_logits_sort_and_output():
   assert counts(loss) == (1, 6, 3)
   remat = jax.checkpoint(loss, prevent_cse=False, policy=M.remat_policy)
   assert counts(remat) == (1, 7, 3)      # + the gate/up product only
+
+
+def test_router_precision_bf16_6x_runs_every_router_product_so():
+  """`router_precision="bf16_6x"`: the router's product and both its transposes carry XLA's
+  BF16_BF16_F32_X6 algorithm (the GPU runs them on tensor cores), and on the CPU, which computes
+  that algorithm in float32, the layer's outputs and gradients equal HIGHEST's bit for bit."""
+  x, seg, image, bias = moe_inputs(5)
+  xb = jnp.asarray(x, jnp.bfloat16)
+  grads, algorithms = {}, {}
+  for prec in ("highest", "bf16_6x"):
+    cfg = moe_cfg(router_precision=prec, dtype="bfloat16", n_shared_experts=1)
+    graphdef, state = nnx.split(MoE(cfg, nnx.Rngs(0)))
+
+    def loss(p, x):
+      y, aux = nnx.merge(graphdef, p)(x, segment_ids_BxT=seg, image_mask_BxT=image, bias_2xE=bias)
+      return jnp.sum(jnp.sin(y.astype(jnp.float32))) + aux["balance_loss"]
+    grads[prec] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(state, xb)
+    with jax.default_matmul_precision("default"):
+      jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, xb).jaxpr
+    algorithms[prec] = [str(e.params["precision"]) for e in testing.jaxpr_eqns(
+        jaxpr, "dot_general", lambda e: "HIGHEST" in str(e.params) or "X6" in str(e.params))]
+  assert algorithms == {"highest": ["(Precision.HIGHEST, Precision.HIGHEST)"] * 3,
+                        "bf16_6x": ["BF16_BF16_F32_X6"] * 3}
+  for a, b in zip(jax.tree.leaves(grads["highest"]), jax.tree.leaves(grads["bf16_6x"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
