@@ -18,6 +18,8 @@ keeps its kernel name in the line table. Printed, kernel time per step (the trac
 
   - by component (optimizer, attention, indexer, mHC, MoE, Engram, dense, norms, loss, other),
     from the innermost frame inside this repository (`COMPONENTS`: file and function rules);
+  - by work kind (GEMMs, the project's kernels, sorts, scatters, gathers, fills, copies, stack
+    writes, concatenates, reductions, elementwise, collectives: `work_kind`, from XLA's names);
   - by source file, by function, and by (op kind, file:line), the top `--top` rows each.
 
 Kernel time is the sum of kernel durations on the GPU streams; it can exceed the step when streams
@@ -99,6 +101,7 @@ class HloSources:
     section, comp = None, None
     self.ops: dict[str, tuple[str, str, dict[str, str]]] = {}
     self.text: dict[str, str] = {}                                # op -> its line, metadata cut
+    self.targets: dict[str, str] = {}                             # custom call -> its target
     self._links: dict[str, tuple[str | None, str | None]] = {}   # op -> (first operand, calls)
     self._roots: dict[str, str] = {}                              # computation -> its root op
     self._comp_of: dict[str, str] = {}                            # op -> its computation
@@ -120,6 +123,8 @@ class HloSources:
       meta = re.search(r"metadata=\{([^}]*)\}", rest)
       fields = dict(re.findall(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)', meta.group(1))) if meta else {}
       self.ops[name] = (kind, fields.get("op_name", '""').strip('"'), fields)
+      if target := re.search(r'custom_call_target="([^"]*)"', rest):
+        self.targets[name] = target.group(1)
       self.text[name] = re.sub(r",?\s*metadata=\{[^}]*\}", "", line.strip())[:240]
       first = re.match(r"\s*%([\w.\-]+)", rest)
       calls = re.search(r"\bcalls=%([\w.\-]+)", rest)
@@ -183,6 +188,41 @@ def repo_frame(frames: list[tuple[str, str, int]]) -> tuple[str, str, int] | Non
   return None
 
 
+# What a kernel's instruction does, read from XLA's names for what it emits (a fusion is named by
+# its kind and root: `loop_broadcast_fusion`, `input_reduce_fusion`, `gemm_fusion_dot`) and from a
+# custom call's target. Fills, copies and stack writes are the traffic of a program's structure
+# (a scan's zero-initialised outputs, carries, layouts) rather than of its math.
+WORK_KINDS = ("GEMM", "kernels (Pallas, Mosaic)", "sort", "scatter", "gather", "fills",
+              "copies, transposes", "stack writes", "concatenates", "reductions", "elementwise",
+              "collectives", "other")
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def work_kind(hlo: HloSources, op: str) -> str:
+  """`op`'s row of WORK_KINDS (the rules in order: the first that matches); an instruction the
+  text does not hold (one inside a nested program) is read by its name alone."""
+  kind, target = hlo.kind(op), hlo.targets.get(op, "")
+  name = re.sub(r"[.\d]+$", "", op)
+  if "cublas" in target or "gemm" in target or name.startswith(("gemm_fusion", "cublas")):
+    return "GEMM"
+  if "triton" in target or "mosaic" in target or name.startswith(("pallas_call", "mpmd_map")):
+    return "kernels (Pallas, Mosaic)"
+  rules = (("collectives", kind.startswith(_COLLECTIVES) or name.startswith(_COLLECTIVES)),
+           ("sort", "sort" in target or kind == "sort" or "sort" in name),
+           ("scatter", kind == "scatter" or "scatter" in name),
+           ("gather", kind == "gather" or "gather" in name),
+           ("fills", kind == "broadcast" or "broadcast_fusion" in name),
+           ("copies, transposes", kind in ("copy", "transpose") or "transpose" in name
+            or name.startswith("copy")),
+           ("stack writes", kind == "dynamic-update-slice" or "dynamic_update_slice" in name),
+           ("concatenates", kind == "concatenate" or "concatenate" in name),
+           ("reductions", kind == "reduce" or name.startswith(("input_", "triton_softmax"))
+            or "reduce" in name),
+           ("elementwise", kind in ("fusion", "add", "multiply", "convert", "select")
+            or name.startswith(("loop_", "wrapped_"))))
+  return next((row for row, hit in rules if hit), "other")
+
+
 def component(frame: tuple[str, str, int] | None) -> str:
   if frame is None:
     return "other"
@@ -213,12 +253,13 @@ def attribute(spans: list[dict], hlo: HloSources, steps: int) -> dict[str, colle
   """Kernel ms per step, grouped four ways, and per instruction ("op"); "line_n" and "op_n" count
   the kernels per step."""
   groups = {k: collections.Counter()
-            for k in ("component", "file", "function", "line", "line_n", "op", "op_n")}
+            for k in ("component", "work", "file", "function", "line", "line_n", "op", "op_n")}
   for e in spans:
     op = str(e.get("args", {}).get("hlo_op", "")).lstrip("%")
     frame = repo_frame(hlo.frames(op))
     ms = e.get("dur", 0) / 1e3 / steps
     groups["component"][component(frame)] += ms
+    groups["work"][work_kind(hlo, op) if op else "other"] += ms
     where = frame or ("(no source)", "?", 0)
     groups["file"][where[0]] += ms
     groups["function"][f"{where[0]}:{where[1]}"] += ms
@@ -263,6 +304,10 @@ def report(groups: dict[str, collections.Counter], step_ms: float, busy_ms: floa
   for name in COMPONENT_ORDER:
     ms = groups["component"].get(name, 0.0)
     lines.append(f"| {name} | {ms:.1f} | {ms / max(total, 1e-9):.1%} | {ms / step_ms:.1%} |")
+  lines += ["", "| work kind | ms per step | share of kernel time |", "|---|---|---|"]
+  for name in WORK_KINDS:
+    if ms := groups["work"].get(name, 0.0):
+      lines.append(f"| {name} | {ms:.1f} | {ms / max(total, 1e-9):.1%} |")
   for key, title in (("file", "source file"), ("function", "function"),
                      ("line", "op kind, file:line")):
     per = " and kernels" if key == "line" else ""

@@ -52,3 +52,51 @@ def test_without_a_gpu_it_says_so_and_exits_2(capsys):
   assert gpu_profile.main([]) == 2
   out = capsys.readouterr().out.strip().splitlines()
   assert len(out) == 1 and out[0].startswith("error: gpu_profile needs a GPU")
+
+
+_KINDS_HLO = """\
+ENTRY %main.1 (p.1: f32[8,8]) -> f32[8,8] {
+  %p.1 = f32[8,8]{1,0} parameter(0)
+  %custom-call.7 = (f32[8,8]{1,0}, s8[64]{0}) custom-call(%p.1, %p.1), custom_call_target="__cublas$lt$matmul"
+  %gemm_fusion_dot.12 = bf16[8,8]{1,0} fusion(%p.1, %p.1), kind=kCustom, calls=%gemm_fusion_dot.12_computation
+  %pallas_call.3 = f32[8,8]{1,0} custom-call(%p.1), custom_call_target="__gpu$xla.gpu.triton"
+  %mpmd_map.2 = f32[8,8]{1,0} custom-call(%p.1), custom_call_target="mosaic_gpu_v2"
+  %custom-call.9 = (s32[8]{0}, s32[8]{0}) custom-call(%p.1), custom_call_target="xla.gpu.ext.cub_sort_pairs"
+  %input_scatter_fusion.4 = f32[8,8]{1,0} fusion(%p.1), kind=kInput, calls=%fused_scatter.4
+  %loop_convert_gather_fusion.2 = bf16[8,8]{1,0} fusion(%p.1), kind=kLoop, calls=%fused_gather.2
+  %loop_broadcast_fusion.272 = bf16[10,8,8]{2,1,0} fusion(), kind=kLoop, calls=%fused_broadcast.272
+  %copy.590 = f32[8,8]{0,1} copy(%p.1)
+  %loop_transpose_fusion.1 = f32[8,8]{1,0} fusion(%p.1), kind=kLoop, calls=%fused_transpose.1
+  %loop_dynamic_update_slice_fusion.64 = f32[10,8,8]{2,1,0} fusion(%p.1), kind=kLoop, calls=%fused_dus.64
+  %input_concatenate_fusion.68 = f32[8,16]{1,0} fusion(%p.1, %p.1), kind=kInput, calls=%fused_concatenate.68
+  %input_reduce_fusion.177 = f32[8]{0} fusion(%p.1), kind=kInput, calls=%fused_reduce.177
+  %triton_softmax.49 = f32[8,8]{1,0} fusion(%p.1), kind=kCustom, calls=%triton_softmax_computation.49
+  %all-reduce.5 = f32[8,8]{1,0} all-reduce(%p.1), replica_groups={}, to_apply=%add
+  %loop_select_fusion.33 = f32[8,8]{1,0} fusion(%p.1), kind=kLoop, calls=%fused_select.33
+  ROOT %wrapped_add.3 = f32[8,8]{1,0} fusion(%p.1, %p.1), kind=kLoop, calls=%wrapped_add_computation.3
+}
+"""
+
+
+def test_work_kinds_from_xla_names_and_custom_call_targets():
+  """Each instruction lands in the work kind its XLA name or custom-call target says; an event
+  whose instruction the text does not hold is read by its name; the report prints the table."""
+  hlo = gpu_profile.HloSources(_KINDS_HLO)
+  want = {"custom-call.7": "GEMM", "gemm_fusion_dot.12": "GEMM",
+          "pallas_call.3": "kernels (Pallas, Mosaic)", "mpmd_map.2": "kernels (Pallas, Mosaic)",
+          "custom-call.9": "sort", "input_scatter_fusion.4": "scatter",
+          "loop_convert_gather_fusion.2": "gather", "loop_broadcast_fusion.272": "fills",
+          "copy.590": "copies, transposes", "loop_transpose_fusion.1": "copies, transposes",
+          "loop_dynamic_update_slice_fusion.64": "stack writes",
+          "input_concatenate_fusion.68": "concatenates", "input_reduce_fusion.177": "reductions",
+          "triton_softmax.49": "reductions", "all-reduce.5": "collectives",
+          "loop_select_fusion.33": "elementwise", "wrapped_add.3": "elementwise", "p.1": "other"}
+  assert {op: gpu_profile.work_kind(hlo, op) for op in want} == want
+  assert gpu_profile.work_kind(hlo, "loop_dynamic_update_slice_fusion.245") == "stack writes"
+  spans = [dict(ph="X", pid=1, ts=0, dur=3000, args=dict(hlo_op="loop_broadcast_fusion.272")),
+           dict(ph="X", pid=1, ts=0, dur=1000, args=dict(hlo_op="custom-call.7")),
+           dict(ph="X", pid=1, ts=0, dur=1000, args=dict())]
+  groups = gpu_profile.attribute(spans, hlo, steps=1)
+  assert groups["work"] == {"fills": 3.0, "GEMM": 1.0, "other": 1.0}
+  text = gpu_profile.report(groups, step_ms=10.0, busy_ms=5.0, top=3)
+  assert "| fills | 3.0 | 60.0% |" in text and "| GEMM | 1.0 | 20.0% |" in text
