@@ -210,19 +210,23 @@ def test_memory_shortfall_names_what_is_needed_and_the_micro_batch_that_fits():
 
 
 def test_plan_shortfall_stops_before_compiling_with_the_micro_batch_the_plan_fits():
-  """The analytic memory plan over the device's memory gives one line before anything compiles:
-  its estimate, the device's, and the smallest grad_accum_steps whose plan fits (those figures are
-  the plan's own, recomputed here); nothing when it fits or the device's memory is unknown."""
+  """The analytic memory plan over the device's memory by more than its own error
+  (PLAN_OVER_ESTIMATE) gives one line before anything compiles: its estimate, the device's, and
+  the smallest grad_accum_steps whose plan fits (those figures are the plan's own, recomputed
+  here); nothing within that error or when the device's memory is unknown."""
   from launch import memory_plan
   run = setup.run_config(_cfg(**{"data.batch_size": 32}), process_count=1)
   mesh = setup.build_mesh(run.mesh, jax.devices()[:1])
   plan = lambda k: memory_plan.analytic_plan(                              # noqa: E731
       run.model, dict(mesh.shape), 32, run.data.seq_len, chain=run.optim.chain,
       grad_accum_steps=k, backend="cpu")["total_bytes"]
+  over = setup.PLAN_OVER_ESTIMATE
   assert setup.plan_shortfall(run, mesh, 32, None) is None
   assert setup.plan_shortfall(run, mesh, 32, plan(1)) is None
+  assert setup.plan_shortfall(run, mesh, 32, plan(1) / over) is None      # within the estimate's error
+  assert setup.plan_shortfall(run, mesh, 32, plan(1) / over * 0.999) is not None
   device = (plan(4) + plan(2)) / 2          # between: 2 micro-batches do not fit, 4 do
-  assert plan(2) > device >= plan(4)
+  assert plan(2) > device >= plan(4) and plan(1) > over * device
   msg = setup.plan_shortfall(run, mesh, 32, device)
   assert "\n" not in msg
   gib = lambda b: (f"{b / 2**30:.1f} GiB" if b >= 2**30              # noqa: E731
