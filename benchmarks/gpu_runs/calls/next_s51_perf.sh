@@ -1,4 +1,6 @@
-# Next session (issues 27 and 28, ~580 s; carry .whl; from the repository root): s3's accumulated
+# Ran in session 51 (benchmarks/gpu_runs/2026-12-05/s51_call1: main 2,218 / main2 2,192, scatters_back 2,206,
+# router_6x 2,175, engram_ckpt 2,435 ms; RESULTS "The three rows on the H200"). As written for it
+# (issues 27 and 28, ~580 s; carry .whl; from the repository root): s3's accumulated
 # step (8 x (4 x 4096)), two arms at a time compiled at once and timed in turn (prelude `arms`):
 #   main, main2     the tree as committed; two rows give the call's own noise
 #   scatters_back   session 51's two scatters put back (s51_scatters_back.patch: the balance loss's
