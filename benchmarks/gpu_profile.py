@@ -318,6 +318,23 @@ def report(groups: dict[str, collections.Counter], step_ms: float, busy_ms: floa
   return "\n".join(lines)
 
 
+def reread(path: str) -> str:
+  """The work-kind table of a stored profile (`--json`): its instructions' HLO lines read back as
+  a program, their kernel ms classed by `work_kind`, shares of the whole step's kernel time."""
+  with open(path) as f:
+    d = json.load(f)
+  hlo = HloSources("ENTRY %stored {\n" + "\n".join(
+      "  " + v["text"] for v in d["ops"].values() if v["text"]) + "\n}\n")
+  work = collections.Counter()
+  for op, v in d["ops"].items():
+    work[work_kind(hlo, op)] += v["ms"]
+  total = sum(d["groups"]["component"].values())
+  lines = [f"{path}: {sum(work.values()):.1f} of {total:.1f} ms of kernel time a step in its "
+           f"{len(d['ops'])} stored instructions", "| work kind | ms | share |", "|---|---:|---:|"]
+  lines += [f"| {k} | {work[k]:.1f} | {work[k] / total:.1%} |" for k in WORK_KINDS if work[k]]
+  return "\n".join(lines)
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--size", default="s3", help="a size of configs/small.py (optionally /noremat)")
@@ -330,7 +347,13 @@ def main(argv=None) -> int:
   ap.add_argument("--json", default=None, help="write the groups and step figures here")
   ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                   help="config keys, e.g. model.ops.hc_site=reference (gpu_step.bench)")
+  ap.add_argument("--reread", default=None, metavar="JSON",
+                  help="print the work-kind table of a stored --json profile (its 500 largest "
+                       "instructions) and exit; no GPU needed")
   args = ap.parse_args(argv)
+  if args.reread:
+    print(reread(args.reread))
+    return 0
 
   import jax
   if jax.default_backend() != "gpu":

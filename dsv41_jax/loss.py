@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layer_plan import build_layer_plan
 from dsv41_jax.layers.compressor import entry_metadata
+from dsv41_jax.layers.moe import document_starts
 from dsv41_jax.layers.types import CompressedKV, entry_visible
 
 
@@ -146,7 +147,7 @@ def batch_counts(cfg: ModelConfig, batch: dict[str, jax.Array]) -> dict[str, jax
 
     lm           loss tokens (`loss_mask`)
     balance      documents: runs of one non-zero segment id in a row (§8.4, as
-                 `layers.moe.document_index` numbers them)
+                 `layers.moe.document_starts` finds them)
     indexer [L]  real tokens with at least one visible compressed entry at the layer's ratio, for
                  layers that own an indexer (its top-k then selects one, §5.5); 0 elsewhere
     moe          non-padding tokens (dispatched pairs / K: `dropped_fraction`)
@@ -156,7 +157,6 @@ def batch_counts(cfg: ModelConfig, batch: dict[str, jax.Array]) -> dict[str, jax
   seg = batch["segment_ids"].astype(jnp.int32)
   real = seg > 0
   text = real & ~batch.get("image_mask", jnp.zeros(seg.shape, bool)).astype(bool)
-  starts = jnp.concatenate([jnp.ones_like(real[:, :1]), seg[:, 1:] != seg[:, :-1]], axis=1)
   f32 = lambda x: jnp.sum(x).astype(jnp.float32)
   by_ratio: dict[int, jax.Array] = {}
   indexer = []
@@ -170,6 +170,6 @@ def batch_counts(cfg: ModelConfig, batch: dict[str, jax.Array]) -> dict[str, jax
       kv = CompressedKV(None, None, entry_seg, entry_last, None)
       by_ratio[m] = f32(jnp.any(entry_visible(kv, seg), axis=-1) & real)
     indexer.append(by_ratio[m])
-  return {"lm": f32(batch["loss_mask"]), "balance": f32(starts & real),
+  return {"lm": f32(batch["loss_mask"]), "balance": f32(document_starts(seg) & real),
           "indexer": jnp.stack(indexer), "moe": f32(real), "engram": f32(text),
           "engram_rows": f32(jnp.any(text, axis=-1))}

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from dsv41_jax import model as model_lib, sharding
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layer_plan import build_layer_plan
+from dsv41_jax.layers import attention as attention_lib
 from optim import table as table_lib
 from pallas_kernels import dispatch
 
@@ -213,8 +214,7 @@ def kernels_taken(cfg: ModelConfig, spec, b: int, T: int, backend: str) -> tuple
   attention = dispatch.implementation(
       "sparse_attention", cfg.ops.sparse_attention, sd((b, T, H, Dh), dt), sd((b, T, Dh), dt),
       seg, sd((H,), jnp.float32), sd((b, n_ent, Dh), dt), sd((b, T, K), jnp.int32),
-      backend=backend, window=cfg.sliding_window, scale=Dh ** -0.5, impl=cfg.global_attn_impl,
-      query_chunk=cfg.attn_query_chunk or None) == ATTENTION_KERNEL
+      backend=backend, **attention_lib.op_static(cfg)) == ATTENTION_KERNEL
   indexer = False
   if spec.owns_indexer:
     HI, I = cfg.index_n_heads, cfg.index_head_dim
@@ -276,7 +276,7 @@ def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int],
     if spec.compress_ratio:
       n_ent = spec.entries(T)
       K = min(cfg.index_topk, n_ent)
-      if attention_kernel:
+      if attention_kernel:      # window and entries scored on chip: nothing more per entry
         pass
       elif cfg.global_attn_impl == "masked":
         scores += b * Ht * T * n_ent * 4

@@ -423,18 +423,17 @@ def plan_shortfall(run: RunConfig, mesh, rows: int, device_bytes: float | None) 
     return None
   if total <= PLAN_OVER_ESTIMATE * device_bytes:
     return None
-  gib = _size
   advice = ("no micro-batch of whole rows fits the estimate: shard the model over more devices "
             "(mesh.fsdp, mesh.expert) or use fewer rows a step")
   for k2 in range(k + 1, rows // ways + 1):
-    if rows % (k2 * ways) == 0 and need(k2) <= device_bytes:
+    if rows % (k2 * ways) == 0 and (fits := need(k2)) <= device_bytes:
       advice = (f"train.grad_accum_steps={k2} ({rows // (k2 * ways)} rows a micro-batch per "
-                f"device, the same {rows}-row step) is estimated at {gib(need(k2))}")
+                f"device, the same {rows}-row step) is estimated at {_size(fits)}")
       break
-  return (f"the memory plan estimates the train step at {gib(total)} a device ({rows // (k * ways)} "
-          f"rows a micro-batch per device, train.grad_accum_steps={k}; `python -m launch.aot "
-          f"--analytic --backend={backend}` prints its terms), more than the "
-          f"{gib(device_bytes)} the device gives it; {advice}; or train.memory_check=False to "
+  return (f"the memory plan estimates the train step at {_size(total)} a device "
+          f"({rows // (k * ways)} rows a micro-batch per device, train.grad_accum_steps={k}; "
+          f"`python -m launch.aot --analytic --backend={backend}` prints its terms), more than the "
+          f"{_size(device_bytes)} the device gives it; {advice}; or train.memory_check=False to "
           "compile it anyway")
 
 

@@ -388,13 +388,14 @@ def _train(ctx: _Context, train_it, stop: _Stop, cleanup: contextlib.ExitStack
   ahead = None
   device_bytes = setup.device_memory(mesh) if tcfg.memory_check else None
   if newest < tcfg.steps:
+    global_rows = setup.global_batch(run, mesh)
     # a step the memory plan puts over the device's memory: one line now, no compile
-    short = setup.plan_shortfall(run, mesh, setup.global_batch(run, mesh), device_bytes)
+    short = setup.plan_shortfall(run, mesh, global_rows, device_bytes)
     if short:
       raise SetupError(short)
     phases = _phases(train_vit_at, newest, tcfg.steps)
     _log_compiling(run, phases)
-    ats, args, sched = setup.ahead_args(run, mesh, adapter, setup.global_batch(run, mesh))
+    ats, args, sched = setup.ahead_args(run, mesh, adapter, global_rows)
     ahead = setup.start_train_steps(setup.train_step_jit(run, ats), mesh, phases, args, sched,
                                     in_order=True)
   t_ahead = time.perf_counter() - t_compile   # the abstract state, on this thread

@@ -300,8 +300,8 @@ def _per_shard(kernel: Kernel, fn: Callable) -> Callable:
 
 
 def _select(name: str, policy: str, args, kwargs) -> tuple[Kernel | None, str]:
-  """(the kernel `policy` takes for these arguments or None for the reference, the reasons the
-  kernels before it, or all of them, were passed over)."""
+  """(the kernel `policy` takes for these arguments, "") or (None for the reference, the reasons
+  every kernel was passed over)."""
   check_policy(name, policy)
   op = _op(name)
   if policy == "reference":
@@ -315,7 +315,7 @@ def _select(name: str, policy: str, args, kwargs) -> tuple[Kernel | None, str]:
     if why is None and policy == "auto":
       why = k.faster(args, kwargs)
     if why is None:
-      return k, "; ".join(reasons)
+      return k, ""
     reasons.append(f"{k.fn}: {why}")
   reason = "; ".join(reasons) or "no kernel is registered"
   if policy == "kernel":

@@ -47,7 +47,7 @@ def visible_topk(topk_BxTxK: jax.Array, kv: CompressedKV, segment_ids_BxT: jax.A
   return jnp.where(ok, topk_BxTxK, -1)
 
 
-def _op_static(cfg) -> dict:
+def op_static(cfg) -> dict:
   """The sparse-attention op's static arguments for this config."""
   return dict(window=cfg.sliding_window, scale=default_scale(cfg.head_dim),
               impl=cfg.global_attn_impl, query_chunk=cfg.attn_query_chunk or None)
@@ -65,7 +65,7 @@ def selection_plan(cfg, kv: CompressedKV, topk_BxTxK: jax.Array, segment_ids_BxT
   _, plan = dispatch.make_plan(
       "sparse_attention", cfg.ops.sparse_attention, sd((B, T, H, D), dt), sd((B, T, D), dt),
       segment_ids_BxT, sd((H,), jnp.float32), sd(kv.main_kv_BxNxD.shape, dt),
-      visible_topk(topk_BxTxK, kv, segment_ids_BxT), **_op_static(cfg))
+      visible_topk(topk_BxTxK, kv, segment_ids_BxT), **op_static(cfg))
   return plan
 
 
@@ -158,6 +158,6 @@ class Attention(nnx.Module):
       topk = visible_topk(topk_BxTxK, kv, segment_ids_BxT)
     o, global_probs = dispatch.call(
         "sparse_attention", q, swa, segment_ids_BxT, self.attn_sink[...], global_kv, topk,
-        policy=cfg.ops.sparse_attention, plan=plan, **_op_static(cfg))
+        policy=cfg.ops.sparse_attention, plan=plan, **op_static(cfg))
     o = sharding.constrain(o, ("batch", "seq", "heads", None))
     return self.output(o, positions_BxT), c_q, global_probs

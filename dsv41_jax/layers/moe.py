@@ -42,11 +42,11 @@ def route(logits_BxTxE, bias, k: int, route_scale: float, gate_temp: float = 1.0
   return weights, experts.astype(jnp.int32), scores
 
 
-def document_index(segment_ids_BxT):
-  """Index of each token's document within its row: +1 at every change of segment id."""
-  new_doc = jnp.concatenate([jnp.ones_like(segment_ids_BxT[:, :1], jnp.bool_),
-                             segment_ids_BxT[:, 1:] != segment_ids_BxT[:, :-1]], axis=1)
-  return jnp.cumsum(new_doc, axis=1, dtype=jnp.int32) - 1
+def document_starts(segment_ids_BxT):
+  """[B, T] bool: True where a run of equal segment ids begins in its row (a document, or a run
+  of padding where the id is 0)."""
+  change = segment_ids_BxT[:, 1:] != segment_ids_BxT[:, :-1]
+  return jnp.concatenate([jnp.ones_like(change[:, :1]), change], axis=1)
 
 
 def expert_onehot(experts_BxTxK, n_experts: int):
@@ -62,9 +62,8 @@ def document_totals(v_BxTxC, segment_ids_BxT):
   counts (integer-valued float32 below 2^24); meant for values that carry no gradient."""
   t = segment_ids_BxT.shape[1]
   pos = jnp.arange(t, dtype=jnp.int32)[None, :]
-  change = segment_ids_BxT[:, 1:] != segment_ids_BxT[:, :-1]
-  first = jnp.concatenate([jnp.ones_like(change[:, :1]), change], axis=1)
-  last = jnp.concatenate([change, jnp.ones_like(change[:, :1])], axis=1)
+  first = document_starts(segment_ids_BxT)
+  last = jnp.concatenate([first[:, 1:], jnp.ones_like(first[:, :1])], axis=1)
   start = jax.lax.cummax(jnp.where(first, pos, 0), axis=1)[..., None]
   end = jax.lax.cummin(jnp.where(last, pos, t - 1), axis=1, reverse=True)[..., None]
   inclusive = jnp.cumsum(v_BxTxC, axis=1)
@@ -96,9 +95,7 @@ def sequence_balance_loss(scores_BxTxE, experts_BxTxK, segment_ids_BxT):
       document_totals(jnp.concatenate([validf, sel], axis=-1), segment_ids_BxT))
   n_doc, count = totals[..., :1], totals[..., 1:]
   w = (e / k) * count / jnp.square(jnp.maximum(n_doc, 1.0))
-  first = jnp.concatenate([jnp.ones_like(valid[:, :1]),
-                           segment_ids_BxT[:, 1:] != segment_ids_BxT[:, :-1]], axis=1)
-  n_docs = (first & valid).sum()
+  n_docs = (document_starts(segment_ids_BxT) & valid).sum()
   return (s_norm * w).sum() / jnp.maximum(n_docs, 1).astype(jnp.float32)
 
 

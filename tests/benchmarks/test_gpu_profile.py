@@ -100,3 +100,18 @@ def test_work_kinds_from_xla_names_and_custom_call_targets():
   assert groups["work"] == {"fills": 3.0, "GEMM": 1.0, "other": 1.0}
   text = gpu_profile.report(groups, step_ms=10.0, busy_ms=5.0, top=3)
   assert "| fills | 3.0 | 60.0% |" in text and "| GEMM | 1.0 | 20.0% |" in text
+
+
+def test_reread_classes_a_stored_profile(tmp_path):
+  """`--reread` reads a stored `--json` profile's instructions back and prints its work kinds."""
+  import json
+  path = tmp_path / "prof.json"
+  path.write_text(json.dumps(dict(
+      groups=dict(component={"MoE": 3.0, "other": 1.0}),
+      ops={"loop_broadcast_fusion.1": dict(ms=1.0, text="%loop_broadcast_fusion.1 = f32[8]{0} "
+                                                       "fusion(), kind=kLoop"),
+           "custom-call.2": dict(ms=2.0, text='%custom-call.2 = f32[8]{0} custom-call(%p), '
+                                            'custom_call_target="__cublas$lt$matmul"')})))
+  text = gpu_profile.reread(str(path))
+  assert "3.0 of 4.0 ms" in text and "| GEMM | 2.0 | 50.0% |" in text
+  assert "| fills | 1.0 | 25.0% |" in text
