@@ -81,8 +81,8 @@ def h200_part() -> None:
   from configs import small
   from configs.common import model_config
   from launch import memory_plan
-  print("| size | overrides | micro-batches | H200 GiB | plan for the GPU (ratio) | plan for the CPU "
-        "| source |")
+  print("| size | overrides | micro-batches | H200 GiB | plan for the GPU (ratio) "
+        "| plan for the CPU | source |")
   print("|---|---|---|---:|---:|---:|---|")
   for size, over, ref, rows, k, measured, source in H200:
     mcfg = model_config(small.get_config(size)).replace(**over)

@@ -242,8 +242,8 @@ def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int],
                  (without remat: every layer's working set below is kept instead)
     layer work   max over layers of 2·(attention + moe + mhc) + SCORE_COPIES·scores, per layer
       attention  b·T·(H/tp)·Dh·a  (q)  +  b·(H/tp)·T·(P+1)·S·4  (window scores, S = min(W, T),
-                 P = ⌈(W−1)/S⌉ previous blocks)  +  "gather" global branch b·T·K·Dh·a + b·(H/tp)·T·K·4;
-                 where the attention kernel runs (`kernels_taken`): b·T·(H/tp)·(2·Dh·a + 4)
+                 P = ⌈(W−1)/S⌉ previous blocks)  +  "gather" global branch
+                 b·T·K·Dh·a + b·(H/tp)·T·K·4; where the attention kernel runs (`kernels_taken`): b·T·(H/tp)·(2·Dh·a + 4)
                  (q, the output and its log-sum-exp: window and entries are scored on chip)
       scores     "masked" global scores b·(H/tp)·T·⌈T/m⌉·4, not where the attention kernel runs
                  + indexer b·min(512, T)·H_I·⌈T/m⌉·4, not where the indexer kernel runs
