@@ -171,9 +171,10 @@ class Transformer(nnx.Module):
     lo, n = run.first_layer, run.n_layers
     bias = moe_bias_Lx2xE[lo:lo + n]
     state = self._prepare_carry(run, state, ctx)
-    if run.engram:
-      # An Engram layer starts its run (`layer_plan`): its lookup and gated injection run here,
-      # on the streams the scan starts from (under their own remat, as inside the layer body).
+    at = None if run.engram_layer is None else run.engram_layer - lo    # its place in the run
+    if at is not None:
+      # The lookup (ids only) before the scan; the gated injection between the layers before the
+      # Engram layer and the rest, under its own remat as the layers are (`inject`).
       token_mask = (ctx.segment_ids_BxT > 0) & ~ctx.image_mask_BxT
       ids = ctx.engram_ids[run.engram_layer]
       memory_kv = stack.engram.memory(ids)
@@ -181,8 +182,6 @@ class Transformer(nnx.Module):
       inject = lambda X: stack.engram.inject(X, memory_kv, token_mask)
       if cfg.remat:
         inject = jax.checkpoint(inject, policy=layer_remat_policy(cfg.remat_saves))
-      X, gate = inject(state.X_BxTxNxD)
-      state = state._replace(X_BxTxNxD=X)
     pubs = stack.publishers(run)
     core_def, core_state = nnx.split(stack.core)
     pub_defs = [None if p is None else nnx.split(p)[0] for p in pubs]
@@ -198,13 +197,28 @@ class Transformer(nnx.Module):
 
     if cfg.remat:
       body = jax.checkpoint(body, prevent_cse=False, policy=layer_remat_policy(cfg.remat_saves))
+    gate = None
     if cfg.scan_layers and n > 1:
       # Each kind's weights gathered into one row per layer (rows of other kinds are never read;
       # the gather's transpose sums each layer's gradient back into its kind's stack).
       gathered = [None if p is None else jax.tree.map(
           lambda a, k=k: a[np.where(kind_of == k, slot_of, 0)], p)
           for k, p in enumerate(pub_states)]
-      state, aux = jax.lax.scan(body, state, (core_state, gathered, bias, jnp.asarray(kind_of)))
+      xs = (core_state, gathered, bias, jnp.asarray(kind_of))
+      # One scan, or two where the Engram layer is inside the run, with the injection between
+      # them on the carried streams: one body, no Engram branch in it (a `lax.cond` on every
+      # layer cost ~5 ms a micro-batch of s3 on the H200 in copies and zero-filled residuals).
+      cuts = [0] + ([at] if at else []) + [n]
+      auxes = []
+      for c0, c1 in zip(cuts[:-1], cuts[1:]):
+        if c0 == at:
+          X, gate = inject(state.X_BxTxNxD)
+          state = state._replace(X_BxTxNxD=X)
+        part = xs if (c0, c1) == (0, n) else jax.tree.map(lambda a: a[c0:c1], xs)
+        state, a = jax.lax.scan(body, state, part)
+        auxes.append(a)
+      aux = auxes[0] if len(auxes) == 1 else jax.tree.map(
+          lambda *a: jnp.concatenate(a, axis=0), *auxes)
     else:
       auxes = []
       for i in range(n):
@@ -219,14 +233,17 @@ class Transformer(nnx.Module):
         if cfg.remat:
           one = jax.checkpoint(one, prevent_cse=False,
                                policy=layer_remat_policy(cfg.remat_saves))
+        if i == at:
+          X, gate = inject(state.X_BxTxNxD)
+          state = state._replace(X_BxTxNxD=X)
         pub_p = None if pub_states[k] is None else jax.tree.map(lambda a: a[slot], pub_states[k])
         state, a = one(state, jax.tree.map(lambda a: a[i], core_state), pub_p, bias[i])
         auxes.append(a)
       aux = jax.tree.map(lambda *a: jnp.stack(a), *auxes)
-    if run.engram:   # the run's first layer's Engram figures
-      first = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), 0, 0)
-      aux = aux._replace(engram_gate_N=first(aux.engram_gate_N, gate),
-                         engram_rows_touched=first(aux.engram_rows_touched, touched))
+    if at is not None:   # the Engram layer's figures
+      put = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), at, 0)
+      aux = aux._replace(engram_gate_N=put(aux.engram_gate_N, gate),
+                         engram_rows_touched=put(aux.engram_rows_touched, touched))
     return state, aux
 
   def _prepare_carry(self, run: Run, state: StreamState, ctx: Context) -> StreamState:
