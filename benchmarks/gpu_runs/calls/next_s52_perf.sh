@@ -9,10 +9,11 @@
 #                 column says what the GPU's buffer assignment makes of it
 #   router_6x     model.router_precision=bf16_6x (session 51: -30 ms)
 #   run(command="bash benchmarks/gpu_runs/calls/next_s52_perf.sh", carry=[".whl"], timeout_s=600)
+# PAIRS=1 runs the first pair only (main, split: ~300 s with the machine's start).
 source benchmarks/gpu_runs/calls/prelude.sh
 OUT=$(realpath "$OUT")
 rm -rf /tmp/tree_split && mkdir -p /tmp/tree_split && cp -a . /tmp/tree_split/ \
   && patch -d /tmp/tree_split -p1 < benchmarks/gpu_runs/calls/s52_engram_split.patch || exit 1
 arms s3 250 main split@/tmp/tree_split
-arms s3 250 router_6x:model.router_precision=bf16_6x main2
+[ "${PAIRS:-2}" = 1 ] || arms s3 250 router_6x:model.router_precision=bf16_6x main2
 step done
