@@ -40,6 +40,17 @@ arms() {
     echo "-- $name"; grep -E "^\| $size|rror" "/tmp/arm_${size}_$name.out" | tail -2
   done
 }
+# profile SIZE NAME [KEY=VALUE ...]: gpu_profile.py at 4 x 4096 (command buffers off, two profiled
+# steps) until 585 s into the call; writes $OUT/prof_NAME.json and $OUT/profile_NAME.txt and prints
+# the component table and the last 60 lines.
+profile() {
+  local size=$1 name=$2; shift 2
+  step "profile $size 4 x 4096: $name"
+  timeout -s TERM $(( 585 - SECONDS )) python3 -u benchmarks/gpu_profile.py --size "$size" \
+      --batch 4 --seq 4096 --steps 2 --top 30 --out "/tmp/prof_$name" --json "$OUT/prof_$name.json" \
+      ${1:+--set "$@"} > "$OUT/profile_$name.txt" 2>&1
+  sed -n "/component/,/^$/p" "$OUT/profile_$name.txt"; tail -60 "$OUT/profile_$name.txt"
+}
 # tree_copy NAME FILE SED: a copy of the tree at /tmp/tree_NAME with FILE edited by SED; fails (and
 # says so) when SED changes nothing. Use as an arm's @DIR: arms s3 200 main idx@/tmp/tree_idx
 tree_copy() {
