@@ -18,7 +18,7 @@ s3_accum() { accum s3 "$@"; }
 # Arms compiled at once and timed in turn (gpu_step.py --turn: two s3 arms should take about one
 # arm's init + compile plus both arms' steps; first used by next_s48_perf.sh). arms SIZE SECS NAME[@DIR][:KEY=VALUE,KEY=VALUE] ...: one process per arm,
 # each with 1/N of the GPU's memory (less 10 %); @DIR runs the arm in another copy of the tree (see
-# `tree_copy`); writes $OUT/SIZE_NAME.json and prints each arm's table row. Two s3 arms fit (43.6 GiB
+# `tree_copy`); the variable XLA_ARM_NAME, when set, adds its flags to that arm's XLA_FLAGS; writes $OUT/SIZE_NAME.json and prints each arm's table row. Two s3 arms fit (43.6 GiB
 # each at 4 x 4096); m3 (80.7 GiB) does not pair.
 arms() {
   local size=$1 secs=$2; shift 2
@@ -29,7 +29,8 @@ arms() {
   for spec in "$@"; do
     name=${spec%%:*}; sets=""; [ "$spec" != "$name" ] && sets=${spec#*:}
     dir=$(pwd); case $name in *@*) dir=${name#*@}; name=${name%%@*} ;; esac
-    (cd "$dir" && XLA_PYTHON_CLIENT_MEM_FRACTION=$frac timeout -s TERM "$secs" python3 -u \
+    local flags_var="XLA_ARM_$name"; local flags="$XLA_FLAGS ${!flags_var:-}"
+    (cd "$dir" && XLA_FLAGS="${flags# }" XLA_PYTHON_CLIENT_MEM_FRACTION=$frac timeout -s TERM "$secs" python3 -u \
         benchmarks/gpu_step.py --sizes "$size" --batch 4 --seq 4096 --grad_accum 8 --steps 2 \
         --no_split --turn "$turn:$n" --json "$OUT/${size}_$name.json" ${sets:+--set ${sets//,/ }} \
         > "/tmp/arm_${size}_$name.out" 2>&1) & pids+=($!)
