@@ -25,7 +25,7 @@ changes is a `Context`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -189,18 +189,15 @@ def _publish(cfg: ModelConfig, spec: LayerSpec, core: LayerCore, pub: Publisher 
 
 def layer_forward(cfg: ModelConfig, kinds: Sequence[LayerSpec], core: LayerCore,
                   pubs: Sequence[Publisher | None], state: StreamState, ctx: Context,
-                  moe_bias_2xE: jax.Array, kind_index=0, engram: Callable | None = None
-                  ) -> tuple[StreamState, LayerAux]:
+                  moe_bias_2xE: jax.Array, kind_index=0) -> tuple[StreamState, LayerAux]:
   """One layer. `kinds[kind_index]` is its kind; `pubs[k]` the Publisher for kind k (None for
   kinds that publish nothing). With one kind the CSA2 step is static; with several,
-  `kind_index` may be traced and the step is a `lax.switch` over the kinds. `engram(X) ->
-  (X', gate_N)` injects the layer's Engram memory first (the caller makes it a no-op for layers
-  without one)."""
+  `kind_index` may be traced and the step is a `lax.switch` over the kinds. An Engram layer's
+  injection comes before, on the streams it is given (the caller's: the model injects before the
+  run the layer starts, decode before the layer); its aux `engram_gate_N` is zeros here."""
   X = state.X_BxTxNxD
   real = ctx.segment_ids_BxT > 0
   gate = jnp.zeros((cfg.hc_mult,), jnp.float32)
-  if engram is not None:
-    X, gate = engram(X)
   global_branch = kinds[0].reads_global_kv    # one compression ratio per run: all or none
 
   # --- attention site ---

@@ -6,8 +6,9 @@ flag, candidate role, RoPE base). Consecutive layers are then grouped into *runs
 
 - a run never crosses the encoder/decoder boundary, nor a change of compression ratio (the shared
   compressed KV in the scan's carry keeps one shape), and holds at most one Engram layer (its
-  table lookup runs before the scan, its gated injection inside it, so tables of different sizes
-  never need stacking);
+  table lookup runs before the run, its gated injection between the scans of the layers before
+  it and of the rest, so tables of different sizes never need stacking and the scanned body holds
+  no Engram branch);
 - inside a run, layers differ only by their *kind* (`LayerSpec.kind`: Full, Reindex, Reuse, SWA,
   with their candidate-pool role and KV input). The scan body switches on the kind (`lax.switch`),
   so the program holds one body per kind per run, and the number of runs is fixed by the two

@@ -170,24 +170,18 @@ class Transformer(nnx.Module):
     run, stack = self.plan.runs[r], self.runs[r]
     lo, n = run.first_layer, run.n_layers
     bias = moe_bias_Lx2xE[lo:lo + n]
-    is_engram = np.asarray([l.engram for l in run.layers])
-    engram_at = lambda flag: None
-    touched = None
-    if run.engram:
-      # The lookup (ids only) before the scan; the gated injection inside, at the Engram layer.
+    state = self._prepare_carry(run, state, ctx)
+    at = None if run.engram_layer is None else run.engram_layer - lo    # its place in the run
+    if at is not None:
+      # The lookup (ids only) before the scan; the gated injection between the layers before the
+      # Engram layer and the rest, under its own remat as the layers are (`inject`).
       token_mask = (ctx.segment_ids_BxT > 0) & ~ctx.image_mask_BxT
       ids = ctx.engram_ids[run.engram_layer]
       memory_kv = stack.engram.memory(ids)
       touched = stack.engram.rows_touched(ids, token_mask) / stack.engram.num_rows
-      engram = stack.engram
-
-      def engram_at(flag):
-        inject = lambda X: engram.inject(X, memory_kv, token_mask)
-        if isinstance(flag, (bool, np.bool_)):   # unrolled: static
-          return inject if flag else None
-        skip = lambda X: (X, jnp.zeros((cfg.hc_mult,), jnp.float32))
-        return lambda X: jax.lax.cond(flag, inject, skip, X)
-    state = self._prepare_carry(run, state, ctx)
+      inject = lambda X: stack.engram.inject(X, memory_kv, token_mask)
+      if cfg.remat:
+        inject = jax.checkpoint(inject, policy=layer_remat_policy(cfg.remat_saves))
     pubs = stack.publishers(run)
     core_def, core_state = nnx.split(stack.core)
     pub_defs = [None if p is None else nnx.split(p)[0] for p in pubs]
@@ -196,42 +190,60 @@ class Transformer(nnx.Module):
     slot_of = np.asarray(run.slot_of, np.int32)
 
     def body(carry, xs):
-      core_p, pub_ps, bias_l, k, e = xs
+      core_p, pub_ps, bias_l, k = xs
       core = nnx.merge(core_def, core_p)
       ps = [None if d is None else nnx.merge(d, p) for d, p in zip(pub_defs, pub_ps)]
-      return layer_forward(cfg, run.kinds, core, ps, carry, ctx, bias_l, k, engram_at(e))
+      return layer_forward(cfg, run.kinds, core, ps, carry, ctx, bias_l, k)
 
     if cfg.remat:
       body = jax.checkpoint(body, prevent_cse=False, policy=layer_remat_policy(cfg.remat_saves))
+    gate = None
     if cfg.scan_layers and n > 1:
       # Each kind's weights gathered into one row per layer (rows of other kinds are never read;
       # the gather's transpose sums each layer's gradient back into its kind's stack).
       gathered = [None if p is None else jax.tree.map(
           lambda a, k=k: a[np.where(kind_of == k, slot_of, 0)], p)
           for k, p in enumerate(pub_states)]
-      state, aux = jax.lax.scan(body, state, (core_state, gathered, bias, jnp.asarray(kind_of),
-                                              jnp.asarray(is_engram)))
+      xs = (core_state, gathered, bias, jnp.asarray(kind_of))
+      # One scan, or two where the Engram layer is inside the run, with the injection between
+      # them on the carried streams: one body, no Engram branch in it (a `lax.cond` on every
+      # layer cost ~5 ms a micro-batch of s3 on the H200 in copies and zero-filled residuals).
+      cuts = [0] + ([at] if at else []) + [n]
+      auxes = []
+      for c0, c1 in zip(cuts[:-1], cuts[1:]):
+        if c0 == at:
+          X, gate = inject(state.X_BxTxNxD)
+          state = state._replace(X_BxTxNxD=X)
+        part = xs if (c0, c1) == (0, n) else jax.tree.map(lambda a: a[c0:c1], xs)
+        state, a = jax.lax.scan(body, state, part)
+        auxes.append(a)
+      aux = auxes[0] if len(auxes) == 1 else jax.tree.map(
+          lambda *a: jnp.concatenate(a, axis=0), *auxes)
     else:
       auxes = []
       for i in range(n):
         k, slot = run.kind_of[i], run.slot_of[i]
 
-        def one(carry, core_p, pub_p, bias_l, k=k, e=is_engram[i]):
+        def one(carry, core_p, pub_p, bias_l, k=k):
           # Unrolled, the kind is static: only the layer's own publisher weights are passed.
           ps = [None if pub_defs[k] is None else nnx.merge(pub_defs[k], pub_p)]
           return layer_forward(cfg, [run.kinds[k]], nnx.merge(core_def, core_p), ps, carry, ctx,
-                               bias_l, engram=engram_at(e))
+                               bias_l)
 
         if cfg.remat:
           one = jax.checkpoint(one, prevent_cse=False,
                                policy=layer_remat_policy(cfg.remat_saves))
+        if i == at:
+          X, gate = inject(state.X_BxTxNxD)
+          state = state._replace(X_BxTxNxD=X)
         pub_p = None if pub_states[k] is None else jax.tree.map(lambda a: a[slot], pub_states[k])
         state, a = one(state, jax.tree.map(lambda a: a[i], core_state), pub_p, bias[i])
         auxes.append(a)
       aux = jax.tree.map(lambda *a: jnp.stack(a), *auxes)
-    if touched is not None:
-      at = run.engram_layer - run.first_layer
-      aux = aux._replace(engram_rows_touched=aux.engram_rows_touched.at[at].set(touched))
+    if at is not None:   # the Engram layer's figures
+      put = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), at, 0)
+      aux = aux._replace(engram_gate_N=put(aux.engram_gate_N, gate),
+                         engram_rows_touched=put(aux.engram_rows_touched, touched))
     return state, aux
 
   def _prepare_carry(self, run: Run, state: StreamState, ctx: Context) -> StreamState:

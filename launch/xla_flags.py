@@ -11,7 +11,7 @@ On the CPU the default is XLA's depth-first HLO schedule instead of its concurre
 breadth-first one (`xla_cpu_enable_concurrency_optimized_scheduler=false`). With the breadth-first
 schedule, a step on a mesh of CPU devices (`--xla_force_host_platform_device_count`) could stop
 with "Termination timeout for collective permute": XLA's CPU runtime ran a collective inside a
-scanned layer's conditional (the Engram `lax.cond`, the CSA2 kind `lax.switch`) and an
+scanned layer's conditional (the CSA2 kind `lax.switch`; then also the Engram `lax.cond`) and an
 independent one outside it in different orders on different devices. The tiny config on
 data 2 × fsdp 2 × tensor 2 stopped so in 3 of 3 runs with it and 0 of 6 with the depth-first
 schedule (float32 and bfloat16; benchmarks/RESULTS.md, 2026-12-05). The flag changes the order of

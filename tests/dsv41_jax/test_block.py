@@ -240,12 +240,10 @@ def unrolled_forward(model: Transformer, batch: dict, bias_Lx2xE: jax.Array
       state = state._replace(topk_BxTxK=jnp.zeros((B, T, 0), jnp.int32))
     states.append(state)
     core, pub, engram = model.layer(spec.index)
-    inject = None
     if engram is not None:
-      memory = engram.memory(ctx.engram_ids[spec.index])
-      inject = lambda X, engram=engram, memory=memory: engram.inject(X, memory, token_mask)
-    state, _ = layer_forward(cfg, [spec], core, [pub], state, ctx, bias_Lx2xE[spec.index],
-                             engram=inject)
+      X, _ = engram.inject(state.X_BxTxNxD, engram.memory(ctx.engram_ids[spec.index]), token_mask)
+      state = state._replace(X_BxTxNxD=X)
+    state, _ = layer_forward(cfg, [spec], core, [pub], state, ctx, bias_Lx2xE[spec.index])
   states.append(state)
   x = model.final_norm(mhc.collapse(state.X_BxTxNxD, state.pre_mix_BxTxN)).astype(cfg.dtype)
   logits = jnp.einsum("btd,dv->btv", x, model.head[...].astype(cfg.dtype),

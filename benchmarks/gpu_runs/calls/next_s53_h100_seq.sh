@@ -2,8 +2,12 @@
 # (prelude `accum`), each in its own process; ORDER picks them (default: main split dsfusion region).
 source benchmarks/gpu_runs/calls/prelude.sh
 OUT=$(realpath "$OUT")
-rm -rf /tmp/tree_split && mkdir -p /tmp/tree_split && cp -a . /tmp/tree_split/ \
-  && patch -s -d /tmp/tree_split -p1 < benchmarks/gpu_runs/calls/s52_engram_split.patch || exit 1
+# split: the tree before session 53 plus s52_engram_split.patch (on main since session 53, so the
+# patch no longer applies to main: the arm is for trees from before that merge only).
+case " ${ORDER:-main split dsfusion region} " in *" split "*)
+  rm -rf /tmp/tree_split && mkdir -p /tmp/tree_split && cp -a . /tmp/tree_split/ \
+    && patch -s -d /tmp/tree_split -p1 < benchmarks/gpu_runs/calls/s52_engram_split.patch || exit 1 ;;
+esac
 base=$XLA_FLAGS
 for arm in ${ORDER:-main split dsfusion region}; do
   left=$(( ${LIMIT:-580} - SECONDS )); [ $left -gt 100 ] || { echo "no time for $arm"; break; }
