@@ -241,7 +241,7 @@ class Transformer(nnx.Module):
         auxes.append(a)
       aux = jax.tree.map(lambda *a: jnp.stack(a), *auxes)
     if at is not None:   # the Engram layer's figures
-      put = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), at, 0)
+      put = lambda a, v: a.at[at].set(v.astype(a.dtype))
       aux = aux._replace(engram_gate_N=put(aux.engram_gate_N, gate),
                          engram_rows_touched=put(aux.engram_rows_touched, touched))
     return state, aux

@@ -1,3 +1,5 @@
+# Superseded (session 53): the split is on main since aa10698, so its patch no longer applies to
+# main and this script stops at the patch; next_s54_call1.sh measures what is left.
 # Session 52 (issue 28, ~520 s; carry .whl; from the repository root): s3's accumulated step
 # (8 x (4 x 4096)), two arms at a time compiled at once and timed in turn (prelude `arms`):
 #   main, main2   the tree as committed (the Engram injection under lax.cond in every layer of its
