@@ -5,14 +5,14 @@ flag, candidate role, RoPE base). Consecutive layers are then grouped into *runs
 `lax.scan` executes with one compiled layer body:
 
 - a run never crosses the encoder/decoder boundary, nor a change of compression ratio (the shared
-  compressed KV in the scan's carry keeps one shape), and holds at most one Engram layer (its
-  table lookup runs before the run, its gated injection between the scans of the layers before
-  it and of the rest, so tables of different sizes never need stacking and the scanned body holds
-  no Engram branch);
+  compressed KV in the scan's carry keeps one shape), and an Engram layer always starts one: its
+  table lookup and gated injection run before the run's scan, on the streams the scan starts
+  from, so tables of different sizes never need stacking, the scan body holds no Engram branch
+  and no run's stacks are sliced around the injection;
 - inside a run, layers differ only by their *kind* (`LayerSpec.kind`: Full, Reindex, Reuse, SWA,
   with their candidate-pool role and KV input). The scan body switches on the kind (`lax.switch`),
   so the program holds one body per kind per run, and the number of runs is fixed by the two
-  halves and the ratio changes (and a second Engram layer in a run), not by depth.
+  halves, the ratio changes and the Engram layers, not by depth.
 
 The model, the ledger and the tests all read this table; no model code tests a layer index.
 """
@@ -118,12 +118,12 @@ class Run:
 
   @property
   def engram(self) -> bool:
-    """One of the run's layers injects Engram memory (a run holds at most one)."""
-    return any(l.engram for l in self.layers)
+    """The run's first layer injects Engram memory (an Engram layer always starts a run)."""
+    return self.layers[0].engram
 
   @property
   def engram_layer(self) -> int | None:
-    return next((l.index for l in self.layers if l.engram), None)
+    return self.first_layer if self.engram else None
 
   def kind_count(self, k: int) -> int:
     return self.kind_of.count(k)
@@ -224,8 +224,7 @@ def _runs(specs: list[LayerSpec]) -> tuple[Run, ...]:
   groups: list[list[LayerSpec]] = []
   for s in specs:
     starts_run = (not groups or s.is_encoder != groups[-1][0].is_encoder
-                  or s.compress_ratio != groups[-1][0].compress_ratio
-                  or (s.engram and any(x.engram for x in groups[-1])))
+                  or s.compress_ratio != groups[-1][0].compress_ratio or s.engram)
     if starts_run:
       groups.append([s])
     else:

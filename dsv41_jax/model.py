@@ -4,8 +4,9 @@ The layer plan groups layers into runs (`layer_plan.Run`); a run's weights are s
 leading axis (`runs/<r>/core/...` for every layer, `runs/<r>/<kind>/...` for each kind that has
 CSA2 weights of its own, `runs/<r>/engram/...` for the run's Engram layer) and run under one
 `lax.scan` whose body switches on the layer's kind. The Engram table lookup depends on the token ids
-alone, so it runs before the scan; the scan body injects it (gated on the streams) at its layer. The program therefore holds one
-layer body per kind per run, whatever the depth: compile time and program size do not grow with
+alone, and an Engram layer starts its run, so the lookup and the gated injection both run before
+that run's scan and the body holds no Engram branch. The program therefore holds one layer body
+per kind per run, whatever the depth: compile time and program size do not grow with
 the number of layers. With `scan_layers=False` the same weights run unrolled (for tests). A
 forward pass can stop after the encoder (CED prefill, §6).
 
@@ -171,10 +172,9 @@ class Transformer(nnx.Module):
     lo, n = run.first_layer, run.n_layers
     bias = moe_bias_Lx2xE[lo:lo + n]
     state = self._prepare_carry(run, state, ctx)
-    at = None if run.engram_layer is None else run.engram_layer - lo    # its place in the run
-    if at is not None:
-      # The lookup (ids only) before the scan; the gated injection between the layers before the
-      # Engram layer and the rest, under its own remat as the layers are (`inject`).
+    if run.engram:
+      # An Engram layer starts its run (`layer_plan`): the lookup and the gated injection run on
+      # the streams the run starts from, before its scan, under their own remat as the layers are.
       token_mask = (ctx.segment_ids_BxT > 0) & ~ctx.image_mask_BxT
       ids = ctx.engram_ids[run.engram_layer]
       memory_kv = stack.engram.memory(ids)
@@ -205,20 +205,13 @@ class Transformer(nnx.Module):
           lambda a, k=k: a[np.where(kind_of == k, slot_of, 0)], p)
           for k, p in enumerate(pub_states)]
       xs = (core_state, gathered, bias, jnp.asarray(kind_of))
-      # One scan, or two where the Engram layer is inside the run, with the injection between
-      # them on the carried streams: one body, no Engram branch in it (a `lax.cond` on every
-      # layer cost ~5 ms a micro-batch of s3 on the H200 in copies and zero-filled residuals).
-      cuts = [0] + ([at] if at else []) + [n]
-      auxes = []
-      for c0, c1 in zip(cuts[:-1], cuts[1:]):
-        if c0 == at:
-          X, gate = inject(state.X_BxTxNxD)
-          state = state._replace(X_BxTxNxD=X)
-        part = xs if (c0, c1) == (0, n) else jax.tree.map(lambda a: a[c0:c1], xs)
-        state, a = jax.lax.scan(body, state, part)
-        auxes.append(a)
-      aux = auxes[0] if len(auxes) == 1 else jax.tree.map(
-          lambda *a: jnp.concatenate(a, axis=0), *auxes)
+      # The injection before the scan, on the streams it starts from: no Engram branch in the body
+      # (a `lax.cond` on every layer cost ~5 ms a micro-batch of s3 on the H200) and no slice of
+      # the run's stacks around it (an injection inside a run cost 42 ms a step of s3, H100).
+      if run.engram:
+        X, gate = inject(state.X_BxTxNxD)
+        state = state._replace(X_BxTxNxD=X)
+      state, aux = jax.lax.scan(body, state, xs)
     else:
       auxes = []
       for i in range(n):
@@ -233,15 +226,15 @@ class Transformer(nnx.Module):
         if cfg.remat:
           one = jax.checkpoint(one, prevent_cse=False,
                                policy=layer_remat_policy(cfg.remat_saves))
-        if i == at:
+        if i == 0 and run.engram:
           X, gate = inject(state.X_BxTxNxD)
           state = state._replace(X_BxTxNxD=X)
         pub_p = None if pub_states[k] is None else jax.tree.map(lambda a: a[slot], pub_states[k])
         state, a = one(state, jax.tree.map(lambda a: a[i], core_state), pub_p, bias[i])
         auxes.append(a)
       aux = jax.tree.map(lambda *a: jnp.stack(a), *auxes)
-    if at is not None:   # the Engram layer's figures
-      put = lambda a, v: a.at[at].set(v.astype(a.dtype))
+    if run.engram:   # the Engram layer's figures (its run's first row)
+      put = lambda a, v: a.at[0].set(v.astype(a.dtype))
       aux = aux._replace(engram_gate_N=put(aux.engram_gate_N, gate),
                          engram_rows_touched=put(aux.engram_rows_touched, touched))
     return state, aux

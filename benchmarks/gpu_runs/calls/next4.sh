@@ -44,6 +44,12 @@
 # repository root after sweep_prepare.sh, carrying .whl, build/ladder_prev and build/xla_cache:
 #   ONLY='ablations/*_seed0' ABLATIONS=1 bash benchmarks/gpu_runs/calls/next4.sh   (7 left, ~3 a call)
 #   ONLY='ablations/*_seed1' ABLATIONS=1 ...                                         (9, ~3 calls)
+# Session 54 (2026-12-05, an H100): full_depth_kv and engram_off at seed 0 (s54_call5); plain_residual
+# finished (eval loss 2.6032 in s54_call6/log.txt) but its call ran under `timeout 245` with END at its
+# default 545, so the archive step never came and the point is lost. A call shorter than 600 s must set
+# END to match: END=$((T - 40)) for `timeout T` (the report and the archive take ~15-35 s). Next:
+#   ONLY='ablations/*_seed0' ABLATIONS=1 bash benchmarks/gpu_runs/calls/next4.sh   (5 left, ~3 a call)
+#   ONLY='ablations/*_seed1' ABLATIONS=1 ...                                         (9, ~3 calls)
 # JOBS=2 may fit more points a call: with no point yet timed at 2 at once, each is estimated at
 # twice its time alone (ladder_jobs.estimate_seconds), so the first such call starts only 2 points;
 # later calls time them by what the first measured.

@@ -1,4 +1,4 @@
-# Next H200 session, first call (issue 28, ~560 s; carry .whl; from the repository root): main as of
+# SUPERSEDED by next_s55_call1.sh (the run form is on main since session 54). Was: next H200 session, first call (issue 28, ~560 s; carry .whl; from the repository root): main as of
 # session 53 (the Engram split and the bf16 x 6 router from s3 up) at issue 28's settings.
 #   s3 main   expected ~2,100 ms (2,175-2,218 before, less ~64 ms for the split and ~30 for the
 #             router); 12 % MFU is ~1,996 ms

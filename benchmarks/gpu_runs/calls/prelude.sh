@@ -11,6 +11,10 @@ step() { echo; echo "=== $(date +%T) $*"; }
 accum() {
   local size=$1 name=$2 secs=$3; shift 3
   step "$size 8 x (4 x 4096): $name"
+  local gpu_mib; gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  if [ "$size" = m3 ] && [ "${gpu_mib:-0}" -lt 102400 ]; then   # 80.7 GiB at its micro-batch
+    echo "skipped: m3 needs ~81 GiB, this card has ${gpu_mib} MiB"; return 0
+  fi
   timeout -s TERM "$secs" python3 -u benchmarks/gpu_step.py --sizes "$size" --batch 4 --seq 4096 \
       --grad_accum 8 --steps 2 --no_split --json "$OUT/${size}_$name.json" ${1:+--set "$@"} | tail -4
 }
@@ -20,11 +24,23 @@ s3_accum() { accum s3 "$@"; }
 # each with 1/N of the GPU's memory (less 10 %); @DIR runs the arm in another copy of the tree (see
 # `tree_copy`); the variable XLA_ARM_NAME, when set, adds its flags to that arm's XLA_FLAGS; writes $OUT/SIZE_NAME.json and prints each arm's table row. Two s3 arms fit (43.6 GiB
 # each at 4 x 4096); m3 (80.7 GiB) does not pair.
+# On a card under 100 GiB (an H100: 80 GB holds one s3 arm, not two, and no m3) the arms of a size
+# above s2 run one after another instead, each with the whole card and SECS of its own (session 54
+# lost a call to two s3 arms compiled together on an H100).
 arms() {
   local size=$1 secs=$2; shift 2
   local n=$# turn; turn=$(mktemp -d) || return 1
+  local gpu_mib; gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  local one_by_one=""
+  case $size in s1|s2|tiny) ;; *) [ "$n" -gt 1 ] && [ "${gpu_mib:-0}" -lt 102400 ] && one_by_one=1 ;; esac
   local frac; frac=$(python3 -c "print(round(0.9 / $n, 3))")
-  step "$size 8 x (4 x 4096), compiled at once, timed in turn: $*"
+  local turn_args=(--turn "$turn:$n")
+  [ -n "$one_by_one" ] && frac=0.9 && turn_args=()
+  if [ -n "$one_by_one" ]; then
+    step "$size 8 x (4 x 4096), one arm after another (${gpu_mib} MiB holds one): $*"
+  else
+    step "$size 8 x (4 x 4096), compiled at once, timed in turn: $*"
+  fi
   local pids=() spec name dir sets
   for spec in "$@"; do
     name=${spec%%:*}; sets=""; [ "$spec" != "$name" ] && sets=${spec#*:}
@@ -32,10 +48,11 @@ arms() {
     local flags_var="XLA_ARM_$name"; local flags="$XLA_FLAGS ${!flags_var:-}"
     (cd "$dir" && XLA_FLAGS="${flags# }" XLA_PYTHON_CLIENT_MEM_FRACTION=$frac timeout -s TERM "$secs" python3 -u \
         benchmarks/gpu_step.py --sizes "$size" --batch 4 --seq 4096 --grad_accum 8 --steps 2 \
-        --no_split --turn "$turn:$n" --json "$OUT/${size}_$name.json" ${sets:+--set ${sets//,/ }} \
+        --no_split "${turn_args[@]}" --json "$OUT/${size}_$name.json" ${sets:+--set ${sets//,/ }} \
         > "/tmp/arm_${size}_$name.out" 2>&1) & pids+=($!)
+    if [ -n "$one_by_one" ]; then wait "${pids[-1]}"; fi
   done
-  wait "${pids[@]}"   # by pid: a bare `wait` also waits for the tee above
+  [ -z "$one_by_one" ] && wait "${pids[@]}"   # by pid: a bare `wait` also waits for the tee above
   for spec in "$@"; do
     name=${spec%%:*}; name=${name%%@*}
     echo "-- $name"; grep -E "^\| $size|rror" "/tmp/arm_${size}_$name.out" | tail -2
