@@ -6,6 +6,7 @@
 #   H100: `accum` skips m3 (it does not fit 80 GB); the s3 row alone is the H100 baseline
 #         (2,450 / 2,456 ms in session 54), so follow with the ablations (next4.sh) instead.
 #   run(command="bash benchmarks/gpu_runs/calls/next_s55_call1.sh", carry=[".whl"], timeout_s=600)
+# then next_s55_call2.sh (m3 at larger micro-batches, H200 only).
 source benchmarks/gpu_runs/calls/prelude.sh
 OUT=$(realpath "$OUT")
 accum s3 main 250

@@ -7,16 +7,18 @@ python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 step() { echo; echo "=== $(date +%T) $*"; }
 # A size's step at issue 28's setting (8 micro-batches of 4 x 4096) by benchmarks/gpu_step.py:
 # accum SIZE NAME SECONDS [KEY=VALUE ...] writes $OUT/SIZE_NAME.json (the KEY=VALUEs go to --set);
-# s3_accum NAME SECONDS [KEY=VALUE ...] is `accum s3 ...`.
+# s3_accum NAME SECONDS [KEY=VALUE ...] is `accum s3 ...`. MB=rows K=micro-batches in the environment
+# take another micro-batch (MB x 4096) and accumulation count (default MB=4 K=8).
 accum() {
   local size=$1 name=$2 secs=$3; shift 3
-  step "$size 8 x (4 x 4096): $name"
+  local mb=${MB:-4} k=${K:-8}
+  step "$size $k x ($mb x 4096): $name"
   local gpu_mib; gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-  if [ "$size" = m3 ] && [ "${gpu_mib:-0}" -lt 102400 ]; then   # 80.7 GiB at its micro-batch
-    echo "skipped: m3 needs ~81 GiB, this card has ${gpu_mib} MiB"; return 0
+  if [ "$size" = m3 ] && [ "${gpu_mib:-0}" -lt 102400 ]; then   # 80.7 GiB at 4 x 4096
+    echo "skipped: m3 needs ~81 GiB or more, this card has ${gpu_mib} MiB"; return 0
   fi
-  timeout -s TERM "$secs" python3 -u benchmarks/gpu_step.py --sizes "$size" --batch 4 --seq 4096 \
-      --grad_accum 8 --steps 2 --no_split --json "$OUT/${size}_$name.json" ${1:+--set "$@"} | tail -4
+  timeout -s TERM "$secs" python3 -u benchmarks/gpu_step.py --sizes "$size" --batch "$mb" --seq 4096 \
+      --grad_accum "$k" --steps 2 --no_split --json "$OUT/${size}_$name.json" ${1:+--set "$@"} | tail -4
 }
 s3_accum() { accum s3 "$@"; }
 # Arms compiled at once and timed in turn (gpu_step.py --turn: two s3 arms should take about one
