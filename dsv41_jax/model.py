@@ -174,7 +174,7 @@ class Transformer(nnx.Module):
     state = self._prepare_carry(run, state, ctx)
     if run.engram:
       # An Engram layer starts its run (`layer_plan`): the lookup and the gated injection run on
-      # the streams the run starts from, before its scan, under their own remat as the layers are.
+      # the streams the run starts from, under their own remat as the layers are.
       token_mask = (ctx.segment_ids_BxT > 0) & ~ctx.image_mask_BxT
       ids = ctx.engram_ids[run.engram_layer]
       memory_kv = stack.engram.memory(ids)
@@ -182,6 +182,11 @@ class Transformer(nnx.Module):
       inject = lambda X: stack.engram.inject(X, memory_kv, token_mask)
       if cfg.remat:
         inject = jax.checkpoint(inject, policy=layer_remat_policy(cfg.remat_saves))
+      # Before the scan: no Engram branch in the body (a `lax.cond` on every layer cost ~5 ms a
+      # micro-batch of s3 on the H200) and no slice of the run's stacks around the injection (an
+      # injection inside a run cost 42 ms a step of s3 on an H100).
+      X, gate = inject(state.X_BxTxNxD)
+      state = state._replace(X_BxTxNxD=X)
     pubs = stack.publishers(run)
     core_def, core_state = nnx.split(stack.core)
     pub_defs = [None if p is None else nnx.split(p)[0] for p in pubs]
@@ -197,21 +202,13 @@ class Transformer(nnx.Module):
 
     if cfg.remat:
       body = jax.checkpoint(body, prevent_cse=False, policy=layer_remat_policy(cfg.remat_saves))
-    gate = None
     if cfg.scan_layers and n > 1:
       # Each kind's weights gathered into one row per layer (rows of other kinds are never read;
       # the gather's transpose sums each layer's gradient back into its kind's stack).
       gathered = [None if p is None else jax.tree.map(
           lambda a, k=k: a[np.where(kind_of == k, slot_of, 0)], p)
           for k, p in enumerate(pub_states)]
-      xs = (core_state, gathered, bias, jnp.asarray(kind_of))
-      # The injection before the scan, on the streams it starts from: no Engram branch in the body
-      # (a `lax.cond` on every layer cost ~5 ms a micro-batch of s3 on the H200) and no slice of
-      # the run's stacks around it (an injection inside a run cost 42 ms a step of s3, H100).
-      if run.engram:
-        X, gate = inject(state.X_BxTxNxD)
-        state = state._replace(X_BxTxNxD=X)
-      state, aux = jax.lax.scan(body, state, xs)
+      state, aux = jax.lax.scan(body, state, (core_state, gathered, bias, jnp.asarray(kind_of)))
     else:
       auxes = []
       for i in range(n):
@@ -226,9 +223,6 @@ class Transformer(nnx.Module):
         if cfg.remat:
           one = jax.checkpoint(one, prevent_cse=False,
                                policy=layer_remat_policy(cfg.remat_saves))
-        if i == 0 and run.engram:
-          X, gate = inject(state.X_BxTxNxD)
-          state = state._replace(X_BxTxNxD=X)
         pub_p = None if pub_states[k] is None else jax.tree.map(lambda a: a[slot], pub_states[k])
         state, a = one(state, jax.tree.map(lambda a: a[i], core_state), pub_p, bias[i])
         auxes.append(a)
