@@ -61,7 +61,6 @@ COMPONENTS: tuple[tuple[str, str, str | None], ...] = (
     ("mHC", "dsv41_jax/layers/mhc.py", None),
     ("mHC", "pallas_kernels/mhc", None),
     ("mHC", "pallas_kernels/ops/mhc.py", None),
-    ("mHC", "dsv41_jax/block.py", "_residual"),
     ("MoE", "dsv41_jax/layers/moe", None),
     ("MoE", "pallas_kernels/grouped_matmul.py", None),
     ("MoE", "pallas_kernels/ops/grouped_matmul.py", None),
@@ -70,6 +69,14 @@ COMPONENTS: tuple[tuple[str, str, str | None], ...] = (
     ("norms", "dsv41_jax/layers/norm.py", None),
     ("norms", "pallas_kernels/ops/norm.py", None),
     ("loss", "dsv41_jax/loss.py", None),
+    # block.py's calls into the layers, by function: a custom VJP's operations (mhc.expand,
+    # collapse, the attention op) carry the frame of the line that calls it, not their own
+    # (tests/benchmarks/test_gpu_profile.py holds block.py's calls to these functions).
+    ("mHC", "dsv41_jax/block.py", "site_"),    # site_coefficients, site_input, site_output
+    ("mHC", "dsv41_jax/block.py", "next_site"),
+    ("attention", "dsv41_jax/block.py", "attend"),
+    ("indexer", "dsv41_jax/block.py", "indexer_loss"),
+    ("indexer", "dsv41_jax/block.py", "publish"),   # the CSA2 step: selection (+ compressor)
     ("dense", "dsv41_jax/model.py", None),     # embedding, head
     ("dense", "dsv41_jax/block.py", None),
     ("dense", "launch/step.py", None),         # the finite-step select, metrics

@@ -129,6 +129,12 @@ def site_output(X_BxTxNxD: jax.Array, post_BxTxN, comb_BxTxNxN, f_out_BxTxD: jax
   return mhc.expand(X_BxTxNxD, post_BxTxN, comb_BxTxNxN, f_out_BxTxD)
 
 
+def site_input(cfg: ModelConfig, norm: RMSNorm, X_BxTxNxD: jax.Array, pre_BxTxN: jax.Array
+               ) -> jax.Array:
+  """A sublayer's input read from the streams: norm(collapse(X, pre)) in the compute dtype."""
+  return norm(mhc.collapse(X_BxTxNxD, pre_BxTxN)).astype(cfg.dtype)
+
+
 def next_site(cfg: ModelConfig, site: str, norm: RMSNorm, core: LayerCore, X_BxTxNxD: jax.Array,
               f_out_BxTxD: jax.Array, post_BxTxN, comb_BxTxNxN, pre_BxTxN):
   """A sublayer's output written into the streams and the layer's next `site` read from them, as
@@ -137,7 +143,7 @@ def next_site(cfg: ModelConfig, site: str, norm: RMSNorm, core: LayerCore, X_BxT
   coefficients on X'. The plain residual: X' = X + F, x = norm(X'), (pre, None, None)."""
   if cfg.residual == "plain":
     X = site_output(X_BxTxNxD, None, None, f_out_BxTxD)
-    return X, norm(mhc.collapse(X, pre_BxTxN)).astype(cfg.dtype), pre_BxTxN, None, None
+    return X, site_input(cfg, norm, X, pre_BxTxN), pre_BxTxN, None, None
   X, x, pre, post, comb = getattr(core, site).site(X_BxTxNxD, f_out_BxTxD, post_BxTxN,
                                                    comb_BxTxNxN, pre_BxTxN, norm.scale[...])
   return X, x.astype(cfg.dtype), pre, post, comb
@@ -152,7 +158,7 @@ def _compressed_kv(core: LayerCore, pub: Publisher, src_BxTxD, ctx: Context) -> 
 
 def encoder_final_input(cfg: ModelConfig, core: LayerCore, enc: StreamState) -> jax.Array:
   """The compressor input of a decoder KV source that projects from the final encoder state."""
-  return core.attn_norm(mhc.collapse(enc.X_BxTxNxD, enc.pre_mix_BxTxN)).astype(cfg.dtype)
+  return site_input(cfg, core.attn_norm, enc.X_BxTxNxD, enc.pre_mix_BxTxN)
 
 
 def prefill_kv(cfg: ModelConfig, core: LayerCore, pub: Publisher, enc: StreamState,
@@ -187,6 +193,42 @@ def _publish(cfg: ModelConfig, spec: LayerSpec, core: LayerCore, pub: Publisher 
   return kv, topk, candidate, scores, plan
 
 
+def publish(cfg: ModelConfig, kinds: Sequence[LayerSpec], core: LayerCore,
+            pubs: Sequence[Publisher | None], x, c_q, state: StreamState, ctx: Context, kind_index):
+  """The layer's CSA2 step (`_publish` of its kind; a `lax.switch` over the kinds when there are
+  several and `kind_index` is traced)."""
+  branches = [
+      (lambda x, c_q, state, spec=spec, pub=pub: _publish(cfg, spec, core, pub, x, c_q, state, ctx))
+      for spec, pub in zip(kinds, pubs)]
+  if len(branches) == 1:
+    return branches[0](x, c_q, state)
+  return jax.lax.switch(kind_index, branches, x, c_q, state)
+
+
+def attend(core: LayerCore, x_BxTxD, c_q, ctx: Context, kv=None, topk_BxTxK=None, plan=None):
+  """The layer's attention on its input x: (output, global probabilities); the sliding window
+  only when `kv` is None. Its own function so that a profile names the op's work attention's
+  (a custom VJP's operations carry their caller's source line, benchmarks/gpu_profile.py)."""
+  y, _, global_probs = core.attn(
+      x_BxTxD, positions_BxT=ctx.positions_BxT, segment_ids_BxT=ctx.segment_ids_BxT, kv=kv,
+      topk_BxTxK=topk_BxTxK, c_q_BxTxQ=c_q, plan=plan)
+  return y, global_probs
+
+
+def indexer_loss(kinds: Sequence[LayerSpec], kind_index, scores, topk_BxTxK, global_probs,
+                 real_BxT) -> jax.Array:
+  """The indexer's KL loss against the attention's global probabilities (held fixed) for a layer
+  whose kind owns an indexer; zero for the others (a `lax.switch` over traced kinds)."""
+  owns = [spec.owns_indexer for spec in kinds]
+  kl = lambda: indexer_kl_loss(scores, topk_BxTxK, jax.lax.stop_gradient(global_probs), real_BxT)
+  if all(owns):
+    return kl()
+  if any(owns):
+    return jax.lax.switch(kind_index, [kl if o else (lambda: jnp.zeros((), jnp.float32))
+                                       for o in owns])
+  return jnp.zeros((), jnp.float32)
+
+
 def layer_forward(cfg: ModelConfig, kinds: Sequence[LayerSpec], core: LayerCore,
                   pubs: Sequence[Publisher | None], state: StreamState, ctx: Context,
                   moe_bias_2xE: jax.Array, kind_index=0) -> tuple[StreamState, LayerAux]:
@@ -202,31 +244,17 @@ def layer_forward(cfg: ModelConfig, kinds: Sequence[LayerSpec], core: LayerCore,
 
   # --- attention site ---
   a_pre, a_post, a_comb = site_coefficients(cfg, "attn_hc", core, X, state.pre_mix_BxTxN)
-  x = core.attn_norm(mhc.collapse(X, state.pre_mix_BxTxN)).astype(cfg.dtype)
+  x = site_input(cfg, core.attn_norm, X, state.pre_mix_BxTxN)
   c_q = core.attn.q_latent(x)
-  kv, topk, candidate, scores = state.kv, state.topk_BxTxK, state.candidate, None
-  plan = state.attn_plan
+  kv, topk, candidate, plan = state.kv, state.topk_BxTxK, state.candidate, state.attn_plan
   if global_branch:
-    branches = [
-        (lambda x, c_q, state, spec=spec, pub=pub: _publish(cfg, spec, core, pub, x, c_q, state, ctx))
-        for spec, pub in zip(kinds, pubs)]
-    if len(branches) == 1:
-      kv, topk, candidate, scores, plan = branches[0](x, c_q, state)
-    else:
-      kv, topk, candidate, scores, plan = jax.lax.switch(kind_index, branches, x, c_q, state)
-  y, _, global_probs = core.attn(
-      x, positions_BxT=ctx.positions_BxT, segment_ids_BxT=ctx.segment_ids_BxT,
-      kv=kv if global_branch else None, topk_BxTxK=topk if global_branch else None, c_q_BxTxQ=c_q,
-      plan=plan if global_branch else None)
-  idx_loss = jnp.zeros((), jnp.float32)
-  if global_branch:
-    owns = [spec.owns_indexer for spec in kinds]
-    kl = lambda: indexer_kl_loss(scores, topk, jax.lax.stop_gradient(global_probs), real)
-    if all(owns):
-      idx_loss = kl()
-    elif any(owns):
-      idx_loss = jax.lax.switch(kind_index, [kl if o else (lambda: jnp.zeros((), jnp.float32))
-                                             for o in owns])
+    kv, topk, candidate, scores, plan = publish(cfg, kinds, core, pubs, x, c_q, state, ctx,
+                                                kind_index)
+    y, global_probs = attend(core, x, c_q, ctx, kv, topk, plan)
+    idx_loss = indexer_loss(kinds, kind_index, scores, topk, global_probs, real)
+  else:
+    y, _ = attend(core, x, c_q, ctx)
+    idx_loss = jnp.zeros((), jnp.float32)
 
   # --- MoE site: the attention output written, the MoE input read, in one single-pass site ---
   X, x, f_pre, f_post, f_comb = next_site(cfg, "ffn_hc", core.ffn_norm, core, X, y, a_post,

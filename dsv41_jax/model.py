@@ -24,7 +24,7 @@ from flax import nnx
 
 from dsv41_jax import sharding
 from dsv41_jax.block import (ATTENTION_PLAN, Context, LayerAux, LayerCore, Publisher, StreamState,
-                             layer_forward, prefill_kv)
+                             layer_forward, prefill_kv, site_input)
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layer_plan import LayerPlan, Run, build_layer_plan
 from dsv41_jax.layers import mhc
@@ -302,7 +302,7 @@ class Transformer(nnx.Module):
                       encoder_final=enc_state if cfg.kv_source_input == "encoder_final" else None)
       state, aux = self.run_layers(r, state, ctx, moe_bias_Lx2xE)
       auxes.append(aux)
-    x = self.final_norm(mhc.collapse(state.X_BxTxNxD, state.pre_mix_BxTxN)).astype(cfg.dtype)
+    x = site_input(cfg, self.final_norm, state.X_BxTxNxD, state.pre_mix_BxTxN)
     if return_hidden:
       return (x, self.head[...]), _collect(auxes)
     logits = jnp.einsum("btd,dv->btv", x, self.head[...].astype(cfg.dtype),

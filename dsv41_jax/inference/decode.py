@@ -62,12 +62,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax.block import (Context, StreamState, encoder_final_input, layer_forward, next_site,
-                             site_coefficients, site_output)
+                             site_coefficients, site_input, site_output)
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.inference import cache as cache_lib
 from dsv41_jax.inference.cache import DecodeCache, GlobalCache, SWACache
 from dsv41_jax.layer_plan import LayerSpec
-from dsv41_jax.layers import mhc, moe_dispatch, rope
+from dsv41_jax.layers import moe_dispatch, rope
 from dsv41_jax.layers.compressor import compress
 from dsv41_jax.layers.indexer import empty_candidate
 from dsv41_jax.layers.moe import route
@@ -150,7 +150,7 @@ def _moe_rows(cfg: ModelConfig, moe, x_BxTxD: jax.Array, bias_E: jax.Array) -> j
 
 def final_hidden(model, X_BxTxNxD: jax.Array, pre_BxTxN: jax.Array) -> jax.Array:
   """The head's input, final_norm(collapse(X, pre_mix)) [B, T, D] (what the DSpark drafter reads)."""
-  return model.final_norm(mhc.collapse(X_BxTxNxD, pre_BxTxN)).astype(model.cfg.dtype)
+  return site_input(model.cfg, model.final_norm, X_BxTxNxD, pre_BxTxN)
 
 
 def head_logits(model, h_BxTxD: jax.Array) -> jax.Array:
@@ -254,7 +254,7 @@ def decode_span(model, cache: DecodeCache, tokens_BxQ: jax.Array, t, engram_ids:
     if engram is not None:
       X, _ = engram(X, engram_ids[i], jnp.ones((B, Q), bool))
     a_pre, a_post, a_comb = site_coefficients(cfg, "attn_hc", core, X, pre)
-    x = core.attn_norm(mhc.collapse(X, pre)).astype(dt)
+    x = site_input(cfg, core.attn_norm, X, pre)
     c_q = core.attn.q_latent(x)
     sel = valid = None
     if spec.reads_global_kv:
@@ -348,7 +348,7 @@ def prefill(model, cache: DecodeCache, tokens_BxT: jax.Array, engram_ids: dict,
         state = state._replace(X_BxTxNxD=X)
       if k == 0:
         state = model._prepare_carry(run, state, ctx)
-      x = core.attn_norm(mhc.collapse(state.X_BxTxNxD, state.pre_mix_BxTxN)).astype(dt)
+      x = site_input(cfg, core.attn_norm, state.X_BxTxNxD, state.pre_mix_BxTxN)
       swa[spec.index] = _fill_swa(cfg, swa[spec.index], _swa_key(core, x, positions))
       if spec.owns_compressor:
         src = x if spec.kv_input == "own" else encoder_final_input(cfg, core, enc)
@@ -419,7 +419,7 @@ def _replay(model, swa: list, glob: dict, enc: StreamState, engram_ids: dict,
                             jnp.full((B, R, min(cfg.index_topk, N)), -1, jnp.int32), cand)
       if spec.owns_compressor:  # its entries are stored: index them like a Reindex layer
         spec = dataclasses.replace(spec, mode="reindex", kv_input=None)
-      x = core.attn_norm(mhc.collapse(state.X_BxTxNxD, state.pre_mix_BxTxN)).astype(dt)
+      x = site_input(cfg, core.attn_norm, state.X_BxTxNxD, state.pre_mix_BxTxN)
       swa[spec.index] = _fill_swa(cfg, swa[spec.index], _swa_key(core, x, positions), s)
       state, _ = layer_forward(cfg, [spec], core, [pub], state, ctx, moe_bias_Lx2xE[spec.index])
   return final_hidden(model, state.X_BxTxNxD, state.pre_mix_BxTxN)

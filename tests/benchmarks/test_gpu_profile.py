@@ -1,5 +1,7 @@
 """benchmarks/gpu_profile.py's attribution: compiled HLO instruction → source frame → component."""
 
+import ast
+
 import jax
 import jax.numpy as jnp
 
@@ -115,3 +117,54 @@ def test_reread_classes_a_stored_profile(tmp_path):
   text = gpu_profile.reread(str(path))
   assert "3.0 of 4.0 ms" in text and "| GEMM | 2.0 | 50.0% |" in text
   assert "| fills | 1.0 | 25.0% |" in text
+
+
+_LAYER_CALLS = {"mhc": "mHC", "site": "mHC", "attn": "attention", "indexer_kl_loss": "indexer"}
+
+
+def _calls_with_qualnames(tree):
+  """(callee name, qualified name of the enclosing function as a frame spells it, line) of every
+  call in a module: `f.<locals>.g`, `Class.method`, `f.<locals>.<lambda>`."""
+  out = []
+
+  def visit(node, qual):
+    for child in ast.iter_child_nodes(node):
+      if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        name = child.name if not isinstance(child, ast.Lambda) else "<lambda>"
+        inner = name if not qual else (f"{qual}.{name}" if isinstance(node, ast.ClassDef)
+                                       else f"{qual}.<locals>.{name}")
+        visit(child, inner)
+      elif isinstance(child, ast.ClassDef):
+        visit(child, child.name if not qual else f"{qual}.<locals>.{child.name}")
+      else:
+        if isinstance(child, ast.Call):
+          f = child.func
+          callee = (f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
+                    and f.value.id == "mhc" and f.attr[0].islower()   # not mhc.MHCSite(...)
+                    else f.attr if isinstance(f, ast.Attribute)
+                    else f.id if isinstance(f, ast.Name) else None)
+          out.append((callee, qual, child.lineno))
+        visit(child, qual)
+
+  visit(tree, "")
+  return out
+
+
+def test_block_calls_into_the_layers_sit_where_the_rules_name_their_component():
+  """A custom VJP's operations (mhc.expand, collapse, the attention op) carry the frame of the
+  line that calls them, so block.py's own functions decide their component. Until session 55 the
+  collapse ran inline in `layer_forward` and no rule named `site_output` / `next_site`: ~20 ms of
+  s3's mHC per step (H100) was counted as dense. Each call of block.py into mHC, the attention or
+  the indexer loss must resolve, by its enclosing function, to that component."""
+  import dsv41_jax.block as block
+  path = "dsv41_jax/block.py"
+  calls = _calls_with_qualnames(ast.parse(open(block.__file__).read()))
+  checked = [(callee, qual, line) for callee, qual, line in calls
+             if callee in _LAYER_CALLS and qual]
+  assert {c for c, _, _ in checked} == set(_LAYER_CALLS), checked   # the census sees all four
+  wrong = [(callee, qual, line, gpu_profile.component((path, qual, line)))
+           for callee, qual, line in checked
+           if gpu_profile.component((path, qual, line)) != _LAYER_CALLS[callee]]
+  assert not wrong, wrong
+  # The rules themselves: inlined into layer_forward, the same calls would count as dense.
+  assert gpu_profile.component((path, "layer_forward", 1)) == "dense"
