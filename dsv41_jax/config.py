@@ -186,7 +186,8 @@ class ModelConfig:
   dtype: str = "bfloat16"
   # The train step casts the dense and expert matmul weights that are only ever read in `dtype`
   # to it once per step, before the forward and every micro-batch (`launch.step.CAST_ONCE`), not
-  # once per use in each forward and remat pass; the gradient is the same bit for bit.
+  # once per use in each forward and remat pass, the routed experts' w1 and w3 as one pair that the
+  # gate/up product reads without a per-layer concatenation; the gradient is the same bit for bit.
   cast_weights_once: bool = False
   # The vision pathway (ViT + projector, `dsv41_jax.vision.config.VisionConfig`); None = text only.
   vision: VisionConfig | None = None

@@ -48,6 +48,7 @@ from flax import nnx
 
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layers.engram import Engram
+from dsv41_jax.layers.moe_dispatch import gate_up_pair
 from dsv41_jax.loss import batch_counts, cross_entropy, objective
 from dsv41_jax.param_paths import path_str
 from optim.chain import global_norm, leaf_sq_sums
@@ -97,16 +98,40 @@ CAST_ONCE = re.compile(r"^runs/\d+/[^/]+/(attn/(wq_a|wq_b|wkv|wo_a|wo_b)|indexer
                        r"|moe/(experts|shared)/(w1|w2|w3))$|^runs/\d+/engram/w_ekv$")
 
 
+# The routed experts' gate and up weights, which `cast_once` hands over as one pair.
+_GATE_UP = re.compile(r"^(runs/\d+/[^/]+/moe/experts)/w([13])$")
+
+
+def _gate_up_leaves(tree) -> dict[str, tuple[int, int]]:
+  """{experts prefix: (index of w1, index of w3)} among `tree`'s flattened leaves."""
+  pairs: dict[str, dict[str, int]] = {}
+  for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(tree)[0]):
+    if m := _GATE_UP.match(path_str(path)):
+      pairs.setdefault(m.group(1), {})[m.group(2)] = i
+  return {k: (v["1"], v["3"]) for k, v in pairs.items() if len(v) == 2}
+
+
 def cast_once(params, dtype):
-  """The parameter tree with the `CAST_ONCE` leaves in `dtype`."""
+  """The parameter tree with the `CAST_ONCE` leaves in `dtype`, and each routed-experts layer's
+  w1 and w3 as one bfloat16 pair (`moe_dispatch.gate_up_pair`: the gate/up product reads
+  [w1 | w3] without a concatenation in every layer's forward and remat pass)."""
   def cast(path, leaf):
     return leaf.astype(dtype) if CAST_ONCE.match(path_str(path)) else leaf
-  return jax.tree_util.tree_map_with_path(cast, params)
+  read = jax.tree_util.tree_map_with_path(cast, params)
+  leaves, treedef = jax.tree.flatten(read)
+  for i1, i3 in _gate_up_leaves(read).values():
+    leaves[i1], leaves[i3] = gate_up_pair(leaves[i1], leaves[i3])
+  return jax.tree.unflatten(treedef, leaves)
 
 
 def uncast(grads, params):
-  """The gradient of `cast_once`'s tree as the gradient of `params` (each leaf to its dtype)."""
-  return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+  """The gradient of `cast_once`'s tree as the gradient of `params` (each leaf to its dtype; a
+  gate/up pair's gradient split back into w1's and w3's)."""
+  leaves, treedef = jax.tree.flatten(grads)
+  for i1, i3 in _gate_up_leaves(grads).values():
+    if leaves[i1].ndim == leaves[i3].ndim + 1:
+      leaves[i1], leaves[i3] = leaves[i1][..., 0, :], leaves[i1][..., 1, :]
+  return jax.tree.map(lambda g, p: g.astype(p.dtype), jax.tree.unflatten(treedef, leaves), params)
 
 
 # The model's per-layer means (aux) and the `batch_counts` unit each one averages over.

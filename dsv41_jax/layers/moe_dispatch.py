@@ -188,6 +188,33 @@ def grouped_matmul(x_sorted_PxD, w_ExDxF, group_sizes_E, policy: str = "auto",
                        out_dtype=out_dtype)
 
 
+def gate_up_pair(w1_xExDxF: jax.Array, w3_xExDxF: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """w1 and w3 [..., E, D, F] as one array [..., E, D, 2, F] in w1's place and a zero-width
+  [..., E, D, 0] in w3's: the routed experts as `launch.step.cast_once` hands them to the model
+  once per step, so that the gate/up product's [w1 | w3] [E, D, 2F] is a free reshape rather than
+  a concatenation in every layer's forward and remat pass. Each expert's columns stay together
+  under an MLP width split over `tensor` (the split axis is F, after the pair axis). Every
+  function here that takes (w1, w3) takes either form."""
+  pair = jnp.stack([w1_xExDxF, w3_xExDxF], axis=-2)
+  return pair, jnp.zeros(w3_xExDxF.shape[:-1] + (0,), w3_xExDxF.dtype)
+
+
+def _is_pair(w1, w3) -> bool:
+  return w3.shape[-1] == 0 and w1.ndim == w3.ndim + 1
+
+
+def _gate_up_weight(w1, w3, dt) -> jax.Array:
+  """[w1 | w3] [E, D, 2F] in `dt`, from the two weights or from `gate_up_pair`'s form."""
+  if _is_pair(w1, w3):
+    return w1.astype(dt).reshape(*w1.shape[:-2], 2 * w1.shape[-1])
+  return jnp.concatenate([w1.astype(dt), w3.astype(dt)], axis=-1)
+
+
+def _gate_and_up(w1, w3) -> tuple[jax.Array, jax.Array]:
+  """(w1, w3) [E, D, F] from either form."""
+  return (w1[..., 0, :], w1[..., 1, :]) if _is_pair(w1, w3) else (w1, w3)
+
+
 def grouped_ffn(x_sorted_PxD, weight_P, w1, w3, w2, group_sizes_E, limit: float,
                 policy: str = "auto", gate_up_dtype=jnp.float32, out_dtype=jnp.float32):
   """Clamped SwiGLU experts over expert-sorted rows (grouped GEMMs), each row's activation times
@@ -196,9 +223,10 @@ def grouped_ffn(x_sorted_PxD, weight_P, w1, w3, w2, group_sizes_E, limit: float,
   The gate and up projections are one grouped product with [w1 | w3] [E, D, 2F]: x is read once
   and each output column is the same dot as in its own product (equal to two products). Each
   product accumulates in float32; [a | u] is returned in `gate_up_dtype` and the down-projection
-  in `out_dtype` (float32, or the compute dtype: rounded once, module docstring)."""
+  in `out_dtype` (float32, or the compute dtype: rounded once, module docstring). (w1, w3) may be
+  `gate_up_pair`'s form."""
   dt = x_sorted_PxD.dtype
-  w13 = jnp.concatenate([w1.astype(dt), w3.astype(dt)], axis=-1)
+  w13 = _gate_up_weight(w1, w3, dt)
   au = checkpoint_name(grouped_matmul(x_sorted_PxD, w13, group_sizes_E, policy, gate_up_dtype),
                        GATE_UP)
   h = weighted_swiglu(au, weight_P, limit, dt)
@@ -209,8 +237,9 @@ def batched_ffn(x_ExCxD, weight_ExC, w1, w3, w2, limit: float, gate_up_dtype=jnp
                 out_dtype=jnp.float32):
   """Clamped SwiGLU experts over a capacity buffer (batched matmuls), each slot's activation times
   its routing weight before W2; [E, C, D] in `out_dtype` (a and u rounded to `gate_up_dtype`,
-  as `grouped_ffn` rounds them)."""
+  as `grouped_ffn` rounds them); (w1, w3) may be `gate_up_pair`'s form."""
   dt = x_ExCxD.dtype
+  w1, w3 = _gate_and_up(w1, w3)
   a = checkpoint_name(expert_einsum("ecd,edf->ecf", x_ExCxD, w1.astype(dt)).astype(gate_up_dtype),
                       GATE_UP)
   u = checkpoint_name(expert_einsum("ecd,edf->ecf", x_ExCxD, w3.astype(dt)).astype(gate_up_dtype),
@@ -463,7 +492,8 @@ def routed_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1_ExDxF, w
     x_BxTxD: token activations in the compute dtype.
     weights_BxTxK, experts_BxTxK: routing weights and expert ids (from `moe.route`).
     valid_BxT: False for padding tokens, which are not dispatched (their routed output is 0).
-    w1_ExDxF, w3_ExDxF, w2_ExFxD: routed expert weights (cast to x's dtype).
+    w1_ExDxF, w3_ExDxF, w2_ExFxD: routed expert weights (cast to x's dtype); w1 and w3 may be
+      `gate_up_pair`'s form.
     mode: "dropless" or "capacity" (module docstring).
     policy: the op `grouped_matmul`'s policy for `dropless` ("auto" | "reference" | "kernel").
     product_dtype: "float32" or "compute": the expert products' output dtype (module docstring).
@@ -504,8 +534,10 @@ def routed_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1_ExDxF, w
                                  f"batch shards of the mesh axes {batch_axes}")
   row = sharding.batch_spec(mesh)
   w_in = sharding.shard_spec(mesh, ("expert", None, "mlp"))
+  w1_in = (sharding.shard_spec(mesh, ("expert", None, None, "mlp"))
+           if _is_pair(w1_ExDxF, w3_ExDxF) else w_in)
   w_out = sharding.shard_spec(mesh, ("expert", "mlp", None))
   body = lambda *a: _dispatch_shard(*a, expert_axis=expert_axis, n_shards=n_shards,
                                     tensor_axis=tensor_axis, **kw)
-  return jax.shard_map(body, mesh=mesh, in_specs=(row, row, row, row, w_in, w_in, w_out),
+  return jax.shard_map(body, mesh=mesh, in_specs=(row, row, row, row, w1_in, w_in, w_out),
                        out_specs=(row, row), check_vma=True)(*args)

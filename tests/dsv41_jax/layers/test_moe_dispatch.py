@@ -629,3 +629,46 @@ def test_compute_dtype_products_sharded_equal_single_device(mesh_shape):
       atol=lambda path, single: 0.0 if path.startswith("['aux']") else scale(path, single))
   flat = jax.tree.leaves(result.single["grads"])
   assert all(np.abs(np.asarray(g, np.float32)).max() > 0 for g in flat)
+
+
+@pytest.mark.parametrize("mode,mesh_shape", [
+    ("dropless", None), ("capacity", None),
+    ("dropless", {"fsdp": 2, "expert": 2, "tensor": 2}),   # the MLP width split over tensor
+    ("capacity", {"data": 2, "expert": 2, "tensor": 2}),
+])
+def test_gate_up_pair_gives_the_same_experts_bit_for_bit(mode, mesh_shape):
+  """`gate_up_pair` (w1 and w3 as one [E, D, 2, F] array, how `launch.step.cast_once` hands the
+  routed experts to the model): the same output and the same gradients (x, w1, w3, w2) as the two
+  weights, on one device and with the MLP width split over `tensor`, where a [E, D, 2F]
+  concatenation split along its last axis would pair one device's gate with another's up."""
+  rng = np.random.default_rng(31)
+  b, t = 8, 4
+  x = jnp.asarray(rng.normal(size=(b, t, D)) * 1.5, jnp.bfloat16)
+  w1, w3 = (jnp.asarray(rng.normal(size=(E, D, F)) / 4, jnp.bfloat16) for _ in range(2))
+  w2 = jnp.asarray(rng.normal(size=(E, F, D)) / np.sqrt(F), jnp.bfloat16)
+  experts = jnp.asarray(np.stack([rng.permutation(E)[:K] for _ in range(b * t)]).reshape(b, t, K))
+  weights = jnp.asarray(rng.uniform(0.2, 1.3, size=(b, t, K)), jnp.float32)
+  valid = jnp.asarray(rng.uniform(size=(b, t)) > 0.1)
+  r = jnp.asarray(rng.normal(size=(b, t, D)), jnp.float32)
+
+  def loss(x, w1, w3, w2, paired):
+    a, c = moe_dispatch.gate_up_pair(w1, w3) if paired else (w1, w3)
+    y, dropped = moe_dispatch.routed_experts(x, weights, experts, valid, a, c, w2, mode=mode,
+                                             capacity_factor=0.75, swiglu_limit=LIMIT)
+    return (y.astype(jnp.float32) * r).sum(), (y, dropped)
+
+  def run(paired):
+    f = jax.jit(jax.value_and_grad(lambda *a: loss(*a, paired), argnums=(0, 1, 2, 3),
+                                   has_aux=True))
+    if mesh_shape is None:
+      return f(x, w1, w3, w2)
+    with jax.set_mesh(testing.cpu_mesh(mesh_shape)):
+      return f(x, w1, w3, w2)
+
+  (l0, (y0, d0)), g0 = run(False)
+  (l1, (y1, d1)), g1 = run(True)
+  assert float(jnp.abs(g0[1]).max()) > 0 and float(jnp.abs(g0[2]).max()) > 0
+  for a, b_ in zip((l0, y0, d0, *g0), (l1, y1, d1, *g1)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b_, np.float32))
+  pair, empty = moe_dispatch.gate_up_pair(w1, w3)
+  assert pair.shape == (E, D, 2, F) and empty.shape == (E, D, 0)
