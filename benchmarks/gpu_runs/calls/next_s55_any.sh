@@ -11,6 +11,7 @@
 # .whl, build/ladder_prev, build/xla_cache after sweep_prepare.sh).
 source benchmarks/gpu_runs/calls/prelude.sh
 OUT=$(realpath "$OUT")
-accum s3 main 270
-accum s3 cast $(( 585 - SECONDS )) model.cast_weights_once=true
+END=${END:-585}   # a call shorter than 600 s: END = its timeout less 15
+accum s3 main $(( (END - SECONDS) / 2 ))
+accum s3 cast $(( END - SECONDS )) model.cast_weights_once=true
 step done
