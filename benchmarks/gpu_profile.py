@@ -17,7 +17,9 @@ event that names no instruction of the program
 keeps its kernel name in the line table. Printed, kernel time per step (the trace holds two steps):
 
   - by component (optimizer, attention, indexer, mHC, MoE, Engram, dense, norms, loss, other),
-    from the innermost frame inside this repository (`COMPONENTS`: file and function rules);
+    from the innermost frame inside this repository (`COMPONENTS`: file and function rules; a
+    custom VJP's operations carry the frame of the line that calls it, so `dsv41_jax/block.py`
+    calls into each layer from a function named for it, which the rules know);
   - by work kind (GEMMs, the project's kernels, sorts, scatters, gathers, fills, copies, stack
     writes, concatenates, reductions, elementwise, collectives: `work_kind`, from XLA's names);
   - by source file, by function, and by (op kind, file:line), the top `--top` rows each.
