@@ -187,7 +187,9 @@ class ModelConfig:
   # The train step casts the dense and expert matmul weights that are only ever read in `dtype`
   # to it once per step, before the forward and every micro-batch (`launch.step.CAST_ONCE`), not
   # once per use in each forward and remat pass, the routed experts' w1 and w3 as one pair that the
-  # gate/up product reads without a per-layer concatenation; the gradient is the same bit for bit.
+  # gate/up product reads without a per-layer concatenation. The same step bit for bit on the CPU;
+  # on the GPU not (XLA folds some per-use casts' cotangent conversions into the products: float32
+  # weight gradients there, bf16 here; benchmarks/RESULTS.md, session 55), so off until a loss A/B.
   cast_weights_once: bool = False
   # The vision pathway (ViT + projector, `dsv41_jax.vision.config.VisionConfig`); None = text only.
   vision: VisionConfig | None = None
