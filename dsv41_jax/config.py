@@ -188,8 +188,8 @@ class ModelConfig:
   # to it once per step, before the forward and every micro-batch (`launch.step.CAST_ONCE`), not
   # once per use in each forward and remat pass, the routed experts' w1 and w3 as one pair that the
   # gate/up product reads without a per-layer concatenation. The same step bit for bit on the CPU;
-  # on the GPU not (XLA folds some per-use casts' cotangent conversions into the products: float32
-  # weight gradients there, bf16 here; benchmarks/RESULTS.md, session 55), so off until a loss A/B.
+  # on the GPU the second step's loss differs (benchmarks/RESULTS.md, sessions 46 and 55), so off
+  # until a loss A/B.
   cast_weights_once: bool = False
   # The vision pathway (ViT + projector, `dsv41_jax.vision.config.VisionConfig`); None = text only.
   vision: VisionConfig | None = None
