@@ -327,19 +327,46 @@ def report(groups: dict[str, collections.Counter], step_ms: float, busy_ms: floa
   return "\n".join(lines)
 
 
-def reread(path: str) -> str:
-  """The work-kind table of a stored profile (`--json`): its instructions' HLO lines read back as
-  a program, their kernel ms classed by `work_kind`, shares of the whole step's kernel time."""
+_LINE_KEY = re.compile(r"^\S+ (\S+?):(\d+) \((.*)\)$")
+
+
+def recomponent(line_ms: dict[str, float], renames: dict[str, str] | None = None
+                ) -> collections.Counter:
+  """Component ms from a stored profile's (op kind, file:line) totals under today's `COMPONENTS`.
+  `renames` {"file:line": function} gives a line the function its code sits in now (a stored
+  profile names the function of its own commit). Lines without a source go to "other"."""
+  out = collections.Counter()
+  for key, ms in line_ms.items():
+    m = _LINE_KEY.match(key)
+    if not m or m.group(1) == "?":
+      out["other"] += ms
+      continue
+    path, line, fn = m.group(1), int(m.group(2)), m.group(3)
+    out[component((path, (renames or {}).get(f"{path}:{line}", fn), line))] += ms
+  return out
+
+
+def reread(path: str, renames: dict[str, str] | None = None) -> str:
+  """The tables of a stored profile (`--json`): the component table recomputed from its
+  (op kind, file:line) totals with today's rules (`recomponent`), beside the one it stored; and the
+  work kinds of its instructions' HLO lines read back as a program, shares of the whole step's
+  kernel time."""
   with open(path) as f:
     d = json.load(f)
+  lines = []
+  if "line" in d["groups"]:
+    now, then = recomponent(d["groups"]["line"], renames), d["groups"]["component"]
+    lines += ["| component | stored ms | ms by today's rules |", "|---|---:|---:|"]
+    lines += [f"| {k} | {then.get(k, 0.0):.1f} | {now[k]:.1f} |" for k in COMPONENT_ORDER]
+    lines.append("")
   hlo = HloSources("ENTRY %stored {\n" + "\n".join(
       "  " + v["text"] for v in d["ops"].values() if v["text"]) + "\n}\n")
   work = collections.Counter()
   for op, v in d["ops"].items():
     work[work_kind(hlo, op)] += v["ms"]
   total = sum(d["groups"]["component"].values())
-  lines = [f"{path}: {sum(work.values()):.1f} of {total:.1f} ms of kernel time a step in its "
-           f"{len(d['ops'])} stored instructions", "| work kind | ms | share |", "|---|---:|---:|"]
+  lines += [f"{path}: {sum(work.values()):.1f} of {total:.1f} ms of kernel time a step in its "
+            f"{len(d['ops'])} stored instructions", "| work kind | ms | share |", "|---|---:|---:|"]
   lines += [f"| {k} | {work[k]:.1f} | {work[k] / total:.1%} |" for k in WORK_KINDS if work[k]]
   return "\n".join(lines)
 
@@ -357,11 +384,14 @@ def main(argv=None) -> int:
   ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                   help="config keys, e.g. model.ops.hc_site=reference (gpu_step.bench)")
   ap.add_argument("--reread", default=None, metavar="JSON",
-                  help="print the work-kind table of a stored --json profile (its 500 largest "
-                       "instructions) and exit; no GPU needed")
+                  help="print a stored --json profile's component table by today's rules and "
+                       "its work-kind table (its 500 largest instructions) and exit; no GPU needed")
+  ap.add_argument("--rename", nargs="*", default=[], metavar="FILE:LINE=FUNCTION",
+                  help="with --reread: the function a stored line's code sits in now")
   args = ap.parse_args(argv)
   if args.reread:
-    print(reread(args.reread))
+    renames = dict(r.rsplit("=", 1) for r in args.rename)
+    print(reread(args.reread, renames))
     return 0
 
   import jax

@@ -48,7 +48,7 @@ from flax import nnx
 
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layers.engram import Engram
-from dsv41_jax.layers.moe_dispatch import gate_up_pair
+from dsv41_jax.layers.moe_dispatch import gate_and_up, gate_up_pair
 from dsv41_jax.loss import batch_counts, cross_entropy, objective
 from dsv41_jax.param_paths import path_str
 from optim.chain import global_norm, leaf_sq_sums
@@ -113,7 +113,7 @@ def _gate_up_leaves(tree) -> dict[str, tuple[int, int]]:
 
 def cast_once(params, dtype):
   """The parameter tree with the `CAST_ONCE` leaves in `dtype`, and each routed-experts layer's
-  w1 and w3 as one bfloat16 pair (`moe_dispatch.gate_up_pair`: the gate/up product reads
+  w1 and w3 as one pair (`moe_dispatch.gate_up_pair`: the gate/up product reads
   [w1 | w3] without a concatenation in every layer's forward and remat pass)."""
   def cast(path, leaf):
     return leaf.astype(dtype) if CAST_ONCE.match(path_str(path)) else leaf
@@ -129,8 +129,7 @@ def uncast(grads, params):
   gate/up pair's gradient split back into w1's and w3's)."""
   leaves, treedef = jax.tree.flatten(grads)
   for i1, i3 in _gate_up_leaves(grads).values():
-    if leaves[i1].ndim == leaves[i3].ndim + 1:
-      leaves[i1], leaves[i3] = leaves[i1][..., 0, :], leaves[i1][..., 1, :]
+    leaves[i1], leaves[i3] = gate_and_up(leaves[i1], leaves[i3])
   return jax.tree.map(lambda g, p: g.astype(p.dtype), jax.tree.unflatten(treedef, leaves), params)
 
 

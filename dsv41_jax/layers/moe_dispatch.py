@@ -210,8 +210,8 @@ def _gate_up_weight(w1, w3, dt) -> jax.Array:
   return jnp.concatenate([w1.astype(dt), w3.astype(dt)], axis=-1)
 
 
-def _gate_and_up(w1, w3) -> tuple[jax.Array, jax.Array]:
-  """(w1, w3) [E, D, F] from either form."""
+def gate_and_up(w1, w3) -> tuple[jax.Array, jax.Array]:
+  """(w1, w3) [..., E, D, F] from either form (also splits a pair's gradient)."""
   return (w1[..., 0, :], w1[..., 1, :]) if _is_pair(w1, w3) else (w1, w3)
 
 
@@ -239,7 +239,7 @@ def batched_ffn(x_ExCxD, weight_ExC, w1, w3, w2, limit: float, gate_up_dtype=jnp
   its routing weight before W2; [E, C, D] in `out_dtype` (a and u rounded to `gate_up_dtype`,
   as `grouped_ffn` rounds them); (w1, w3) may be `gate_up_pair`'s form."""
   dt = x_ExCxD.dtype
-  w1, w3 = _gate_and_up(w1, w3)
+  w1, w3 = gate_and_up(w1, w3)
   a = checkpoint_name(expert_einsum("ecd,edf->ecf", x_ExCxD, w1.astype(dt)).astype(gate_up_dtype),
                       GATE_UP)
   u = checkpoint_name(expert_einsum("ecd,edf->ecf", x_ExCxD, w3.astype(dt)).astype(gate_up_dtype),

@@ -119,6 +119,20 @@ def test_reread_classes_a_stored_profile(tmp_path):
   assert "| fills | 1.0 | 25.0% |" in text
 
 
+def test_reread_recomputes_components_by_todays_rules_with_renamed_lines():
+  """A stored profile's (op kind, file:line) totals give today's component table; a line whose
+  code now sits in another function is named by `renames` (session 55 re-read sessions 45-54's
+  profiles this way: the collapse inline in `layer_forward` is mHC's)."""
+  lines = {"fusion dsv41_jax/block.py:129 (site_output)": 2.0,
+           "fusion dsv41_jax/block.py:205 (layer_forward)": 1.5,
+           "fusion dsv41_jax/block.py:210 (layer_forward)": 0.25,
+           "custom-call optim/muon.py:185 (_iterate.<locals>.<lambda>)": 4.0,
+           "? some_kernel (hlo_op 'x')": 0.5}
+  got = gpu_profile.recomponent(lines, {"dsv41_jax/block.py:205": "site_input"})
+  assert got == {"mHC": 3.5, "dense": 0.25, "optimizer": 4.0, "other": 0.5}
+  assert gpu_profile.recomponent(lines)["dense"] == 1.75
+
+
 _LAYER_CALLS = {"mhc": "mHC", "site": "mHC", "attn": "attention", "indexer_kl_loss": "indexer"}
 
 
