@@ -41,6 +41,7 @@ from data.config import DataConfig, DataConfigError, data_config, images_per_row
 from dsv41_jax import inputs, model as model_lib, sharding
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.vision.merge import check_image_batch
+from launch import unfilled_buffers
 from launch.step import TrainState, engram_sub_tables, make_eval_step, make_train_step
 from optim.chain import build_optimizer, init_opt_state, opt_state_shardings
 from optim.config import OptimConfig, optim_config
@@ -312,7 +313,10 @@ def train_step_jit(run: RunConfig, ts: TrainSetup) -> Callable:
   """The jitted train step of `launch.step`, `(state, batch, train_vit, schedule) -> (state,
   metrics)`: state donated, outputs on the state's shardings, `train_vit` static, so each ViT
   phase is its own program; the learning-rate schedule is an input (`schedule_input`), so one
-  program serves every `train.steps` and `optim.lr`."""
+  program serves every `train.steps` and `optim.lr`. With `train.unfilled_buffers` the step's
+  scan stacks and conditional residual slots are left unfilled (`launch.unfilled_buffers`)."""
+  if run.train.unfilled_buffers:
+    unfilled_buffers.install()
   return jax.jit(make_train_step(run.model, ts.graphdef, ts.tx, run.optim.moe_bias_gamma,
                                  run.train.grad_accum_steps),
                  donate_argnums=(0,), static_argnums=(2,),

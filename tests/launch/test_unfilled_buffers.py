@@ -1,0 +1,91 @@
+"""`launch.unfilled_buffers`: scan stacks and conditional residual slots lowered for the GPU as
+AllocateBuffer (no zero fill), the same values on the CPU, undone by `uninstall`."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from launch import unfilled_buffers
+from tests.pallas_kernels.cuda_lowering import lower_for_cuda
+
+
+@pytest.fixture
+def installed():
+  assert unfilled_buffers.install()
+  yield
+  unfilled_buffers.uninstall()
+
+
+def _loss(w, x, kinds):
+  """A rematerialised scan (its saved inputs are a stack) and a scan over a two-branch switch
+  whose branches save different residuals (the CSA2 kind switch's shape)."""
+  def layer(c, wi):
+    return jnp.tanh(c @ wi), None
+  c, _ = jax.lax.scan(jax.checkpoint(layer), x, w)
+
+  def mixed(c, k):
+    return jax.lax.switch(k, [lambda c: jnp.sin(c) * c, lambda c: c + 1.0], c), None
+  c, _ = jax.lax.scan(mixed, c, kinds)
+  return jnp.sum(c * c)
+
+
+def _args():
+  rng = np.random.default_rng(0)
+  w = jnp.asarray(rng.normal(size=(6, 32, 32)) / 6, jnp.float32)
+  x = jnp.asarray(rng.normal(size=(8, 32)), jnp.float32)
+  return w, x, jnp.asarray([0, 1, 0, 1], jnp.int32)
+
+
+def _zero_fill_bytes(text: str) -> int:
+  """Bytes written by broadcasts of a scalar constant (jax's zero fills) in a StableHLO text."""
+  consts = set(re.findall(r"(%\S+) = stablehlo.constant dense<0[^>]*> : tensor<[a-z0-9]+>", text))
+  total = 0
+  for operand, shape in re.findall(
+      r"stablehlo.broadcast_in_dim (%[^,\s]+), dims = \[\] : \(tensor<[a-z0-9]+>\) -> "
+      r"tensor<([0-9x]+)x[a-z0-9]+>", text):
+    if operand in consts:
+      total += int(np.prod([int(d) for d in shape.split("x")]))
+  return total
+
+
+def test_gpu_lowering_allocates_instead_of_filling(installed):
+  grad = jax.grad(_loss)
+  text_on = lower_for_cuda(grad, *_args()).as_text()
+  unfilled_buffers.uninstall()
+  text_off = lower_for_cuda(grad, *_args()).as_text()
+  assert "AllocateBuffer" not in text_off
+  # The stacks: the checkpointed scan's saved carries [6, 8, 32], its backward's weight gradient
+  # [6, 32, 32]; the switch's residual slot the identity branch leaves empty.
+  allocated = re.findall(r"custom_call @AllocateBuffer\(\).*-> tensor<([0-9x]+)xf32>", text_on)
+  assert "6x32x32" in allocated and "6x8x32" in allocated, allocated
+  assert _zero_fill_bytes(text_on) < _zero_fill_bytes(text_off)
+  assert unfilled_buffers.install()   # the fixture uninstalls
+
+
+def test_values_are_unchanged_on_the_cpu():
+  fn = jax.jit(jax.value_and_grad(_loss, argnums=(0, 1)))
+  ref = fn(*_args())
+  assert unfilled_buffers.install() and unfilled_buffers.install()   # idempotent
+  try:
+    got = jax.jit(jax.value_and_grad(_loss, argnums=(0, 1)))(*_args())
+  finally:
+    unfilled_buffers.uninstall()
+  assert not unfilled_buffers.installed()
+  for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_train_step_is_built_with_it_when_configured(monkeypatch):
+  from configs import tiny
+  from launch import setup
+  calls = []
+  monkeypatch.setattr(unfilled_buffers, "install", lambda: calls.append(1) or True)
+  cfg = tiny.get_config()
+  cfg.train.unfilled_buffers = True
+  run = setup.run_config(cfg, process_count=1)
+  ts = setup.abstract_state(run, setup.build_mesh(setup.MeshConfig(data=1), jax.devices()[:1]))
+  setup.train_step_jit(run, ts)
+  assert calls == [1]
