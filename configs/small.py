@@ -20,7 +20,10 @@ the experts' products' outputs (`moe_product_dtype="compute"`, §8.2): s3's accu
 2,271.7 → 2,218.2 ms, m3's 2,841.0 → 2,766.4 ms (15.5 % MFU), and the s1 loss over 4 seeds the
 same (−0.0035 ± 0.0043 nats). So is the router's product as six bfloat16 tensor-core products
 (`router_precision="bf16_6x"`, §8.2): s3's step 1.4 % shorter, the s1 loss over 4 seeds the same
-(−0.0091 ± 0.0114 nats).
+(−0.0091 ± 0.0114 nats). So are the weights cast to the compute dtype once a step with the
+experts' gate/up pair (`cast_weights_once`) and the scan stacks and switch residual slots left
+unfilled (`train.unfilled_buffers`): s3's accumulated step 2,113.8 → 1,985.1 ms (12.0 % MFU) on
+one H200, and the s1 loss over 3 seeds the same (+0.0026 ± 0.0046 nats).
 
 Ledger (`python -m launch.ledger --config=configs/small.py:s2`): total / Engram / activated
 (decode) parameters and train FLOPs per token at the size's seq:
@@ -60,25 +63,25 @@ SIZES: dict[str, dict] = {
     "s1": dict(d=512, layers=12, heads=8, head_dim=128, experts=16, k=2, inter=256, vocab=16384,
                engram_rows=50_000, engram_heads=4, engram_dim=64, index_heads=8, index_dim=64,
                topk=128, seq=1024, batch=32, accum=1, streams="float32", products="float32",
-               router="highest", lr=2e-3, steps=20_000,
+               router="highest", once=False, lr=2e-3, steps=20_000,
                vit=dict(num_layers=4, hidden_size=256, num_heads=4, intermediate_size=1024,
                         projector_hidden=1024)),
     "s2": dict(d=768, layers=16, heads=12, head_dim=128, experts=32, k=4, inter=384, vocab=32768,
                engram_rows=100_000, engram_heads=4, engram_dim=96, index_heads=8, index_dim=64,
                topk=256, seq=2048, batch=32, accum=2, streams="float32", products="float32",
-               router="highest", lr=1.5e-3, steps=30_000,
+               router="highest", once=False, lr=1.5e-3, steps=30_000,
                vit=dict(num_layers=6, hidden_size=384, num_heads=6, intermediate_size=1536,
                         projector_hidden=1536)),
     "s3": dict(d=1024, layers=20, heads=16, head_dim=128, experts=48, k=4, inter=512, vocab=32768,
                engram_rows=150_000, engram_heads=8, engram_dim=64, index_heads=16, index_dim=128,
                topk=256, seq=2048, batch=64, accum=8, streams="bfloat16", products="compute",
-               router="bf16_6x", lr=1e-3, steps=40_000,
+               router="bf16_6x", once=True, lr=1e-3, steps=40_000,
                vit=dict(num_layers=8, hidden_size=512, num_heads=8, intermediate_size=2048,
                         projector_hidden=2048)),
     "s4": dict(d=1536, layers=24, heads=16, head_dim=192, experts=64, k=6, inter=768, vocab=65536,
                engram_rows=200_000, engram_heads=8, engram_dim=128, index_heads=16, index_dim=128,
                topk=512, seq=4096, batch=64, accum=8, streams="bfloat16", products="compute",
-               router="bf16_6x", lr=8e-4, steps=50_000,
+               router="bf16_6x", once=True, lr=8e-4, steps=50_000,
                vit=dict(num_layers=12, hidden_size=768, num_heads=12, intermediate_size=3072,
                         projector_hidden=3072)),
     # 3B-class for one H200 (issue 28): MaxText ds4mini's width and expert scale (d 1536, 64
@@ -86,7 +89,7 @@ SIZES: dict[str, dict] = {
     "m3": dict(d=1536, layers=12, heads=16, head_dim=128, experts=64, k=6, inter=768, vocab=65536,
                engram_rows=200_000, engram_heads=8, engram_dim=128, index_heads=16, index_dim=128,
                topk=512, seq=4096, batch=32, accum=8, streams="bfloat16", products="compute",
-               router="bf16_6x", lr=8e-4, steps=50_000,
+               router="bf16_6x", once=True, lr=8e-4, steps=50_000,
                vit=dict(num_layers=12, hidden_size=768, num_heads=12, intermediate_size=3072,
                         projector_hidden=3072)),
 }
@@ -158,6 +161,9 @@ def model_fields(size: str) -> dict:
       # from s3 up, where it made the accumulated step 1.4 % shorter on one H200 and the s1 loss
       # A/B over 4 seeds found no difference (benchmarks/RESULTS.md); s1 and s2 keep "highest".
       router_precision=s["router"],
+      # The matmul weights cast to the compute dtype once a step, the routed experts' w1 and w3 as
+      # one pair (launch/step.py `cast_once`): from s3 up, with `train.unfilled_buffers` (below).
+      cast_weights_once=s["once"],
       vision=dict(s["vit"]),
       **layout(s["layers"]),
   )
@@ -171,6 +177,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   cfg.data.batch_size = s["batch"]
   cfg.train.grad_accum_steps = s["accum"]
   cfg.train.steps = s["steps"]
+  # No zero fill of the scan stacks and switch residual slots (launch/unfilled_buffers.py): with
+  # `cast_weights_once`, from s3 up (s1 and s2 keep both off: the A/B's reference arm).
+  cfg.train.unfilled_buffers = s["once"]
   cfg.train.eval_every = 1000
   cfg.train.checkpoint_every = 1000
   cfg.train.log_every = 20

@@ -188,8 +188,9 @@ class ModelConfig:
   # to it once per step, before the forward and every micro-batch (`launch.step.CAST_ONCE`), not
   # once per use in each forward and remat pass, the routed experts' w1 and w3 as one pair that the
   # gate/up product reads without a per-layer concatenation. The same step bit for bit on the CPU;
-  # on the GPU the second step's loss differs (benchmarks/RESULTS.md, sessions 46 and 55), so off
-  # until a loss A/B.
+  # on the GPU the second step's loss differs at 4e-4 relative, as two runs of the same program do
+  # (benchmarks/RESULTS.md, sessions 46, 51 and 55), and the s1 loss A/B over 3 seeds (with
+  # `train.unfilled_buffers`) found no difference (session 56). On in configs/small.py from s3 up.
   cast_weights_once: bool = False
   # The vision pathway (ViT + projector, `dsv41_jax.vision.config.VisionConfig`); None = text only.
   vision: VisionConfig | None = None
