@@ -314,9 +314,13 @@ def train_step_jit(run: RunConfig, ts: TrainSetup) -> Callable:
   metrics)`: state donated, outputs on the state's shardings, `train_vit` static, so each ViT
   phase is its own program; the learning-rate schedule is an input (`schedule_input`), so one
   program serves every `train.steps` and `optim.lr`. With `train.unfilled_buffers` the step's
-  scan stacks and conditional residual slots are left unfilled (`launch.unfilled_buffers`)."""
+  scan stacks and conditional residual slots are left unfilled (`launch.unfilled_buffers`); the
+  patch is process-wide, so a config without it takes it out again (benchmarks build several
+  configs' steps in one process, each lowered before the next is built)."""
   if run.train.unfilled_buffers:
     unfilled_buffers.install()
+  else:
+    unfilled_buffers.uninstall()
   return jax.jit(make_train_step(run.model, ts.graphdef, ts.tx, run.optim.moe_bias_gamma,
                                  run.train.grad_accum_steps),
                  donate_argnums=(0,), static_argnums=(2,),

@@ -78,17 +78,19 @@ def test_values_are_unchanged_on_the_cpu():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_the_train_step_is_built_with_it_when_configured(monkeypatch):
+def test_the_train_step_is_built_with_it_when_configured_and_without_it_otherwise(monkeypatch):
   from configs import tiny
   from launch import setup
   calls = []
-  monkeypatch.setattr(unfilled_buffers, "install", lambda: calls.append(1) or True)
-  cfg = tiny.get_config()
-  cfg.train.unfilled_buffers = True
-  run = setup.run_config(cfg, process_count=1)
-  ts = setup.abstract_state(run, setup.build_mesh(setup.MeshConfig(data=1), jax.devices()[:1]))
-  setup.train_step_jit(run, ts)
-  assert calls == [1]
+  monkeypatch.setattr(unfilled_buffers, "install", lambda: calls.append("install") or True)
+  monkeypatch.setattr(unfilled_buffers, "uninstall", lambda: calls.append("uninstall"))
+  for on in (True, False):
+    cfg = tiny.get_config()
+    cfg.train.unfilled_buffers = on
+    run = setup.run_config(cfg, process_count=1)
+    ts = setup.abstract_state(run, setup.build_mesh(setup.MeshConfig(data=1), jax.devices()[:1]))
+    setup.train_step_jit(run, ts)
+  assert calls == ["install", "uninstall"]
 
 
 def test_sharded_values_are_unchanged_and_the_sharded_step_lowers(installed):
