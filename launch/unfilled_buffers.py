@@ -78,7 +78,8 @@ def install() -> bool:
 
 
 def uninstall() -> None:
-  """Undo `install` (tests)."""
+  """Undo `install` (a config without `train.unfilled_buffers`; tests): programs traced from then
+  on fill as jax does."""
   if not _saved:
     return
   import jax
