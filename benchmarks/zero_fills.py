@@ -65,8 +65,6 @@ def main(argv=None) -> int:
 
   import jax
   import numpy as np
-  from jax._src import ad_util, core
-  from jax._src.lax.control_flow import loops
   from jax.extend import core as jcore
   from configs.common import MeshConfig
   from launch import aot, setup, unfilled_buffers
@@ -82,13 +80,9 @@ def main(argv=None) -> int:
 
   print(f"{args.size}, {args.accum} x ({args.batch} x {args.seq}) {' '.join(args.set)}, "
         "train step lowered for CUDA")
-  for which in ("stacks", "switch slots", "both"):
-    assert unfilled_buffers.install()
-    if which == "stacks":
-      ad_util.aval_empty_likers[core.ShapedArray] = unfilled_buffers._saved["like"][1]
-    elif which == "switch slots":
-      loops._empty_array = unfilled_buffers._saved["stack"][1]
-    jax.clear_caches()
+  for which, parts in (("stacks", dict(switch_slots=False)), ("switch slots", dict(stacks=False)),
+                      ("both", {})):
+    assert unfilled_buffers.install(**parts)
     shapes = allocations(lowered_text())
     unfilled_buffers.uninstall()
     total = sum(map(tensor_bytes, shapes))

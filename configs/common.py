@@ -93,8 +93,9 @@ class TrainConfig:
   compilation_cache_dir: str = "~/.cache/dsv41_jax/xla"
   # Leave the scan stacks and conditional residual slots that jax zero-fills before writing them
   # (or never reads) unfilled on GPUs and TPUs (launch/unfilled_buffers.py: XLA AllocateBuffer
-  # instead of a zero fill; s3: ~12 GB of fills a micro-batch). The same values; a process-wide
-  # patch of two private jax functions, installed when the train step is built.
+  # instead of a zero fill; s3: 9.1 GB of fills a micro-batch, benchmarks/zero_fills.py). The same
+  # values; a process-wide patch of two private jax functions, installed when the train step is
+  # built (and taken out when a config without it builds one).
   unfilled_buffers: bool = False
   # Weights & Biases project for an extra metrics writer ("" = none; needs `pip install wandb`).
   # TensorBoard and metrics.jsonl are always written.

@@ -40,9 +40,11 @@ def _device_memory(aval) -> bool:
   return space is None or str(space).rsplit(".", 1)[-1] in ("Device", "Any")
 
 
-def install() -> bool:
-  """Make scan stacks and conditional residual slots `lax.empty` for this process. Returns whether
-  it is installed (idempotent); False, with one log line, where this jax lacks the functions."""
+def install(stacks: bool = True, switch_slots: bool = True) -> bool:
+  """Make scan stacks and conditional residual slots `lax.empty` for this process (`stacks` /
+  `switch_slots` False leaves that kind filled: benchmarks/zero_fills.py counts each). Returns
+  whether it is installed (a second call changes nothing until `uninstall`); False, with one log
+  line, where this jax lacks the functions."""
   if _saved:
     return True
   import jax
@@ -71,8 +73,10 @@ def install() -> bool:
     return unfilled(orig_like(aval), aval)
 
   _saved.update(stack=(loops, orig_stack), like=(ad_util, orig_like))
-  loops._empty_array = stack
-  ad_util.aval_empty_likers[core.ShapedArray] = like
+  if stacks:
+    loops._empty_array = stack
+  if switch_slots:
+    ad_util.aval_empty_likers[core.ShapedArray] = like
   jax.clear_caches()   # programs traced or lowered before keep their fills otherwise
   return True
 

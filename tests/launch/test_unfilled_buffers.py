@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks import zero_fills
 from launch import unfilled_buffers
 from tests.pallas_kernels.cuda_lowering import lower_for_cuda
 
@@ -59,9 +60,14 @@ def test_gpu_lowering_allocates_instead_of_filling(installed):
   assert "AllocateBuffer" not in text_off
   # The stacks: the checkpointed scan's saved carries [6, 8, 32], its backward's weight gradient
   # [6, 32, 32]; the switch's residual slot the identity branch leaves empty.
-  allocated = re.findall(r"custom_call @AllocateBuffer\(\).*-> tensor<([0-9x]+)xf32>", text_on)
-  assert "6x32x32" in allocated and "6x8x32" in allocated, allocated
+  allocated = zero_fills.allocations(text_on)
+  assert "6x32x32xf32" in allocated and "6x8x32xf32" in allocated, allocated
   assert _zero_fill_bytes(text_on) < _zero_fill_bytes(text_off)
+  # One kind at a time (benchmarks/zero_fills.py): the switch slots alone leave the stacks filled.
+  assert unfilled_buffers.install(stacks=False)
+  slots_only = zero_fills.allocations(lower_for_cuda(grad, *_args()).as_text())
+  assert slots_only and "6x32x32xf32" not in slots_only and "6x8x32xf32" not in slots_only
+  unfilled_buffers.uninstall()
   assert unfilled_buffers.install()   # the fixture uninstalls
 
 

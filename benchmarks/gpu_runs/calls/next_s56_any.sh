@@ -4,8 +4,8 @@
 # routed experts' w1/w3 handed over as one pair), and with `train.unfilled_buffers` (scan stacks and
 # the kind switch's residual slots as XLA AllocateBuffer instead of zero fills: ~12 GB of fills a
 # micro-batch at s3 by the CUDA lowering read on the CPU). An H200 pairs two arms (compiled at once,
-# timed in turn); an H100 runs them one after another. Every arm's first losses must equal its
-# pair's bit for bit where only unfilled_buffers differs (the filled values are never read).
+# timed in turn); an H100 runs them one after another. (Ran in session 56 on an H200: RESULTS.md
+# "s3 at 12.0 % MFU"; the arms' second losses differ as two runs of one program do on the GPU.)
 source benchmarks/gpu_runs/calls/prelude.sh
 OUT=$(realpath "$OUT")
 END=${END:-585}   # a call shorter than 600 s: END = its timeout less 15
