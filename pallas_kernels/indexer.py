@@ -391,15 +391,18 @@ def score_and_select(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry
   k_eff = min(k, N)
   sg = jax.lax.stop_gradient
   qs, ws, ks = sg(q_BxTxHxI), sg(w_BxTxH), sg(index_k_BxNxI)
+  # The Triton select reads the masked scores and makes its keys in the kernel (visible =
+  # score > −inf, as the radix select is told): no key array and no visible count in memory.
+  keys_in_kernel = select == "triton"
 
-  def select(q, w, seg, rows):
+  def scored_selection(q, w, seg, rows):
     s = masked_scores(q, w, ks, entry_segment_BxN, entry_last_BxN, seg, rows, block_t=block_t,
                       block_n=block_n, interpret=interpret, num_warps=num_warps,
                       num_stages=num_stages)
-    return topk_of(s, s > -jnp.inf, k_eff)
+    return topk_of(s, None if keys_in_kernel else s > -jnp.inf, k_eff)
 
   rows_per_chunk = max(block_t, (max_score_bytes // (4 * B * N)) // block_t * block_t)
-  topk = _row_chunks(select, T, rows_per_chunk,
+  topk = _row_chunks(scored_selection, T, rows_per_chunk,
                      (qs, ws, segment_ids_BxT, jnp.arange(T, dtype=jnp.int32)))
   slot_row = B * (k_eff + 64) * I                                   # Kp ≤ K + 63
   c = T if not query_chunk else max(int(query_chunk), max_slot_bytes // (

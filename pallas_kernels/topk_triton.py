@@ -8,15 +8,19 @@ are read in 0.06 ms. Here one program holds a row in registers and does the whol
 there, reading the row once and writing its K slots:
 
   key      the radix select's keys (the floats' total order: −0.0 below +0.0, as `lax.top_k`
-           orders them) as int32, so that signed order is key order; invisible entries INT32_MIN
+           orders them) as int32, so that signed order is key order; invisible entries INT32_MIN.
+           With `visible=None` the kernel reads the float scores and makes the keys itself
+           (visible = score > −inf, the indexer's masked scores): no key array in memory
   need     min(K, visible entries)
-  τ        the need-th largest key, by 32 steps of a binary search on the key's bits, top first:
-           a bit stays set when at least `need` keys are ≥ the candidate (one compare-and-sum of
-           the row per bit, in registers)
+  τ        the need-th largest key, a digit of `digit_bits` bits at a time from the top: the
+           digit is the number of candidates u | m·2^lo (m = 1 … 2^bits − 1) that at least
+           `need` keys reach, all 2^bits counts from one compare-and-sum of the row (32 / bits
+           block reductions a row: 8 at the default 4 bits, 32 at 1, the first form)
   selected key > τ, or key == τ and fewer than need − #(key > τ) equal keys before it (ties to
            the lowest indices: `lax.top_k`'s rule)
-  slot     the entry's rank among the selected (a running sum of the row), so the slots hold the
-           set in ascending index order, −1 past `need`: `radix_topk`'s results exactly
+  slot     the number of selected entries before it, from one running sum of the row that
+           carries the counts of keys above τ (low 16 bits) and of ties (high 16 bits): the
+           slots hold the set in ascending index order, −1 past `need`: `radix_topk`'s results
 
 Each entry is stored at its slot under a mask, every lane at a distinct address (the unselected
 ones at their rank after the selected, masked off), so no two lanes write one address. Interpret
@@ -25,7 +29,7 @@ output row is N wide (every lane's address exists); compiled, it is K wide and m
 touch memory.
 
 Rows wider than `MAX_ENTRIES` are refused (`unsupported_reason`): a row lives in the registers of
-one program, 16 warps at most.
+one program, 16 warps at most (and the running sum's halves hold counts up to 2^16 − 1).
 """
 
 from __future__ import annotations
@@ -64,57 +68,93 @@ def unsupported_reason(scores_BxTxN, visible_BxTxN, k: int) -> str | None:
   return None
 
 
-def _select_kernel(keys_ref, need_ref, o_ref, *, k_slots):
-  keys = keys_ref[...]                                   # [Np] int32, invisible = INT32_MIN
-  need = need_ref[0]
-  u = jnp.int32(0)                                       # τ's bits found so far, sign bit flipped
-  for bit in range(31, -1, -1):
-    cand = u | jnp.int32(np.uint32(1 << bit).view(np.int32))
-    n_at_or_above = jnp.sum((keys >= (cand ^ _MIN)).astype(jnp.int32))
-    u = jnp.where(n_at_or_above >= need, cand, u)
+def _int_keys(x):
+  """`ordered_int_keys` inside a kernel: the float bits b as int32 are already in order for
+  b ≥ 0 (+0.0 … +NaN); the negative floats' order is reversed by flipping the 31 low bits."""
+  b = jax.lax.bitcast_convert_type(x, jnp.int32)
+  return jnp.where(b >= 0, b, b ^ jnp.int32(0x7FFFFFFF))
+
+
+def _select_kernel(row_ref, need_ref, o_ref, *, k_slots, k, digit_bits, from_scores):
+  if from_scores:                                        # [Np] float32, invisible = −inf
+    s = row_ref[...]
+    visible = s > -jnp.inf
+    keys = jnp.where(visible, _int_keys(s), _MIN)
+    need = jnp.minimum(jnp.sum(visible.astype(jnp.int32)), k)
+  else:                                                  # [Np] int32, invisible = INT32_MIN
+    keys = row_ref[...]
+    need = need_ref[0]
+  # τ's bits so far with the sign bit flipped (an unsigned prefix): the candidates of a digit
+  # are prefix | m << lo for m = 0 … 2^bits − 1, counted at once ([2^bits, Np] compares, one
+  # reduction); m = 0 always reaches `need`, and the counts fall with m, so the digit is the
+  # number of candidates that reach it, less one.
+  m = jax.lax.broadcasted_iota(jnp.int32, (1 << digit_bits, 1), 0)
+  u = jnp.int32(0)
+  for lo in range(32 - digit_bits, -1, -digit_bits):
+    cand = u | (m << lo)                                 # wraps into the sign bit for lo + bits = 32
+    reach = jnp.sum((keys[None, :] >= (cand ^ _MIN)).astype(jnp.int32), axis=1)
+    digit = jnp.sum((reach >= need).astype(jnp.int32)) - 1
+    u = u | (digit << lo)
   tau = u ^ _MIN
-  above = keys > tau
+  above = (keys > tau).astype(jnp.int32)
   tie = (keys == tau).astype(jnp.int32)
-  ties_before = jnp.cumsum(tie) - tie
-  selected = above | ((tie > 0) & (ties_before < need - jnp.sum(above.astype(jnp.int32))))
-  sel = selected.astype(jnp.int32)
-  slot = jnp.cumsum(sel) - 1
-  count = jnp.sum(sel)
+  packed = above + (tie << 16)                           # one running sum carries both counts
+  before = jnp.cumsum(packed) - packed
+  above_before, ties_before = before & 0xFFFF, before >> 16
+  n_above = jnp.sum(above)
+  quota = need - n_above                                 # ties taken, lowest indices first
+  selected = (above > 0) | ((tie > 0) & (ties_before < quota))
+  sel_before = above_before + jnp.minimum(ties_before, quota)
+  count = n_above + jnp.minimum(jnp.sum(tie), quota)
   cols = jax.lax.broadcasted_iota(jnp.int32, keys.shape, 0)
   slots = jax.lax.broadcasted_iota(jnp.int32, (k_slots,), 0)
   plgpu.store(o_ref.at[slots], jnp.full((k_slots,), -1, jnp.int32), mask=slots >= count)
   # Distinct addresses for every lane (module doc): the unselected after the selected.
-  plgpu.store(o_ref.at[jnp.where(selected, slot, count + cols - slot - 1)], cols, mask=selected)
+  plgpu.store(o_ref.at[jnp.where(selected, sel_before, count + cols - sel_before)], cols,
+              mask=selected)
 
 
-def triton_topk(scores_BxTxN: jax.Array, visible_BxTxN: jax.Array, k: int, *,
-                interpret: bool | None = None, num_warps: int | None = None) -> jax.Array:
+def triton_topk(scores_BxTxN: jax.Array, visible_BxTxN: jax.Array | None, k: int, *,
+                interpret: bool | None = None, num_warps: int | None = None,
+                digit_bits: int = 4) -> jax.Array:
   """topk_BxTxK int32 (K = min(k, N)): `radix_topk`'s results (the set `lax.top_k` selects among
-  the visible entries, ascending, −1 past the number visible), one Triton program per row."""
+  the visible entries, ascending, −1 past the number visible), one Triton program per row.
+  `visible_BxTxN=None`: the entries whose score is above −inf (the kernel reads the scores and
+  makes the keys itself); `digit_bits` (1, 2 or 4) of τ found per reduction."""
   if (reason := unsupported_reason(scores_BxTxN, visible_BxTxN, k)):
     raise ValueError(f"Triton top-k: {reason}")
+  if digit_bits not in (1, 2, 4):
+    raise ValueError(f"Triton top-k: digit_bits must be 1, 2 or 4 (got {digit_bits})")
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   *lead, n = scores_BxTxN.shape
   k_eff = min(k, n)
   n_pad, k_pad = _pow2(n), _pow2(k_eff)
-  keys = jnp.where(visible_BxTxN, ordered_int_keys(jax.lax.stop_gradient(scores_BxTxN)), _MIN)
-  keys = jnp.pad(keys.reshape(-1, n), ((0, 0), (0, n_pad - n)), constant_values=_MIN)
-  need = jnp.minimum(jnp.sum(visible_BxTxN, axis=-1, dtype=jnp.int32), k_eff).reshape(-1, 1)
+  rows = int(np.prod(lead, dtype=np.int64))
+  scores = jax.lax.stop_gradient(scores_BxTxN)
+  from_scores = visible_BxTxN is None
+  if from_scores:
+    row = jnp.pad(scores.astype(jnp.float32).reshape(rows, n), ((0, 0), (0, n_pad - n)),
+                  constant_values=-jnp.inf)
+    need = jnp.zeros((rows, 1), jnp.int32)           # unread: the kernel counts the row itself
+  else:
+    keys = jnp.where(visible_BxTxN, ordered_int_keys(scores), _MIN)
+    row = jnp.pad(keys.reshape(rows, n), ((0, 0), (0, n_pad - n)), constant_values=_MIN)
+    need = jnp.minimum(jnp.sum(visible_BxTxN, axis=-1, dtype=jnp.int32), k_eff).reshape(-1, 1)
   width = n_pad if interpret else k_pad
-  rows = keys.shape[0]
   warps = num_warps or int(np.clip(n_pad // 512, 4, 16))
   # Called through `jax.jit`: remat's partial evaluation stages a bare `pallas_call` into the
   # recomputed forward even when every input is known, so the named selection below could not be
   # saved and layer remat would select (and score) again in the backward; a jitted call's rule
   # keeps it in the forward (tests/pallas_kernels/test_topk_triton.py).
   out = jax.jit(pl.pallas_call(
-      functools.partial(_select_kernel, k_slots=k_pad),
+      functools.partial(_select_kernel, k_slots=k_pad, k=k_eff, digit_bits=digit_bits,
+                        from_scores=from_scores),
       out_shape=jax.ShapeDtypeStruct((rows, width), jnp.int32),
       grid=(rows,),
       in_specs=[pl.BlockSpec((None, n_pad), lambda r: (r, 0)),
                 pl.BlockSpec((None, 1), lambda r: (r, 0))],
       out_specs=pl.BlockSpec((None, width), lambda r: (r, 0)),
       compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
-      interpret=interpret, name="triton_topk"))(keys, need)
+      interpret=interpret, name="triton_topk"))(row, need)
   return checkpoint_name(out[:, :k_eff].reshape(*lead, k_eff), _ops.SELECTION)

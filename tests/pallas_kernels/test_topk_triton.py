@@ -12,8 +12,10 @@ from pallas_kernels.topk_triton import MAX_ENTRIES, ordered_int_keys, triton_top
 from tests.pallas_kernels.cuda_lowering import lower_for_cuda, triton_calls
 
 
-@pytest.mark.parametrize("levels, n, k", [(None, 67, 9), (2, 67, 9), (7, 40, 64)])
-def test_equals_the_radix_select_and_lax_top_k_sets(levels, n, k):
+@pytest.mark.parametrize("levels, n, k, digit_bits", [(None, 67, 9, 4), (2, 67, 9, 4),
+                                                    (7, 40, 64, 4), (None, 67, 9, 1),
+                                                    (2, 67, 9, 2)])
+def test_equals_the_radix_select_and_lax_top_k_sets(levels, n, k, digit_bits):
   # N and k off powers of two, k > N; ties straddling the k-th value; ±0.0; all-equal huge and
   # tiny rows; ±inf among the visible; neighbouring floats; no or fewer visible entries than k.
   rng = np.random.default_rng(n + k + (levels or 0))
@@ -36,7 +38,7 @@ def test_equals_the_radix_select_and_lax_top_k_sets(levels, n, k):
   vis[0, 11] = False
   vis[0, 11, [3, n - 1]] = True
   vis[1, 9] = vis[1, 11] = True
-  got = triton_topk(jnp.asarray(s), jnp.asarray(vis), k)
+  got = triton_topk(jnp.asarray(s), jnp.asarray(vis), k, digit_bits=digit_bits)
   want = radix_topk(jnp.asarray(s), jnp.asarray(vis), k)
   assert got.shape == want.shape == (B, T, min(k, n)) and got.dtype == jnp.int32
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))   # slots too, not only sets
@@ -44,6 +46,12 @@ def test_equals_the_radix_select_and_lax_top_k_sets(levels, n, k):
   np.testing.assert_array_equal(np.sort(np.asarray(got), -1), np.sort(np.asarray(ref), -1))
   assert (np.asarray(got)[0, 10] == -1).all()
   assert sorted(np.asarray(got)[0, 11][:2]) == [3, n - 1] and (np.asarray(got)[0, 11][2:] == -1).all()
+  # Keys made in the kernel from the scores (visible None: score > −inf, the indexer's masked
+  # scores): the same slots where the visible entries are the finite-or-+inf ones.
+  masked = np.where(vis & (s > -np.inf), s, -np.inf)
+  got = triton_topk(jnp.asarray(masked), None, k, digit_bits=digit_bits)
+  want = radix_topk(jnp.asarray(masked), jnp.asarray(masked > -np.inf), k)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_keys_follow_the_total_order():
@@ -57,11 +65,17 @@ def test_wide_rows_are_refused_and_it_lowers_for_cuda():
   assert "exceed" in unsupported_reason(wide, wide, 8)
   with pytest.raises(ValueError, match="Triton top-k: .*entries per row"):
     triton_topk(jnp.zeros(wide.shape), jnp.ones(wide.shape, bool), 8)
+  with pytest.raises(ValueError, match="digit_bits must be 1, 2 or 4"):
+    triton_topk(jnp.zeros((1, 2, 8)), None, 4, digit_bits=3)
   # s3's indexer shape: 4 x 4,096 query rows over 4,096 entries, top-256, one Triton program.
   s = jax.ShapeDtypeStruct((4, 4096, 4096), jnp.float32)
   v = jax.ShapeDtypeStruct((4, 4096, 4096), jnp.bool_)
   lowered = lower_for_cuda(lambda a, b: triton_topk(a, b, 256, interpret=False), s, v)
   assert triton_calls(lowered) == 1
+  for bits in (1, 4):   # the scores read in the kernel: no key array beside it
+    lowered = lower_for_cuda(lambda a: triton_topk(a, None, 256, interpret=False,
+                                                   digit_bits=bits), s)
+    assert triton_calls(lowered) == 1
 
 
 def test_layer_remat_keeps_the_selection_instead_of_selecting_again():
