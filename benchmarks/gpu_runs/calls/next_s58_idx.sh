@@ -1,0 +1,13 @@
+# Issue 26's indexer on either card (~330 s; carry .whl; from the repository root): session 57's
+# Triton select (the K-th key 4 bits a reduction instead of 1, one packed running sum, and inside
+# the indexer kernel the keys made from the masked scores, so no key array) against its 1-bit form
+# and the XLA forms, selection alone at top-256 and top-512; then the indexer's scores + selection
+# and forward + backward against the XLA reference (issue 26 asks 5x; 3.1x / 4.1x at session 47).
+# The select ran 0.95 ms of the indexer's 2.55 ms forward on the H200.
+#   run(command="bash benchmarks/gpu_runs/calls/next_s58_idx.sh", carry=[".whl"], timeout_s=420)
+source benchmarks/gpu_runs/calls/prelude.sh
+OUT=$(realpath "$OUT")
+step "selection and indexer at s3's shapes"
+OUT=$OUT timeout -s TERM 380 python3 -u benchmarks/csa2_kernels_gpu.py --reps 5 --deadline 340 \
+    --cases check,topk-4k,idx-4k,topk-4k-k512 | grep -v "^ROW"
+step done
