@@ -50,6 +50,13 @@
 # END to match: END=$((T - 40)) for `timeout T` (the report and the archive take ~15-35 s). Next:
 #   ONLY='ablations/*_seed0' ABLATIONS=1 bash benchmarks/gpu_runs/calls/next4.sh   (5 left, ~3 a call)
 #   ONLY='ablations/*_seed1' ABLATIONS=1 ...                                         (9, ~3 calls)
+# Session 57 (2026-12-06, an H100): seed 0 is complete (plain_residual again, qat, candidate_pool, adamw,
+# bf16_streams: s57_ablations/). The baseline (seed 0) ran before session 54's parameter renumbering,
+# which draws other initial weights, so run it again with the seed-1 points, all at one code version:
+# after sweep_prepare.sh (or untarring s57_ablations/ladder_gpu.tar.gz into build/ladder_prev),
+#   rm -rf build/ladder_prev/ablations/baseline_seed0
+#   ONLY='ablations/baseline_seed0,ablations/*_seed1' ABLATIONS=1 bash benchmarks/gpu_runs/calls/next4.sh
+# (10 points, ~150-165 s each on an H100: ~3 a call, END=$((T - 40)) for `timeout T`).
 # JOBS=2 may fit more points a call: with no point yet timed at 2 at once, each is estimated at
 # twice its time alone (ladder_jobs.estimate_seconds), so the first such call starts only 2 points;
 # later calls time them by what the first measured.
