@@ -133,6 +133,26 @@ def test_reread_recomputes_components_by_todays_rules_with_renamed_lines():
   assert gpu_profile.recomponent(lines)["dense"] == 1.75
 
 
+def test_issue_26_measure_is_the_attention_op_and_the_indexer():
+  """Issue 26 measured the attention op and the indexer, not the layer's projections or RoPE: the
+  op's kernels, its XLA form, the selection's visibility and block.py's call (the custom VJP's
+  frame) count; `Attention.output`, RoPE and the compressor stay outside, each once."""
+  lines = {"custom-call pallas_kernels/csa2_attention.py:450 (sparse_attend)": 4.0,
+           "fusion pallas_kernels/ops/sparse_attention.py:144 (_attend_blocks)": 0.5,
+           "fusion dsv41_jax/layers/attention.py:42 (visible_topk.<locals>.<lambda>)": 0.25,
+           "fusion dsv41_jax/block.py:240 (attend)": 0.125,
+           "custom-call dsv41_jax/layers/attention.py:132 (Attention.output)": 2.0,
+           "fusion dsv41_jax/layers/rope.py:69 (apply_rope)": 1.0,
+           "fusion dsv41_jax/layers/compressor.py:103 (compress)": 1.0,
+           "custom-call pallas_kernels/indexer.py:409 (score_and_select.<locals>.<lambda>)": 3.0}
+  assert gpu_profile.attention_op_ms(lines) == 4.875
+  comp = gpu_profile.recomponent(lines)
+  assert comp["attention"] == 8.875 and comp["indexer"] == 3.0
+  got = gpu_profile.issue_lines(comp, lines)
+  assert got[0].startswith("issue 26: attention op + indexer 7.9 ms (op 4.9, indexer 3.0; ")
+  assert "other 4.0 ms" in got[0]
+
+
 _LAYER_CALLS = {"mhc": "mHC", "site": "mHC", "attn": "attention", "indexer_kl_loss": "indexer"}
 
 
