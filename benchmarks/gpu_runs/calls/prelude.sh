@@ -70,6 +70,13 @@ profile() {
       --batch 4 --seq 4096 --steps 2 --top 30 --out "/tmp/prof_$name" --json "$OUT/prof_$name.json" \
       ${1:+--set "$@"} > "$OUT/profile_$name.txt" 2>&1
   sed -n "/component/,/^$/p" "$OUT/profile_$name.txt"; tail -60 "$OUT/profile_$name.txt"
+  # The compiled HLO text (fusion decisions, for reading on the CPU afterwards), gzipped, when it
+  # fits what comes back (16 MiB a file).
+  local hlo; hlo=$(ls /tmp/prof_$name/*.hlo.txt 2>/dev/null | head -1)
+  if [ -n "$hlo" ]; then
+    gzip -c "$hlo" > "$OUT/hlo_$name.txt.gz"
+    [ "$(stat -c %s "$OUT/hlo_$name.txt.gz")" -lt 16000000 ] || rm -f "$OUT/hlo_$name.txt.gz"
+  fi
 }
 # tree_copy NAME FILE SED: a copy of the tree at /tmp/tree_NAME with FILE edited by SED; fails (and
 # says so) when SED changes nothing. Use as an arm's @DIR: arms s3 200 main idx@/tmp/tree_idx
