@@ -31,6 +31,14 @@ class VisionConfig:
   # The ViT's pixel normalisation: x = pixel / 127.5 − 1, so inputs lie in [−1, 1].
   scan_layers: bool = True
   remat: bool = True
+  # Image slots the ViT runs on. A packed row has `data.max_images_per_row` slots (seq_len // 64 by
+  # default: 64 at 4,096 tokens), and the first `image_count` hold images: at s3 ~15 of 64 a row on
+  # the default corpus, 54 % of rows none, 7 % all 64. 0: every slot (empty ones too). n > 0: the
+  # filled slots of each batch shard's rows gathered into n slots a row, the ViT and projector on
+  # those, every slot when a shard holds more (`lax.switch` on the fullest shard's count; at s3's 4
+  # rows with n = 24: ~19 % of micro-batches, ~50 % of the slots saved on average). The same
+  # embeddings up to float rounding (`dsv41_jax/vision/pathway.py`).
+  slot_budget: int = 0
 
   def __post_init__(self):
     errors = []
@@ -54,6 +62,8 @@ class VisionConfig:
          f"vision.max_image_size ({self.max_image_size}) must be a multiple of the "
          f"{self.cell_px}-px cell (patch_size {self.patch_size} × unshuffle {self.unshuffle})")
     need(self.rope_theta > 0, f"vision.rope_theta must be positive (got {self.rope_theta})")
+    need(self.slot_budget >= 0,
+         f"vision.slot_budget must be 0 (every slot) or positive (got {self.slot_budget})")
     need(self.rms_norm_eps > 0, f"vision.rms_norm_eps must be positive (got {self.rms_norm_eps})")
     if errors:
       raise ConfigError("; ".join(errors))

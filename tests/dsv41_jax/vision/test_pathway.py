@@ -145,12 +145,19 @@ def test_optimizer_freezes_the_vit_until_decay_then_scales_it(cfg, split_model):
         np.testing.assert_allclose(a, 0.1 * b, rtol=1e-6, atol=1e-12)
 
 
-def test_sharded_pathway_and_gradients_equal_single_device(cfg, split_model):
+@pytest.mark.parametrize("slot_budget", [0, 2])
+def test_sharded_pathway_and_gradients_equal_single_device(cfg, split_model, slot_budget):
   """ViT → projector → span merge on a (data 2, expert 2, tensor 2) mesh of 8 CPU devices equals
-  one device, value and gradients (the LM's own sharding is tested in test_model.py)."""
+  one device, value and gradients (the LM's own sharding is tested in test_model.py); with a slot
+  budget the ViT runs on each batch shard's filled slots (2 of 4 a row there, 2 of 4 on one
+  device)."""
   model = nnx.merge(*split_model)
-  graphdef, state = nnx.split((model.vision, model.projector))
+  vit = nnx.merge(*nnx.split(model.vision))
+  vit.cfg = cfg.vision.replace(slot_budget=slot_budget)
+  graphdef, state = nnx.split((vit, model.projector))
   batch = make_batch(cfg, seed=2)
+  if slot_budget:
+    batch = _with_empty_slots(batch, extra=2, seed=4)
   rng = np.random.default_rng(5)
   h = jnp.asarray(rng.normal(size=(4, T, cfg.hidden_size)), jnp.float32)
   w = jnp.asarray(rng.normal(size=(4, T, cfg.hidden_size)), jnp.float32)
@@ -176,3 +183,86 @@ def test_eager_call_checks_the_rows(cfg, split_model):
   with pytest.raises(ValueError, match=rf"row 3: {mask[3].sum()} placeholder tokens do not match "
                                        r"its 2 images"):
     model(dict(batch, image_mask=jnp.asarray(mask)), M.zero_moe_bias(cfg))
+
+
+def _with_empty_slots(batch, extra, seed):
+  """The batch with `extra` more image slots a row, empty (start −1, 0 × 0 cells) but holding
+  random pixels: what an empty slot holds must not matter."""
+  rng = np.random.default_rng(seed)
+  B, _, P = batch["images"].shape[:3]
+  noise = rng.integers(0, 256, (B, extra, P, P, 3), dtype=np.uint8)
+  return dict(batch,
+              images=jnp.concatenate([batch["images"], jnp.asarray(noise)], axis=1),
+              image_cells=jnp.concatenate([batch["image_cells"],
+                                           jnp.zeros((B, extra, 2), jnp.int32)], axis=1),
+              image_starts=jnp.concatenate([batch["image_starts"],
+                                            jnp.full((B, extra), -1, jnp.int32)], axis=1))
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_filled_slots_gather_exactly_the_filled_images(groups):
+  # A row-wise stand-in for the ViT + projector (each slot's embedding a function of its own
+  # pixels and cells): the filled-slot path equals every slot's bit for bit at the filled slots,
+  # reads zeros at the empty ones after running the stand-in over W·C rows when the filled slots
+  # fit, and is the every-slot form itself when a group holds more than C.
+  from dsv41_jax.vision.pathway import _filled_slots
+  rng = np.random.default_rng(groups)
+  B, M, P, G, D = 4, 5, 6, 3, 2
+  images = jnp.asarray(rng.integers(0, 256, (B, M, P, P, 3), dtype=np.uint8))
+  cells = jnp.asarray(rng.integers(1, 3, (B, M, 2)), jnp.int32)
+  rows_seen = []
+
+  def embed(px, ce):
+    rows_seen.append(px.shape[0])
+    v = px.astype(jnp.float32).mean(axis=(1, 2, 3)) + 1000.0 * ce[:, 0] + 7.0 * ce[:, 1]
+    return jnp.broadcast_to(v[:, None, None] * jnp.arange(1, G * D + 1).reshape(G, D), (
+        px.shape[0], G, D))
+
+  every = lambda: embed(images.reshape(B * M, P, P, 3), cells.reshape(B * M, 2)).reshape(
+      B, M, G, D)
+  want = np.asarray(every())
+  mesh = testing.cpu_mesh({"data": groups}) if groups > 1 else None
+  for count, budget in [((2, 0, 5, 1), 2), ((1, 0, 0, 1), 1), ((5, 5, 0, 0), 2), ((0, 0, 0, 0), 1)]:
+    count = jnp.asarray(count, jnp.int32)
+    rows_seen.clear()
+    if mesh is None:
+      got = np.asarray(_filled_slots(embed, every, images, cells, count, budget))
+    else:
+      with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+        got = np.asarray(jax.jit(lambda c: _filled_slots(embed, every, images, cells, c, budget)
+                                 )(count))
+    filled = np.arange(M)[None, :] < np.asarray(count)[:, None]
+    np.testing.assert_array_equal(got[filled], want[filled])
+    R = B // groups
+    fits = max(int(np.asarray(count)[g * R:(g + 1) * R].sum()) for g in range(groups)) <= R * budget
+    if fits:      # the gathered form: W·C rows embedded, zeros at the empty slots
+      assert (got[~filled] == 0).all() and groups * R * budget in rows_seen, rows_seen
+    else:         # every slot, the empty ones' embeddings too
+      np.testing.assert_array_equal(got, want)
+
+
+def test_slot_budget_gives_the_every_slot_embeddings_and_gradients(cfg, split_model):
+  # The real ViT and projector, trained: value and gradients with the filled slots only (budget 2:
+  # 8 places for 5 images) and with the budget overflowed (1: 4 places, so every slot) equal the
+  # every-slot form within float32 rounding of the ViT's products over other row counts.
+  model = nnx.merge(*split_model)
+  batch = _with_empty_slots(make_batch(cfg, seed=2), extra=2, seed=3)
+  rng = np.random.default_rng(5)
+  h = jnp.asarray(rng.normal(size=(4, T, cfg.hidden_size)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(4, T, cfg.hidden_size)), jnp.float32)
+
+  def run(budget):
+    vit = nnx.merge(*nnx.split(model.vision))
+    vit.cfg = cfg.vision.replace(slot_budget=budget)
+    graphdef, state = nnx.split((vit, model.projector))
+    f = jax.jit(jax.value_and_grad(lambda s: jnp.sum(
+        embed_with_images(*nnx.merge(graphdef, s), h, batch, train_vit=True) * w)))
+    return f(state)
+
+  ref_value, ref_grad = run(0)
+  for budget in (2, 1):
+    value, grad = run(budget)
+    np.testing.assert_allclose(float(value), float(ref_value), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                                 atol=1e-6 * max(float(np.abs(np.asarray(b)).max()), 1e-6))
