@@ -16,7 +16,9 @@ root's source, else to its first operand's, else to the loop's or conditional's 
 event that names no instruction of the program
 keeps its kernel name in the line table. Printed, kernel time per step (the trace holds two steps):
 
-  - by component (optimizer, attention, indexer, mHC, MoE, Engram, dense, norms, loss, other),
+  - by component (optimizer, attention, indexer, mHC, MoE, Engram, vision, dense, norms, loss,
+    other; vision only with `--images`: the model keeps its ViT and the batch is the data
+    pipeline's, images and all, as `launch.train` runs it),
     from the innermost frame inside this repository (`COMPONENTS`: file and function rules; a
     custom VJP's operations carry the frame of the line that calls it, so `dsv41_jax/block.py`
     calls into each layer from a function named for it, which the rules know);
@@ -66,6 +68,7 @@ COMPONENTS: tuple[tuple[str, str, str | None], ...] = (
     ("MoE", "dsv41_jax/layers/moe", None),
     ("MoE", "pallas_kernels/grouped_matmul.py", None),
     ("MoE", "pallas_kernels/ops/grouped_matmul.py", None),
+    ("vision", "dsv41_jax/vision/", None),     # ViT, projector, merge (`--images` batches)
     ("Engram", "dsv41_jax/engram/", None),
     ("Engram", "dsv41_jax/layers/engram.py", None),
     ("norms", "dsv41_jax/layers/norm.py", None),
@@ -95,8 +98,8 @@ ATTENTION_OP: tuple[tuple[str, str | None], ...] = (
     ("dsv41_jax/layers/attention.py", "visible_topk"),
     ("dsv41_jax/block.py", "attend"),
 )
-COMPONENT_ORDER = ("optimizer", "attention", "indexer", "mHC", "MoE", "Engram", "dense", "norms",
-                   "loss", "other")
+COMPONENT_ORDER = ("optimizer", "attention", "indexer", "mHC", "MoE", "Engram", "vision", "dense",
+                   "norms", "loss", "other")
 
 # `name = shape op(...)`, the shape a tuple `(f32[..]{..}, s8[..]{0})` for cuBLAS GEMMs and sorts
 # (read with its `/*index=5*/` comments removed).
@@ -421,6 +424,10 @@ def main(argv=None) -> int:
   ap.add_argument("--json", default=None, help="write the groups and step figures here")
   ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                   help="config keys, e.g. model.ops.hc_site=reference (gpu_step.bench)")
+  ap.add_argument("--images", action="store_true",
+                  help="the model with its ViT on the data pipeline's first batch (gpu_step.bench)")
+  ap.add_argument("--train_vit", action="store_true",
+                  help="with --images: the ViT-trainable program (else the frozen one)")
   ap.add_argument("--reread", default=None, metavar="JSON",
                   help="print a stored --json profile's component table by today's rules and "
                        "its work-kind table (its 500 largest instructions) and exit; no GPU needed")
@@ -439,7 +446,8 @@ def main(argv=None) -> int:
   from benchmarks import gpu_step
   from benchmarks.common import header
   out = gpu_step.bench(args.size, args.batch, args.seq, args.steps, False, args.out,
-                       accum=args.grad_accum, overrides=tuple(args.set))
+                       accum=args.grad_accum, overrides=tuple(args.set), images=args.images,
+                       train_vit=args.train_vit)
   name = args.size.replace("/", "_")
   with open(os.path.join(args.out, name + ".hlo.txt")) as f:
     hlo = HloSources(f.read())

@@ -98,12 +98,16 @@ _STATES: dict = {}
 
 def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str | None = None,
           accum: int = 1, sinkhorn: bool = False, precision: bool = False,
-          overrides: tuple[str, ...] = (), timed=contextlib.nullcontext) -> dict:
+          overrides: tuple[str, ...] = (), timed=contextlib.nullcontext, images: bool = False,
+          train_vit: bool = False) -> dict:
   """`spec` is a size of configs/small.py, optionally "/noremat" (no layer rematerialisation) or
   "/saves=projections+experts" (what layer remat keeps besides its fixed set, `model.remat_saves`);
   `B` rows per micro-batch, `accum` micro-batches per step; `overrides` "key=value" items of the
   config (`benchmarks.common.set_overrides`), applied before the benchmark's own settings;
-  `timed()` wraps the steps (and the split's timings: `Turns.turn`)."""
+  `timed()` wraps the steps (and the split's timings: `Turns.turn`). `images`: the model keeps its
+  ViT and the batch is the data pipeline's first (its rows, images and image slots as
+  `launch.train` gets them, on the default corpus) instead of random text rows; `train_vit` picks
+  the ViT-trainable program (the phase after the decay starts) over the frozen one."""
   size, _, variant = spec.partition("/")
   cfg = small.get_config(size)
   set_overrides(cfg, overrides)
@@ -116,7 +120,8 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str |
   cfg.data.seq_len, cfg.data.batch_size = T, B * accum
   cfg.train.grad_accum_steps = accum
   cfg.model.seq_len = T
-  cfg.model.vision = None  # text rows: the ViT is frozen for most of a run (a separate program)
+  if not images:
+    cfg.model.vision = None  # text rows: the ViT is frozen for most of a run (a separate program)
   cfg.optim.frozen, cfg.optim.unfreeze_at = (), "never"
   run = setup.run_config(cfg, process_count=1)
   mcfg = run.model
@@ -125,7 +130,8 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str |
   out: dict = dict(size=spec, batch=B * accum, accum=accum, seq=T, device=dev.device_kind,
                    jax=jax.__version__, dispatch=mcfg.moe_dispatch, remat=mcfg.remat,
                    remat_saves=list(mcfg.remat_saves),
-                   dtype=mcfg.dtype, overrides=list(overrides))
+                   dtype=mcfg.dtype, overrides=list(overrides), images=images,
+                   train_vit=bool(images and train_vit))
 
   t0 = time.perf_counter()
   key = (size, B * accum, T, overrides)  # the state does not depend on the remat variant
@@ -145,14 +151,23 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str |
   adapter = setup.BatchAdapter(mcfg, run.data, mesh,
                                np.arange(mcfg.vocab_size) % mcfg.engram_compressed_vocab_size)
   t0 = time.perf_counter()
-  batch = adapter(packed_rows(mcfg, B * accum, T, 0))
+  if images:
+    from data.pipeline import make_train_iterator
+    rows = next(make_train_iterator(run.data, vocab_size=mcfg.vocab_size))
+    out["image_slots"] = int(np.prod(rows["images"].shape[:2]))
+    out["images"] = int(np.sum(rows["image_count"]))
+    print(f"[{spec}] the pipeline's first batch: {out['images']} images in "
+          f"{out['image_slots']} slots", flush=True)
+  else:
+    rows = packed_rows(mcfg, B * accum, T, 0)
+  batch = adapter(rows)
   jax.block_until_ready(batch)
   out["host_prepare_s"] = time.perf_counter() - t0
 
   step = setup.train_step_jit(run, train_state)
   t0 = time.perf_counter()
   with jax.set_mesh(mesh):
-    lowered = step.lower(train_state.state, batch, True)
+    lowered = step.lower(train_state.state, batch, train_vit if images else True)
     out["lower_s"] = time.perf_counter() - t0
     compiled = lowered.compile()
   out["compile_s"] = time.perf_counter() - t0 - out["lower_s"]
@@ -262,6 +277,10 @@ def main():
                   help="N processes sharing DIR compile at once and time in turn (module doc)")
   ap.add_argument("--turn_wait", type=float, default=600.0,
                   help="seconds to wait for the other processes' compiles")
+  ap.add_argument("--images", action="store_true",
+                  help="the model with its ViT on the data pipeline's first batch (images and all)")
+  ap.add_argument("--train_vit", action="store_true",
+                  help="with --images: the ViT-trainable program (else the frozen one)")
   args = ap.parse_args()
   turns = Turns(args.turn, args.turn_wait) if args.turn else None
   per_size = lambda v: v if len(v) == len(args.sizes) else v[:1] * len(args.sizes)
@@ -270,7 +289,8 @@ def main():
                                        per_size(args.grad_accum))):
     timed = (lambda i=i: turns.turn(i)) if turns else contextlib.nullcontext
     rows.append(bench(size, B, args.seq, args.steps, not args.no_split, args.profile, k,
-                      args.sinkhorn, args.muon_precision, tuple(args.set), timed))
+                      args.sinkhorn, args.muon_precision, tuple(args.set), timed,
+                      images=args.images, train_vit=args.train_vit))
     opt = [r["optimizer_s"] for r in rows if r["size"] == size and "optimizer_s" in r]
     if opt:
       rows[-1]["optimizer_share"] = opt[0] / rows[-1]["step_s"]

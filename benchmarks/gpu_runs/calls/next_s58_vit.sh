@@ -22,3 +22,7 @@ for arm in main:0 budget24:24; do
   mkdir -p $OUT/$name && cp /tmp/vit_$name/metrics.jsonl /tmp/vit_$name/train.log $OUT/$name/ 2>/dev/null
 done
 step done
+# Then, on a second call if this one has no time left: the step by source with images (the ViT's
+# kernels as the "vision" component), frozen and trainable:
+#   PROFILE_ARGS=--images profile s3 s3_images; PROFILE_ARGS="--images --train_vit" profile s3 s3_vit
+# (each ~150-200 s; `source benchmarks/gpu_runs/calls/prelude.sh` first, as every call script does).

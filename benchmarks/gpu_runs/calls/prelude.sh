@@ -61,14 +61,15 @@ arms() {
   done
 }
 # profile SIZE NAME [KEY=VALUE ...]: gpu_profile.py at 4 x 4096 (command buffers off, two profiled
-# steps) until 585 s into the call; writes $OUT/prof_NAME.json and $OUT/profile_NAME.txt and prints
+# steps) until 585 s into the call (PROFILE_ARGS in the environment: more of its flags, e.g.
+# "--images" for the model with its ViT on the pipeline's first batch); writes $OUT/prof_NAME.json and $OUT/profile_NAME.txt and prints
 # the component table and the last 60 lines.
 profile() {
   local size=$1 name=$2; shift 2
   step "profile $size 4 x 4096: $name"
   timeout -s TERM $(( 585 - SECONDS )) python3 -u benchmarks/gpu_profile.py --size "$size" \
       --batch 4 --seq 4096 --steps 2 --top 30 --out "/tmp/prof_$name" --json "$OUT/prof_$name.json" \
-      ${1:+--set "$@"} > "$OUT/profile_$name.txt" 2>&1
+      $PROFILE_ARGS ${1:+--set "$@"} > "$OUT/profile_$name.txt" 2>&1
   sed -n "/component/,/^$/p" "$OUT/profile_$name.txt"; tail -60 "$OUT/profile_$name.txt"
   # The compiled HLO text (fusion decisions, for reading on the CPU afterwards), gzipped, when it
   # fits what comes back (16 MiB a file).
