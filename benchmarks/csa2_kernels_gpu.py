@@ -461,6 +461,7 @@ def topk_bench(B, T, K, interp, reps):
   # scores (−inf where invisible: the indexer's `score_and_select`).
   masked = jnp.where(vis, s, -jnp.inf)
   tri1 = jax.jit(lambda s: ttk.triton_topk(s, vis, K, interpret=interp, digit_bits=1))
+  tri2 = jax.jit(lambda s: ttk.triton_topk(s, vis, K, interpret=interp, digit_bits=2))
   tri = jax.jit(lambda s: ttk.triton_topk(s, vis, K, interpret=interp, digit_bits=4))
   tri_in = jax.jit(lambda m: ttk.triton_topk(m, None, K, interpret=interp, digit_bits=4))
   same = bool(jnp.all(jnp.sort(ref(s), -1) == jnp.sort(rad(s), -1)))
@@ -471,7 +472,8 @@ def topk_bench(B, T, K, interp, reps):
     emit(kind="check", what=f"Triton top-k ({name}) slots == radix top-k slots", shape=shape,
          equal=same)
   for name, f, x in (("lax.top_k (select_topk)", ref, s), ("radix select", rad, s),
-                     ("triton select bits 1", tri1, s), ("triton select bits 4", tri, s),
+                     ("triton select bits 1", tri1, s), ("triton select bits 2", tri2, s),
+                     ("triton select bits 4", tri, s),
                      ("triton select in-kernel", tri_in, masked)):
     t = guarded(f"topk {shape} {name}", lambda: time_calls(f, x, reps=reps))
     if t:
