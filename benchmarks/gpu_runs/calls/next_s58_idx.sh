@@ -3,7 +3,9 @@
 # the indexer kernel the keys made from the masked scores, so no key array) against its 1-bit form
 # and the XLA forms, selection alone at top-256 and top-512; then the indexer's scores + selection
 # and forward + backward against the XLA reference (issue 26 asks 5x; 3.1x / 4.1x at session 47).
-# The select ran 0.95 ms of the indexer's 2.55 ms forward on the H200.
+# The select ran 0.95 ms of the indexer's 2.55 ms forward on the H200. The bits per reduction are
+# timed at 1, 2 and 4 (4, the default, holds a [16, N] compare block; if 2 is faster, make it
+# `triton_topk`'s default).
 #   run(command="bash benchmarks/gpu_runs/calls/next_s58_idx.sh", carry=[".whl"], timeout_s=420)
 source benchmarks/gpu_runs/calls/prelude.sh
 OUT=$(realpath "$OUT")
