@@ -65,7 +65,7 @@ def _filled_slots(embed, every_slot, images_BxMxPxPx3, image_cells_BxMx2, image_
   c-th filled slot is the first whose running count of filled slots reaches c + 1 (a binary
   search of the running count, no sort); C = R·budget of them are gathered per group ([W, C]
   pixels and cells, empty places with 0 × 0 cells), embedded, and read back by each filled slot's
-  place (cell count − 1; an empty slot reads a row of zeros). A `lax.cond` takes every slot
+  place (its running count − 1; an empty slot reads a row of zeros). A `lax.cond` takes every slot
   instead when the fullest group holds more than C, so no image is ever left out. All gathers are
   within a group, so a sharded batch stays on its devices."""
   B, M, P = images_BxMxPxPx3.shape[:3]
