@@ -456,14 +456,15 @@ def topk_bench(B, T, K, interp, reps):
   shape = f"{B}x{T} N{T} K{K}"
   ref = jax.jit(lambda s: ix.select_topk(s, vis, K)[0])
   rad = jax.jit(lambda s: tsel.radix_topk(s, vis, K))
-  # The Triton forms: τ a bit per reduction with the keys made by XLA (the first form's
-  # passes), 4 bits per reduction, and 4 bits with the keys made in the kernel from the masked
-  # scores (−inf where invisible: the indexer's `score_and_select`).
+  # The Triton forms: τ 1, 2 or 4 bits per reduction with the keys made by XLA (1 bit: the first
+  # form's passes), and 4 or 1 bits with the keys made in the kernel from the masked scores (−inf
+  # where invisible: the indexer's `score_and_select`, at `triton_topk`'s default bits).
   masked = jnp.where(vis, s, -jnp.inf)
   tri1 = jax.jit(lambda s: ttk.triton_topk(s, vis, K, interpret=interp, digit_bits=1))
   tri2 = jax.jit(lambda s: ttk.triton_topk(s, vis, K, interpret=interp, digit_bits=2))
   tri = jax.jit(lambda s: ttk.triton_topk(s, vis, K, interpret=interp, digit_bits=4))
   tri_in = jax.jit(lambda m: ttk.triton_topk(m, None, K, interpret=interp, digit_bits=4))
+  tri_in1 = jax.jit(lambda m: ttk.triton_topk(m, None, K, interpret=interp, digit_bits=1))
   same = bool(jnp.all(jnp.sort(ref(s), -1) == jnp.sort(rad(s), -1)))
   emit(kind="check", what="radix top-k set == lax.top_k set", shape=shape, equal=same)
   for name, f, x in (("bits 1", tri1, s), ("bits 4", tri, s), ("bits 4, keys in kernel", tri_in,
@@ -474,7 +475,8 @@ def topk_bench(B, T, K, interp, reps):
   for name, f, x in (("lax.top_k (select_topk)", ref, s), ("radix select", rad, s),
                      ("triton select bits 1", tri1, s), ("triton select bits 2", tri2, s),
                      ("triton select bits 4", tri, s),
-                     ("triton select in-kernel", tri_in, masked)):
+                     ("triton select in-kernel", tri_in, masked),
+                     ("triton select in-kernel bits 1", tri_in1, masked)):
     t = guarded(f"topk {shape} {name}", lambda: time_calls(f, x, reps=reps))
     if t:
       emit(kind="indexer", shape=shape, impl=name, mode="selection", ms=1e3 * t[0], first_s=t[1],

@@ -15,7 +15,8 @@ there, reading the row once and writing its K slots:
   τ        the need-th largest key, a digit of `digit_bits` bits at a time from the top: the
            digit is the number of candidates u | m·2^lo (m = 1 … 2^bits − 1) that at least
            `need` keys reach, all 2^bits counts from one compare-and-sum of the row (32 / bits
-           block reductions a row: 8 at the default 4 bits, 32 at 1, the first form)
+           block reductions a row: 32 at 1 bit, the first form and the default until the GPU has
+           timed 2 and 4, 8 at 4 bits)
   selected key > τ, or key == τ and fewer than need − #(key > τ) equal keys before it (ties to
            the lowest indices: `lax.top_k`'s rule)
   slot     the number of selected entries before it, from one running sum of the row that
@@ -116,7 +117,7 @@ def _select_kernel(row_ref, need_ref, o_ref, *, k_slots, k, digit_bits, from_sco
 
 def triton_topk(scores_BxTxN: jax.Array, visible_BxTxN: jax.Array | None, k: int, *,
                 interpret: bool | None = None, num_warps: int | None = None,
-                digit_bits: int = 4) -> jax.Array:
+                digit_bits: int = 1) -> jax.Array:
   """topk_BxTxK int32 (K = min(k, N)): `radix_topk`'s results (the set `lax.top_k` selects among
   the visible entries, ascending, −1 past the number visible), one Triton program per row.
   `visible_BxTxN=None`: the entries whose score is above −inf (the kernel reads the scores and
