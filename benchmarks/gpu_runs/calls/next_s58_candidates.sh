@@ -8,13 +8,14 @@
 #     with a select), no slice-and-concatenate (3.3 ms of concatenates a micro-batch on the H100);
 #     the same arithmetic (bit for bit op by op; compiled, XLA's contraction may round float32
 #     differently before the cast, as the CPU showed: tiny's loss equal, gradients within 2e-4 of each leaf's largest).
-# The files are in benchmarks/gpu_runs/calls/s57_candidate/ (with the new test_rope.py). If "cand"
-# is faster beyond the arms' spread, copy them over main, then profile: the mHC and attention
+# The edits are benchmarks/gpu_runs/calls/s57_candidate.py (with the new test in test_rope.py). If
+# "cand" is faster beyond the arms' spread, apply them to main (`python3 ...s57_candidate.py .`)
+# and delete the script, then profile: the mHC and attention
 # components tell each change's share (then keep only what pays).
 #   run(command="bash benchmarks/gpu_runs/calls/next_s58_candidates.sh", carry=[".whl"], timeout_s=600)
 source benchmarks/gpu_runs/calls/prelude.sh
 OUT=$(realpath "$OUT")
-tree_files cand benchmarks/gpu_runs/calls/s57_candidate || exit 1
+tree_edit cand benchmarks/gpu_runs/calls/s57_candidate.py || exit 1
 arms s3 270 main cand@/tmp/tree_cand
 # An H200 compiles the two arms at once (~300 s), leaving time for the candidate's profile.
 if [ $SECONDS -lt 330 ]; then (cd /tmp/tree_cand && profile s3 cand); fi

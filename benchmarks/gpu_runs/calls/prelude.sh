@@ -87,14 +87,10 @@ tree_copy() {
   if cmp -s "$file" "$dir/$file"; then echo "tree_copy $1: '$expr' changed nothing in $file"; return 1; fi
   diff "$file" "$dir/$file" | head -4
 }
-# tree_files NAME DIR: a copy of the tree at /tmp/tree_NAME with the files under DIR (a directory
-# laid out like the repository, e.g. benchmarks/gpu_runs/calls/s57_candidate) copied over it;
-# lists what it replaced and fails when DIR holds no file. Use as an arm's @DIR like tree_copy.
-tree_files() {
-  local dir=/tmp/tree_$1 src=$2 f n=0
-  rm -rf "$dir" && mkdir -p "$dir" && cp -a . "$dir"/ || return 1
-  while IFS= read -r f; do
-    cp "$src/$f" "$dir/$f" && n=$((n + 1)) && echo "tree_files $1: $f"
-  done < <(cd "$src" && find . -type f -name '*.py' | sed 's|^\./||')
-  [ "$n" -gt 0 ] || { echo "tree_files $1: no file under $src"; return 1; }
+# tree_edit NAME SCRIPT: a copy of the tree at /tmp/tree_NAME changed by `python3 SCRIPT DIR` (a
+# candidate's text edits, e.g. benchmarks/gpu_runs/calls/s57_candidate.py, which stops on a copy its
+# edits no longer match); fails when the script does. Use as an arm's @DIR like tree_copy.
+tree_edit() {
+  local dir=/tmp/tree_$1
+  rm -rf "$dir" && mkdir -p "$dir" && cp -a . "$dir"/ && python3 "$2" "$dir"
 }
