@@ -45,7 +45,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.ops import indexer as _ops
-from pallas_kernels.topk_select import ordered_keys
 
 MAX_ENTRIES = 16384
 _MIN = np.int32(np.iinfo(np.int32).min)
@@ -57,8 +56,11 @@ def _pow2(n: int) -> int:
 
 def ordered_int_keys(x: jax.Array) -> jax.Array:
   """int32 keys of float32 values whose signed order is the floats' total order (−0.0 < +0.0):
-  the radix select's uint32 keys with the top bit flipped (its key 0 is INT32_MIN here)."""
-  return jax.lax.bitcast_convert_type(ordered_keys(x) ^ jnp.uint32(0x80000000), jnp.int32)
+  the radix select's uint32 keys with the top bit flipped (its key 0 is INT32_MIN here). In int32
+  alone, so the kernel makes them too: the float bits b are already in order for b ≥ 0 (+0.0 …
+  +NaN), and the negative floats' order is reversed by flipping the 31 low bits."""
+  b = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  return jnp.where(b >= 0, b, b ^ jnp.int32(0x7FFFFFFF))
 
 
 def unsupported_reason(scores_BxTxN, visible_BxTxN, k: int) -> str | None:
@@ -69,18 +71,11 @@ def unsupported_reason(scores_BxTxN, visible_BxTxN, k: int) -> str | None:
   return None
 
 
-def _int_keys(x):
-  """`ordered_int_keys` inside a kernel: the float bits b as int32 are already in order for
-  b ≥ 0 (+0.0 … +NaN); the negative floats' order is reversed by flipping the 31 low bits."""
-  b = jax.lax.bitcast_convert_type(x, jnp.int32)
-  return jnp.where(b >= 0, b, b ^ jnp.int32(0x7FFFFFFF))
-
-
 def _select_kernel(row_ref, need_ref, o_ref, *, k_slots, k, digit_bits, from_scores):
   if from_scores:                                        # [Np] float32, invisible = −inf
     s = row_ref[...]
     visible = s > -jnp.inf
-    keys = jnp.where(visible, _int_keys(s), _MIN)
+    keys = jnp.where(visible, ordered_int_keys(s), _MIN)
     need = jnp.minimum(jnp.sum(visible.astype(jnp.int32)), k)
   else:                                                  # [Np] int32, invisible = INT32_MIN
     keys = row_ref[...]

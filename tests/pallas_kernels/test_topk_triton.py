@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax.layers.indexer import select_topk
-from pallas_kernels.topk_select import radix_topk
+from pallas_kernels.topk_select import ordered_keys, radix_topk
 from pallas_kernels.topk_triton import MAX_ENTRIES, ordered_int_keys, triton_topk, unsupported_reason
 from tests.pallas_kernels.cuda_lowering import lower_for_cuda, triton_calls
 
@@ -58,6 +58,12 @@ def test_keys_follow_the_total_order():
   x = np.array([-np.inf, -3.5, -1e-40, -0.0, 0.0, 1e-40, 2.0, np.inf], np.float32)
   keys = np.asarray(ordered_int_keys(jnp.asarray(x)))
   assert (np.diff(keys.astype(np.int64)) > 0).all() and keys.min() > np.iinfo(np.int32).min
+  # Made in int32 alone (as in the kernel): the radix select's uint32 keys with the top bit
+  # flipped, on random bit patterns (every sign, zero, subnormal, inf and NaN class).
+  bits = np.random.default_rng(0).integers(0, 2**32, 100_000, dtype=np.uint64).astype(np.uint32)
+  x = jnp.asarray(bits.view(np.float32))
+  want = (np.asarray(ordered_keys(x)) ^ np.uint32(0x80000000)).view(np.int32)
+  np.testing.assert_array_equal(np.asarray(ordered_int_keys(x)), want)
 
 
 def test_wide_rows_are_refused_and_it_lowers_for_cuda():
