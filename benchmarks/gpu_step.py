@@ -155,8 +155,8 @@ def bench(spec: str, B: int, T: int, steps: int, split: bool, profile_dir: str |
     from data.pipeline import make_train_iterator
     rows = next(make_train_iterator(run.data, vocab_size=mcfg.vocab_size))
     out["image_slots"] = int(np.prod(rows["images"].shape[:2]))
-    out["images"] = int(np.sum(rows["image_count"]))
-    print(f"[{spec}] the pipeline's first batch: {out['images']} images in "
+    out["images_filled"] = int(np.sum(rows["image_count"]))
+    print(f"[{spec}] the pipeline's first batch: {out['images_filled']} images in "
           f"{out['image_slots']} slots", flush=True)
   else:
     rows = packed_rows(mcfg, B * accum, T, 0)

@@ -20,7 +20,10 @@ Figures (JSON keys), all over the first `ceil(rows / batch_size)` batches of pro
 - `truncated_documents`: documents cut at `data.max_document_tokens`;
 - `segment_length`: the distribution of segment (document piece) lengths in the rows;
 - `packer`: the packer's counters, among them `cut_rate` = cuts / pieces (pieces split across rows
-  to fill them; 0 with `data.packer_cuts` off) and `early_closes` (rows closed with room left).
+  to fill them; 0 with `data.packer_cuts` off) and `early_closes` (rows closed with room left);
+- `image_slots`: the rows' image slots (`data.max_images_per_row` a row) and how many hold an
+  image: the mean a row, the share of rows with none and with every slot filled, and the count of
+  rows by images held (what the ViT runs over; `vision.slot_budget` in docs/design.md §15.2).
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ def report(cfg, rows: int, engram_ids: bool = False) -> dict:
   setup = time.perf_counter() - t0
   n_batches = math.ceil(rows / data.batch_size)
   pad = positions = 0
-  lengths = []
+  lengths, image_counts, slots = [], [], 0
   busy = first = 0.0
   for i in range(n_batches):
     t = time.perf_counter()
@@ -89,6 +92,9 @@ def report(cfg, rows: int, engram_ids: bool = False) -> dict:
     pad += int((batch["segment_ids"] == 0).sum())
     positions += batch["segment_ids"].size
     lengths.append(segment_lengths(batch))
+    if "image_count" in batch:
+      image_counts.append(np.asarray(batch["image_count"]).reshape(-1))
+      slots = batch["images"].shape[1]
   c = it.counters()
   skipped_at = it.skip_locations()
   it.close()
@@ -123,6 +129,12 @@ def report(cfg, rows: int, engram_ids: bool = False) -> dict:
       "documents": {k.split("/", 1)[1]: v for k, v in c.items() if k.startswith("documents/")},
       "tokenizer": {"source": tok.source, "vocab_size": tok.vocab_size},
   }
+  if image_counts:
+    n = np.concatenate(image_counts)
+    out["image_slots"] = {
+        "per_row": int(slots), "mean_filled": float(n.mean()),
+        "rows_without": float(np.mean(n == 0)), "rows_full": float(np.mean(n == slots)),
+        "rows_by_images": np.bincount(n, minlength=slots + 1).tolist()}
   if not (data.text_sources or data.multimodal_sources):
     m = pipeline.default_manifest(data)
     out["corpus"] = {"python": m["python"]["version"], "manifest_hash": m["hash"][:16],
@@ -145,6 +157,11 @@ def format_text(r: dict) -> str:
            f"tokenizer               {r['tokenizer']}"]
   if "corpus" in r:
     lines.append(f"corpus                  {r['corpus']}")
+  if "image_slots" in r:
+    i = r["image_slots"]
+    lines.append(f"image slots             {i['per_row']} a row, {i['mean_filled']:.1f} filled on "
+                 f"average; rows without images {i['rows_without']:.1%}, with every slot "
+                 f"filled {i['rows_full']:.1%}; rows by images held {i['rows_by_images']}")
   s = r["segment_length"]
   lines.append(f"segment lengths: {s['count']} segments, mean {s['mean']:.1f}, max {s['max']}, "
                f"full rows {s['full_rows']}, percentiles {s['percentiles']}")

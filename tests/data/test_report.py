@@ -28,6 +28,11 @@ def test_report_figures(corpus_dir, small_tok, tmp_path, monkeypatch):
   assert 0 < r["multimodal_token_share"] < 1 and r["tokens_per_second"] > 0
   assert r["skipped_records"] == 0 and r["skipped_at"] == {} and r["truncated_documents"] == 0
   assert r["segment_length"]["count"] == sum(r["segment_length"]["histogram"].values())
+  i = r["image_slots"]
+  counts = np.repeat(np.arange(i["per_row"] + 1), i["rows_by_images"])
+  assert counts.size == 42 and i["mean_filled"] == counts.mean() > 0
+  assert i["rows_without"] == np.mean(counts == 0) and i["rows_full"] == np.mean(counts == i["per_row"])
+  assert "image slots" in data_report.format_text(r)
   assert "padding_fraction" in data_report.format_text(r)
   r["skipped_at"] = {"record_too_large": ["a.jsonl:3", "b.jsonl:9"]}
   assert "record_too_large       at a.jsonl:3, b.jsonl:9" in data_report.format_text(r)
