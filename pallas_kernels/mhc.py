@@ -231,7 +231,12 @@ def hc_site(X_BxTxNxD, F_BxTxD, post_BxTxN, comb_BxTxNxN, pre_BxTxN, fn, base, s
             norm_weight, *, iters: int, hc_eps: float, norm_eps: float, block_tokens: int = 16,
             interpret: bool | None = None):
   """Kernel of the op `hc_site`: (X', x, pre', post', comb') of one single-pass site."""
-  X_new = expand(X_BxTxNxD, post_BxTxN, comb_BxTxNxN, F_BxTxD)
+  # X' leaves as bfloat16 (the streams' dtype), and the collapse, the mix and, in the backward,
+  # the next expand's column sums all read that. Without the barrier XLA kept expand's float32
+  # sum as well, to fuse into each reader: on the H100 37 f32 [4, 4096, 4, 1024] buffers a
+  # micro-batch at s3 (6.3 ms of writes, each read again by two or three fusions;
+  # benchmarks/gpu_runs/2026-12-06/s57_prof, `loop_add_fusion` at this function's expand).
+  X_new = jax.lax.optimization_barrier(expand(X_BxTxNxD, post_BxTxN, comb_BxTxNxN, F_BxTxD))
   x = rms_norm(collapse(X_new, pre_BxTxN), norm_weight, norm_eps)
   return (X_new, x, *hc_coefficients(X_new, fn, base, scale, iters=iters, hc_eps=hc_eps,
                                      norm_eps=norm_eps, block_tokens=block_tokens,

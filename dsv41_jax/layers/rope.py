@@ -54,8 +54,19 @@ def apply_rope(x, positions, inv_freq, *, inverse: bool = False):
   `positions` broadcasts against x's leading dims; when x has a head axis after T, pass positions
   of shape [B, T] and x of shape [B, T, H, C]. `inverse=True` applies the rotation by −position
   (used to de-rotate the attention output, docs/design.md §4.4). Math in float32, result in x's dtype.
+
+  Written over the whole width as x·cos + swap(x)·sin, swap exchanging the channels of each pair
+  and sin carrying the pair's sign (−sin on its first channel), with the channels before the
+  rotated ones passed through by a select: one elementwise pass over x, forward and backward,
+  where slicing off the rotated part and concatenating it back took two (a concatenation as the
+  fusion's root: 3.3 ms of s3's micro-batch on the H100, benchmarks/gpu_runs/2026-12-06/s57_prof).
+  The same values bit for bit: a·cos + b·(−sin) is a·cos − b·sin and b·cos + a·sin is a·sin + b·cos
+  in IEEE arithmetic, op by op (tests/dsv41_jax/layers/test_rope.py); compiled, XLA may contract
+  a product and a sum into one FMA in either form, so float32 results can differ by an ulp before
+  the cast.
   """
   r = 2 * len(inv_freq)
+  c = x.shape[-1]
   pos = positions.astype(jnp.float32)
   while pos.ndim < x.ndim - 1:
     pos = pos[..., None]
@@ -63,7 +74,18 @@ def apply_rope(x, positions, inv_freq, *, inverse: bool = False):
   if inverse:
     angle = -angle
   cos, sin = jnp.cos(angle), jnp.sin(angle)
-  rot = x[..., -r:].astype(jnp.float32).reshape(*x.shape[:-1], r // 2, 2)
-  a, b = rot[..., 0], rot[..., 1]
-  out = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(*x.shape[:-1], r)
-  return jnp.concatenate([x[..., :-r], out.astype(x.dtype)], axis=-1)
+  if c % 2:   # the pairs (2i, 2i + 1) of the rotated channels are not the pairs of the width
+    rot = x[..., -r:].astype(jnp.float32).reshape(*x.shape[:-1], r // 2, 2)
+    a, b = rot[..., 0], rot[..., 1]
+    out = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(*x.shape[:-1], r)
+    return jnp.concatenate([x[..., :-r], out.astype(x.dtype)], axis=-1)
+  # Full-width tables [..., C] (small: no head axis): 1 and 0 before the rotated channels.
+  lead = angle.shape[:-1]
+  cos_c = jnp.concatenate([jnp.ones(lead + (c - r,), jnp.float32),
+                           jnp.repeat(cos, 2, axis=-1)], axis=-1)
+  sin_c = jnp.concatenate([jnp.zeros(lead + (c - r,), jnp.float32),
+                           jnp.stack([-sin, sin], axis=-1).reshape(*lead, r)], axis=-1)
+  xf = x.astype(jnp.float32)
+  swapped = xf.reshape(*x.shape[:-1], c // 2, 2)[..., ::-1].reshape(x.shape)
+  rotated = np.arange(c) >= c - r                                       # [C] constant
+  return jnp.where(rotated, xf * cos_c + swapped * sin_c, xf).astype(x.dtype)

@@ -57,6 +57,13 @@
 #   rm -rf build/ladder_prev/ablations/baseline_seed0
 #   ONLY='ablations/baseline_seed0,ablations/*_seed1' ABLATIONS=1 bash benchmarks/gpu_runs/calls/next4.sh
 # (10 points, ~150-165 s each on an H100: ~3 a call, END=$((T - 40)) for `timeout T`).
+# Session 58 (2026-12-06, an H100): baseline_seed0 again (2.5389; 2.5111 before the renumbering) and
+# baseline_seed1 (2.5524): spread 0.0135 (s58_ablations/). 8 seed-1 points are left (~3 a call):
+# untar s58_ablations/ladder_gpu.tar.gz into build/ladder_prev, then
+#   ONLY='ablations/*_seed1' ABLATIONS=1 END=$((T - 40)) bash benchmarks/gpu_runs/calls/next4.sh
+# carrying .whl and build/ladder_prev (a fresh machine compiles each point's program: the first
+# point took 211 s, the next 156 s). dense_attention_seed0 ran before the renumbering as well (other
+# initial weights): add ablations/dense_attention_seed0 (removed first) once seed 1 is done.
 # JOBS=2 may fit more points a call: with no point yet timed at 2 at once, each is estimated at
 # twice its time alone (ladder_jobs.estimate_seconds), so the first such call starts only 2 points;
 # later calls time them by what the first measured.

@@ -88,8 +88,8 @@ tree_copy() {
   diff "$file" "$dir/$file" | head -4
 }
 # tree_edit NAME SCRIPT: a copy of the tree at /tmp/tree_NAME changed by `python3 SCRIPT DIR` (a
-# candidate's text edits, e.g. benchmarks/gpu_runs/calls/s57_candidate.py, which stops on a copy its
-# edits no longer match); fails when the script does. Use as an arm's @DIR like tree_copy.
+# candidate's text edits, which should stop on a copy its edits no longer match; session 57's
+# s57_candidate.py, in git history, is an example); fails when the script does. Use as an arm's @DIR like tree_copy.
 tree_edit() {
   local dir=/tmp/tree_$1
   rm -rf "$dir" && mkdir -p "$dir" && cp -a . "$dir"/ && python3 "$2" "$dir"
