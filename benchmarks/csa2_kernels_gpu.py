@@ -378,8 +378,9 @@ def idx_bench(T, interp, reps, xla=True, H=32, I=128, K=512, variants=((64, 128,
   r = jax.random.normal(jax.random.PRNGKey(9), (B, N), jnp.float32)   # a weight per entry
   times = {}
   bt, bn, nw = variants[0]
-  for select in ("radix", "triton"):   # the kernel's selection: XLA radix passes or one program
-    name = f"pallas t{bt} n{bn} w{nw}" + ("" if select == "radix" else " + triton select")
+  for select in ("radix", "triton", "triton_early"):   # XLA radix passes or one program a row
+    name = f"pallas t{bt} n{bn} w{nw}" + {"radix": "", "triton": " + triton select",
+                                         "triton_early": " + triton early exit"}[select]
     sel = partial(kx.score_and_select, k=K, interpret=interp, block_t=bt, block_n=bn,
                   num_warps=nw, select=select)
     f = jax.jit(lambda q, w, k, sel=sel: sel(q, w, k, seg, pos, seg))
@@ -424,12 +425,12 @@ def at_bench(q, w, idx_k, seg, pos, K, interp, reps, shape):
   r = jax.random.normal(jax.random.PRNGKey(11), topk.shape, jnp.float32)
   fl = 4.0 * B * T * topk.shape[-1] * H * I
   grads = {}
-  # The Triton kernels at their defaults (block_k 64, 4 warps: "scores_at triton") and at other
+  # The Triton kernels at their defaults (block_k 128, 4 warps: "scores_at triton") and at other
   # slot chunks / warps, then the XLA form.
   forms = [("scores_at triton", kx.scores_at)] + [
       (f"scores_at triton k{bk} w{nw}",
        lambda q, w, k, i, interp, bk=bk, nw=nw: kx.scores_at(q, w, k, i, interp, bk, nw))
-      for bk, nw in ((128, 4), (32, 4), (64, 8))] + [("scores_at xla", kx.scores_at_xla)]
+      for bk, nw in ((64, 4), (32, 4), (128, 8))] + [("scores_at xla", kx.scores_at_xla)]
   for name, fn in forms:
     at = lambda q, w, k, fn=fn: kx._row_chunks(lambda q, w, i: fn(q, w, k, i, interp), T, 512,
                                                (q, w, topk))
@@ -465,10 +466,12 @@ def topk_bench(B, T, K, interp, reps):
   tri = jax.jit(lambda s: ttk.triton_topk(s, vis, K, interpret=interp, digit_bits=4))
   tri_in = jax.jit(lambda m: ttk.triton_topk(m, None, K, interpret=interp, digit_bits=4))
   tri_in1 = jax.jit(lambda m: ttk.triton_topk(m, None, K, interpret=interp, digit_bits=1))
+  tri_early = jax.jit(lambda m: ttk.triton_topk(m, None, K, interpret=interp, early_exit=True))
   same = bool(jnp.all(jnp.sort(ref(s), -1) == jnp.sort(rad(s), -1)))
   emit(kind="check", what="radix top-k set == lax.top_k set", shape=shape, equal=same)
   for name, f, x in (("bits 1", tri1, s), ("bits 4", tri, s), ("bits 4, keys in kernel", tri_in,
-                                                               masked)):
+                                                               masked),
+                     ("bits 1, keys in kernel, early exit", tri_early, masked)):
     same = guarded(f"topk {shape} triton {name} check", lambda: bool(jnp.all(f(x) == rad(s))))
     emit(kind="check", what=f"Triton top-k ({name}) slots == radix top-k slots", shape=shape,
          equal=same)
@@ -476,7 +479,8 @@ def topk_bench(B, T, K, interp, reps):
                      ("triton select bits 1", tri1, s), ("triton select bits 2", tri2, s),
                      ("triton select bits 4", tri, s),
                      ("triton select in-kernel", tri_in, masked),
-                     ("triton select in-kernel bits 1", tri_in1, masked)):
+                     ("triton select in-kernel bits 1", tri_in1, masked),
+                     ("triton select in-kernel early exit", tri_early, masked)):
     t = guarded(f"topk {shape} {name}", lambda: time_calls(f, x, reps=reps))
     if t:
       emit(kind="indexer", shape=shape, impl=name, mode="selection", ms=1e3 * t[0], first_s=t[1],

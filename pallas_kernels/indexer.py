@@ -41,7 +41,8 @@ from pallas_kernels import csa2_attention as _ca
 from pallas_kernels.topk_select import radix_topk
 from pallas_kernels.topk_triton import MAX_ENTRIES as _TRITON_MAX_ENTRIES, triton_topk
 
-_SELECTS = {"radix": radix_topk, "triton": triton_topk}
+_SELECTS = {"radix": radix_topk, "triton": triton_topk,
+            "triton_early": functools.partial(triton_topk, early_exit=True)}
 
 _F32 = jnp.float32
 
@@ -299,7 +300,7 @@ def _scores_at_kernel_bwd(q, w, k, topk, g, *, block_k, interpret, num_warps, nu
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def scores_at(q_BxTxHxI, w_BxTxH, index_k_BxNxI, topk_BxTxK, interpret: bool = False,
-              block_k: int = 64, num_warps: int = 4, num_stages: int = 2):
+              block_k: int = 128, num_warps: int = 4, num_stages: int = 2):
   """I at the selected entries [B, T, K] float32 (0 at empty slots), differentiable in q, w, k.
 
   The backward reads the K selected entries only (the indexer KL loss's gradient lives there):
@@ -313,7 +314,11 @@ def scores_at(q_BxTxHxI, w_BxTxH, index_k_BxNxI, topk_BxTxK, interpret: bool = F
   [H, K] per query is written in the forward. dk's sum over the slots that name an entry runs as
   the attention kernel's: the slots sorted by entry, one program per entry adding its rows in
   order (no scatter, no atomics; `pallas_kernels.csa2_attention`). `scores_at_xla` is the XLA
-  form of the same function."""
+  form of the same function.
+
+  `block_k` 128 (4 warps): on the H100 at s3's shapes (4 × 4096, H_I 16 × 128, top-256) 0.72 ms
+  forward and 2.84 ms forward + backward against 0.83 / 3.09 at 64, 0.81 / 2.87 at 32 and
+  0.78 / 3.35 at 64 with 8 warps (benchmarks/RESULTS.md, session 58)."""
   return _scores_at_kernel_fwd(q_BxTxHxI, w_BxTxH, index_k_BxNxI, topk_BxTxK, block_k=block_k,
                                interpret=interpret, num_warps=num_warps, num_stages=num_stages)
 
@@ -376,7 +381,9 @@ def score_and_select(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry
   radix select, `pallas_kernels.topk_select`), "triton" (the same slots from one Triton program
   per row, `pallas_kernels.topk_triton`: 0.95 ms against the radix select's 4.57 and
   `lax.top_k`'s 4.26 at 4 × 4,096 × top-256 on the H200, RESULTS.md) or "auto" (triton where one
-  program holds the row's N entries, radix beyond). Every choice selects the same slots.
+  program holds the row's N entries, radix beyond); "triton_early" is the Triton select stopping
+  its digits once the prefix isolates the K-th key (`triton_topk(early_exit=True)`; not chosen by
+  "auto" until the GPU has timed it). Every choice selects the same slots.
   """
   B, T, H, I = q_BxTxHxI.shape
   N = index_k_BxNxI.shape[1]
@@ -393,7 +400,7 @@ def score_and_select(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry
   qs, ws, ks = sg(q_BxTxHxI), sg(w_BxTxH), sg(index_k_BxNxI)
   # The Triton select reads the masked scores and makes its keys in the kernel (visible =
   # score > −inf, as the radix select is told): no key array and no visible count in memory.
-  keys_in_kernel = select == "triton"
+  keys_in_kernel = select.startswith("triton")
 
   def scored_selection(q, w, seg, rows):
     s = masked_scores(q, w, ks, entry_segment_BxN, entry_last_BxN, seg, rows, block_t=block_t,

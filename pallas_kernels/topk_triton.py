@@ -71,7 +71,36 @@ def unsupported_reason(scores_BxTxN, visible_BxTxN, k: int) -> str | None:
   return None
 
 
-def _select_kernel(row_ref, need_ref, o_ref, *, k_slots, k, digit_bits, from_scores):
+def _tau_early_exit(keys, need, m, digit_bits):
+  """τ by the same digits, stopping once exactly `need` keys reach the prefix: a device loop
+  carrying the prefix u and r = #(keys ≥ u), the count of the digit it chose. Then the keys ≥ u
+  are the selected set, and τ, the need-th largest, is their least (one min reduction). Float
+  scores of a row rarely tie, so the prefix isolates the need-th key after its exponent and a
+  few mantissa bits (about log2 of the keys sharing its binade) instead of all 32; tied rows run
+  to the last digit, where u is τ (the min then returns u itself)."""
+  steps = 32 // digit_bits
+
+  def cond(c):
+    i, _, r = c
+    return (i < steps) & (r != need)
+
+  def body(c):
+    i, u, _ = c
+    lo = 32 - digit_bits * (i + 1)
+    cand = u | (m << lo)                                 # wraps into the sign bit for lo + bits = 32
+    reach = jnp.sum((keys[None, :] >= (cand ^ _MIN)).astype(jnp.int32), axis=1)
+    digit = jnp.sum((reach >= need).astype(jnp.int32)) - 1
+    r = jnp.sum(jnp.where(m[:, 0] == digit, reach, 0))
+    return i + 1, u | (digit << lo), r
+
+  # r starts as #(keys ≥ INT32_MIN): every lane, the padding's too.
+  _, u, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(0), jnp.int32(keys.shape[0])))
+  floor = u ^ _MIN
+  return jnp.min(jnp.where(keys >= floor, keys, jnp.int32(np.iinfo(np.int32).max)))
+
+
+def _select_kernel(row_ref, need_ref, o_ref, *, k_slots, k, digit_bits, from_scores,
+                   early_exit=False):
   if from_scores:                                        # [Np] float32, invisible = −inf
     s = row_ref[...]
     visible = s > -jnp.inf
@@ -85,13 +114,16 @@ def _select_kernel(row_ref, need_ref, o_ref, *, k_slots, k, digit_bits, from_sco
   # reduction); m = 0 always reaches `need`, and the counts fall with m, so the digit is the
   # number of candidates that reach it, less one.
   m = jax.lax.broadcasted_iota(jnp.int32, (1 << digit_bits, 1), 0)
-  u = jnp.int32(0)
-  for lo in range(32 - digit_bits, -1, -digit_bits):
-    cand = u | (m << lo)                                 # wraps into the sign bit for lo + bits = 32
-    reach = jnp.sum((keys[None, :] >= (cand ^ _MIN)).astype(jnp.int32), axis=1)
-    digit = jnp.sum((reach >= need).astype(jnp.int32)) - 1
-    u = u | (digit << lo)
-  tau = u ^ _MIN
+  if early_exit:
+    tau = _tau_early_exit(keys, need, m, digit_bits)
+  else:
+    u = jnp.int32(0)
+    for lo in range(32 - digit_bits, -1, -digit_bits):
+      cand = u | (m << lo)                               # wraps into the sign bit for lo + bits = 32
+      reach = jnp.sum((keys[None, :] >= (cand ^ _MIN)).astype(jnp.int32), axis=1)
+      digit = jnp.sum((reach >= need).astype(jnp.int32)) - 1
+      u = u | (digit << lo)
+    tau = u ^ _MIN
   above = (keys > tau).astype(jnp.int32)
   tie = (keys == tau).astype(jnp.int32)
   packed = above + (tie << 16)                           # one running sum carries both counts
@@ -112,11 +144,13 @@ def _select_kernel(row_ref, need_ref, o_ref, *, k_slots, k, digit_bits, from_sco
 
 def triton_topk(scores_BxTxN: jax.Array, visible_BxTxN: jax.Array | None, k: int, *,
                 interpret: bool | None = None, num_warps: int | None = None,
-                digit_bits: int = 1) -> jax.Array:
+                digit_bits: int = 1, early_exit: bool = False) -> jax.Array:
   """topk_BxTxK int32 (K = min(k, N)): `radix_topk`'s results (the set `lax.top_k` selects among
   the visible entries, ascending, −1 past the number visible), one Triton program per row.
   `visible_BxTxN=None`: the entries whose score is above −inf (the kernel reads the scores and
-  makes the keys itself); `digit_bits` (1, 2 or 4) of τ found per reduction."""
+  makes the keys itself); `digit_bits` (1, 2 or 4) of τ found per reduction; `early_exit` stops
+  the digits once the prefix isolates the need-th key (`_tau_early_exit`; the same slots; off
+  until the GPU has timed it)."""
   if (reason := unsupported_reason(scores_BxTxN, visible_BxTxN, k)):
     raise ValueError(f"Triton top-k: {reason}")
   if digit_bits not in (1, 2, 4):
@@ -145,7 +179,7 @@ def triton_topk(scores_BxTxN: jax.Array, visible_BxTxN: jax.Array | None, k: int
   # keeps it in the forward (tests/pallas_kernels/test_topk_triton.py).
   out = jax.jit(pl.pallas_call(
       functools.partial(_select_kernel, k_slots=k_pad, k=k_eff, digit_bits=digit_bits,
-                        from_scores=from_scores),
+                        from_scores=from_scores, early_exit=early_exit),
       out_shape=jax.ShapeDtypeStruct((rows, width), jnp.int32),
       grid=(rows,),
       in_specs=[pl.BlockSpec((None, n_pad), lambda r: (r, 0)),

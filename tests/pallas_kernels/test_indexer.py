@@ -104,8 +104,9 @@ def test_triton_select_gives_the_radix_select_results(monkeypatch):
   # where it holds a row's entries and the radix passes beyond.
   q, w, kv, seg = _inputs(14, 2)
   want = _kernel_select(q, w, kv, seg, select="radix")
-  for a, b in zip(_kernel_select(q, w, kv, seg, select="triton"), want):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for select in ("triton", "triton_early"):
+    for a, b in zip(_kernel_select(q, w, kv, seg, select=select), want):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   ran = []
   spy = {n: (lambda f, n: lambda *a, **k: ran.append(n) or f(*a, **k))(f, n)
          for n, f in kx._SELECTS.items()}

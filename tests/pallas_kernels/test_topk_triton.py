@@ -12,10 +12,11 @@ from pallas_kernels.topk_triton import MAX_ENTRIES, ordered_int_keys, triton_top
 from tests.pallas_kernels.cuda_lowering import lower_for_cuda, triton_calls
 
 
-@pytest.mark.parametrize("levels, n, k, digit_bits", [(None, 67, 9, 4), (2, 67, 9, 4),
-                                                    (7, 40, 64, 4), (None, 67, 9, 1),
-                                                    (2, 67, 9, 2)])
-def test_equals_the_radix_select_and_lax_top_k_sets(levels, n, k, digit_bits):
+@pytest.mark.parametrize("levels, n, k, digit_bits, early_exit",
+                         [(None, 67, 9, 4, False), (2, 67, 9, 4, False), (7, 40, 64, 4, False),
+                          (None, 67, 9, 1, False), (2, 67, 9, 2, False), (None, 67, 9, 1, True),
+                          (2, 67, 9, 1, True), (7, 40, 64, 4, True)])
+def test_equals_the_radix_select_and_lax_top_k_sets(levels, n, k, digit_bits, early_exit):
   # N and k off powers of two, k > N; ties straddling the k-th value; ±0.0; all-equal huge and
   # tiny rows; ±inf among the visible; neighbouring floats; no or fewer visible entries than k.
   rng = np.random.default_rng(n + k + (levels or 0))
@@ -38,7 +39,8 @@ def test_equals_the_radix_select_and_lax_top_k_sets(levels, n, k, digit_bits):
   vis[0, 11] = False
   vis[0, 11, [3, n - 1]] = True
   vis[1, 9] = vis[1, 11] = True
-  got = triton_topk(jnp.asarray(s), jnp.asarray(vis), k, digit_bits=digit_bits)
+  got = triton_topk(jnp.asarray(s), jnp.asarray(vis), k, digit_bits=digit_bits,
+                    early_exit=early_exit)
   want = radix_topk(jnp.asarray(s), jnp.asarray(vis), k)
   assert got.shape == want.shape == (B, T, min(k, n)) and got.dtype == jnp.int32
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))   # slots too, not only sets
@@ -49,7 +51,7 @@ def test_equals_the_radix_select_and_lax_top_k_sets(levels, n, k, digit_bits):
   # Keys made in the kernel from the scores (visible None: score > −inf, the indexer's masked
   # scores): the same slots where the visible entries are the finite-or-+inf ones.
   masked = np.where(vis & (s > -np.inf), s, -np.inf)
-  got = triton_topk(jnp.asarray(masked), None, k, digit_bits=digit_bits)
+  got = triton_topk(jnp.asarray(masked), None, k, digit_bits=digit_bits, early_exit=early_exit)
   want = radix_topk(jnp.asarray(masked), jnp.asarray(masked > -np.inf), k)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -78,9 +80,9 @@ def test_wide_rows_are_refused_and_it_lowers_for_cuda():
   v = jax.ShapeDtypeStruct((4, 4096, 4096), jnp.bool_)
   lowered = lower_for_cuda(lambda a, b: triton_topk(a, b, 256, interpret=False), s, v)
   assert triton_calls(lowered) == 1
-  for bits in (1, 4):   # the scores read in the kernel: no key array beside it
+  for bits, early in ((1, False), (4, False), (1, True)):   # the scores read in the kernel
     lowered = lower_for_cuda(lambda a: triton_topk(a, None, 256, interpret=False,
-                                                   digit_bits=bits), s)
+                                                   digit_bits=bits, early_exit=early), s)
     assert triton_calls(lowered) == 1
 
 
