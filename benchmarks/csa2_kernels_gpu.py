@@ -367,9 +367,10 @@ def idx_bench(T, interp, reps, xla=True, H=32, I=128, K=512, variants=((64, 128,
     row(impl=impl, mode=mode, ms=1e3 * t[0], first_s=t[1], tflops=fl / t[0] / 1e12,
         of_ceiling=fl / t[0] / CEILING)
 
-  for bt, bn, nw in variants:
-    name = f"pallas t{bt} n{bn} w{nw}"
-    f = jax.jit(partial(kx.masked_scores, block_t=bt, block_n=bn, num_warps=nw, interpret=interp))
+  for bt, bn, nw, *chunk in variants:    # (block_t, block_n, warps[, block_chunk])
+    name = f"pallas t{bt} n{bn} w{nw}" + (f" c{chunk[0]}" if chunk else "")
+    f = jax.jit(partial(kx.masked_scores, block_t=bt, block_n=bn, num_warps=nw,
+                        block_chunk=chunk[0] if chunk else None, interpret=interp))
     t = guarded(f"idx {shape} {name} scores",
                 lambda: time_calls(f, q, w, idx_k, seg, pos, seg, jnp.arange(T), reps=reps))
     if t:
@@ -377,12 +378,17 @@ def idx_bench(T, interp, reps, xla=True, H=32, I=128, K=512, variants=((64, 128,
   N = idx_k.shape[1]
   r = jax.random.normal(jax.random.PRNGKey(9), (B, N), jnp.float32)   # a weight per entry
   times = {}
-  bt, bn, nw = variants[0]
-  for select in ("radix", "triton", "triton_early"):   # XLA radix passes or one program a row
-    name = f"pallas t{bt} n{bn} w{nw}" + {"radix": "", "triton": " + triton select",
-                                         "triton_early": " + triton early exit"}[select]
+  bt, bn, nw = variants[0][:3]
+  # The selections (XLA radix passes, one program a row, the same stopping early) after the first
+  # variant's scores; then the early-exit select after each other variant's.
+  forms = [(select, variants[0]) for select in ("radix", "triton", "triton_early")] + [
+      ("triton_early", v) for v in variants[1:]]
+  for select, (bt, bn, nw, *chunk) in forms:
+    name = (f"pallas t{bt} n{bn} w{nw}" + (f" c{chunk[0]}" if chunk else "")
+            + {"radix": "", "triton": " + triton select",
+               "triton_early": " + triton early exit"}[select])
     sel = partial(kx.score_and_select, k=K, interpret=interp, block_t=bt, block_n=bn,
-                  num_warps=nw, select=select)
+                  block_chunk=chunk[0] if chunk else None, num_warps=nw, select=select)
     f = jax.jit(lambda q, w, k, sel=sel: sel(q, w, k, seg, pos, seg))
     g = jax.jit(jax.grad(lambda q, w, k, sel=sel: jnp.sum(
         by_entry(*sel(q, w, k, seg, pos, seg), N) * r), argnums=(0, 1, 2)))
@@ -517,7 +523,7 @@ def main():
                D=32, W=8, K=8)
     attn_bench(1, 64, 2, interp, 1, H=4, D=32, W=8, K=8, kernels=("pallas csa2",),
                global_branch=False)
-    idx_bench(64, interp, 1, H=4, I=32, K=8, variants=((16, 16, 4),), B=2)
+    idx_bench(64, interp, 1, H=4, I=32, K=8, variants=((16, 16, 4), (16, 16, 4, 32)), B=2)
     attn_remat(1, 64, 2, interp, 1, H=4, D=32, W=8, K=8)
     attn_breakdown(1, 64, 2, interp, 1, H=4, D=32, W=8, K=8)
     topk_bench(2, 64, 8, interp, 1)
@@ -543,8 +549,12 @@ def main():
                                    kernels=("pallas csa2",), global_branch=False),
       "topk-4k": lambda: topk_bench(4, 4096, 256, interp, reps),
       "idx-4k": lambda: idx_bench(4096, interp, reps, H=16, I=128, K=256, B=4),
-      # the scores kernel's tiles (block_t queries, block_n entries, warps) at s3's shapes; the
-      # selection and the backward with the first
+      # the scores kernel over entry chunks (more, more even programs than one a query block)
+      "idx-4k-chunks": lambda: idx_bench(4096, interp, reps, xla=False, H=16, I=128, K=256, B=4,
+                                         variants=((64, 128, 4), (64, 128, 4, 512),
+                                                   (64, 128, 4, 1024), (64, 128, 4, 2048))),
+      # the scores kernel's tiles (block_t queries, block_n entries, warps) at s3's shapes; each
+      # with the early-exit select, forward and backward (the first with every select)
       "idx-4k-tiles": lambda: idx_bench(4096, interp, reps, xla=False, H=16, I=128, K=256, B=4,
                                         variants=((64, 128, 4), (128, 64, 4), (64, 64, 4),
                                                   (128, 128, 8), (64, 64, 8), (32, 64, 4))),

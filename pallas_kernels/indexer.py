@@ -70,11 +70,13 @@ def unsupported_reason(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, ent
 
 def _scores_kernel(nb_ref, q_ref, w_ref, k_ref, last_ref, eseg_ref, seg_ref, rows_ref, o_ref, *,
                    n_heads, block_n, n_blocks, scale):
+  """One query block × one chunk of `n_blocks` entry blocks (the chunk is program axis 2)."""
   seg = seg_ref[...]                                    # [bt]
   rows = rows_ref[...]                                  # [bt] row index of each query
   bt = seg.shape[0]
   prec = jax.lax.Precision.HIGHEST if q_ref.dtype == _F32 else None
-  n_live = jnp.max(nb_ref[...])                         # entry blocks with an entry complete by now
+  # Entry blocks of this chunk with an entry complete by the block's last row.
+  n_live = jnp.clip(jnp.max(nb_ref[...]) - pl.program_id(2) * n_blocks, 0, n_blocks)
 
   # Loops carry their (unused) input through: a constant carry fails the Triton lowering of a
   # loop with a run-time bound ("scf.yield ... is not a Value", seen on jax 0.11.2).
@@ -101,12 +103,21 @@ def _scores_kernel(nb_ref, q_ref, w_ref, k_ref, last_ref, eseg_ref, seg_ref, row
   jax.lax.fori_loop(n_live, n_blocks, dead, n_live)
 
 
-@functools.partial(jax.jit, static_argnames=("block_t", "block_n", "interpret", "num_warps",
-                                             "num_stages"))
+@functools.partial(jax.jit, static_argnames=("block_t", "block_n", "block_chunk", "interpret",
+                                             "num_warps", "num_stages"))
 def masked_scores(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry_last_BxN,
                   segment_ids_BxT, rows_T, *, block_t: int = 64, block_n: int = 128,
-                  interpret: bool = False, num_warps: int = 4, num_stages: int = 2):
+                  block_chunk: int | None = None, interpret: bool = False, num_warps: int = 4,
+                  num_stages: int = 2):
   """I [B, T, N] float32, −∞ where invisible, for queries at row indices `rows_T` (ascending).
+
+  One program scores a block of `block_t` queries against `block_chunk` entries (a multiple of
+  `block_n`; None: every entry, one program a query block), `block_n` at a time, and writes −∞
+  over the entry blocks no query of its block sees yet. Causally a row's live blocks grow with
+  its position, so whole-row programs range from one live block to all of them: at s3's 4 × 4096
+  that is 256 programs for 132 SMs, the last query blocks 32 live blocks against 16.5 on average.
+  Chunks give more, more even programs (the dead chunks only write −∞); the GPU has not timed
+  them yet (`benchmarks/csa2_kernels_gpu.py`'s indexer case, "scores only" rows).
 
   Tiles: at s3's 4 × 4096, 16 heads × 128, ratio 1 on the H200, 64 queries × 128 entries with 4
   warps scored in 1.13 ms, against 1.49 for 64 × 64 and 1.32-1.89 for the four other tiles measured
@@ -115,9 +126,12 @@ def masked_scores(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry_la
   """
   B, T, H, I = q_BxTxHxI.shape
   N = index_k_BxNxI.shape[1]
+  chunk = block_n * -(-N // block_n) if block_chunk is None else int(block_chunk)
+  if chunk % block_n:
+    raise ValueError(f"indexer scores: block_chunk {chunk} is not a multiple of block_n {block_n}")
   tp = -(-T // block_t) * block_t
-  nb = -(-N // block_n)
-  np_ = nb * block_n
+  nc = -(-N // chunk)
+  np_ = nc * chunk
   nq = tp // block_t
   big = jnp.iinfo(jnp.int32).max
   q = jnp.pad(jnp.swapaxes(q_BxTxHxI, 1, 2), ((0, 0), (0, 0), (0, tp - T), (0, 0)))   # [B,H,Tp,I]
@@ -132,20 +146,20 @@ def masked_scores(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry_la
   t_last = rows.reshape(nq, block_t)[:, -1]
   live = jnp.sum(last[:, None, :] <= t_last[None, :, None], axis=-1, dtype=jnp.int32)  # [B, nq]
   n_live = jnp.broadcast_to((-(-live // block_n))[..., None], (B, nq, 16))
-  kernel = functools.partial(_scores_kernel, n_heads=H, block_n=block_n, n_blocks=nb,
-                             scale=I ** -0.5)
+  kernel = functools.partial(_scores_kernel, n_heads=H, block_n=block_n,
+                             n_blocks=chunk // block_n, scale=I ** -0.5)
   out = pl.pallas_call(
       kernel,
-      grid=(B, nq),
-      in_specs=[pl.BlockSpec((None, None, 16), lambda b, i: (b, i, 0)),
-                pl.BlockSpec((None, H, block_t, I), lambda b, i: (b, 0, i, 0)),
-                pl.BlockSpec((None, H, block_t), lambda b, i: (b, 0, i)),
-                pl.BlockSpec((None, np_, I), lambda b, i: (b, 0, 0)),
-                pl.BlockSpec((None, np_), lambda b, i: (b, 0)),
-                pl.BlockSpec((None, np_), lambda b, i: (b, 0)),
-                pl.BlockSpec((None, block_t), lambda b, i: (b, i)),
-                pl.BlockSpec((block_t,), lambda b, i: (i,))],
-      out_specs=pl.BlockSpec((None, block_t, np_), lambda b, i: (b, i, 0)),
+      grid=(B, nq, nc),
+      in_specs=[pl.BlockSpec((None, None, 16), lambda b, i, c: (b, i, 0)),
+                pl.BlockSpec((None, H, block_t, I), lambda b, i, c: (b, 0, i, 0)),
+                pl.BlockSpec((None, H, block_t), lambda b, i, c: (b, 0, i)),
+                pl.BlockSpec((None, chunk, I), lambda b, i, c: (b, c, 0)),
+                pl.BlockSpec((None, chunk), lambda b, i, c: (b, c)),
+                pl.BlockSpec((None, chunk), lambda b, i, c: (b, c)),
+                pl.BlockSpec((None, block_t), lambda b, i, c: (b, i)),
+                pl.BlockSpec((block_t,), lambda b, i, c: (i,))],
+      out_specs=pl.BlockSpec((None, block_t, chunk), lambda b, i, c: (b, i, c)),
       out_shape=jax.ShapeDtypeStruct((B, tp, np_), _F32),
       compiler_params=None if interpret else _triton_params(num_warps, num_stages),
       interpret=interpret,
@@ -367,8 +381,8 @@ def score_and_select(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry
                      segment_ids_BxT, *, k: int, query_chunk: int | None = 512,
                      max_score_bytes: int = 1 << 31, max_slot_bytes: int = 1 << 31,
                      interpret: bool | None = None,
-                     block_t: int = 64, block_n: int = 128, num_warps: int = 4,
-                     num_stages: int = 2, select: str = "auto"):
+                     block_t: int = 64, block_n: int = 128, block_chunk: int | None = None,
+                     num_warps: int = 4, num_stages: int = 2, select: str = "auto"):
   """(topk_BxTxK int32, scores_at_topk_BxTxK float32): the kernel's form of the model function.
 
   The selection runs on I from the kernel (no gradient); `scores_at_topk` is recomputed from the
@@ -404,7 +418,8 @@ def score_and_select(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry
 
   def scored_selection(q, w, seg, rows):
     s = masked_scores(q, w, ks, entry_segment_BxN, entry_last_BxN, seg, rows, block_t=block_t,
-                      block_n=block_n, interpret=interpret, num_warps=num_warps,
+                      block_n=block_n, block_chunk=block_chunk, interpret=interpret,
+                      num_warps=num_warps,
                       num_stages=num_stages)
     return topk_of(s, None if keys_in_kernel else s > -jnp.inf, k_eff)
 

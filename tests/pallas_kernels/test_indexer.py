@@ -55,9 +55,11 @@ def _kernel_select(q, w, kv, seg, **kw):
                              k=K, interpret=True, **BLOCKS, **kw)
 
 
-@pytest.mark.parametrize("m, tiles", [(1, BLOCKS), (2, BLOCKS), (1, {})])
+@pytest.mark.parametrize("m, tiles", [(1, BLOCKS), (2, BLOCKS), (1, {}),
+                                      (1, dict(BLOCKS, block_chunk=32))])
 def test_masked_scores_match_reference(m, tiles):
-  # tiles {}: the default 64 × 128, one block holding all of T and N
+  # tiles {}: the default 64 × 128, one block holding all of T and N; block_chunk 32: two entry
+  # blocks a program, N not a multiple of it (padded), later chunks dead for the first rows
   q, w, kv, seg = _inputs(m, m)
   got = kx.masked_scores(q, w, kv.index_k_BxNxI, kv.entry_segment_BxN, kv.entry_last_BxN, seg,
                          jnp.arange(T), interpret=True, **tiles)
@@ -192,6 +194,10 @@ def test_lowers_for_cuda():
   assert triton_calls(lowered) == 3
   assert all(f'name = "{n}"' in lowered.as_text()
              for n in ("indexer_scores", "indexer_at_topk_bwd", "csa2_entry_sums"))
+  chunked = lower_for_cuda(lambda q, w, k: kx.masked_scores(
+      q, w, k, kv.entry_segment_BxN, kv.entry_last_BxN, seg, jnp.arange(T), block_t=16,
+      block_n=16, block_chunk=32), q, w, k)
+  assert triton_calls(chunked) == 1
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
