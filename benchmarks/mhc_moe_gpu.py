@@ -2,10 +2,13 @@
 
   PYTHONUNBUFFERED=1 timeout 200 python3 -u benchmarks/mhc_moe_gpu.py --json=$OUT/r.json \
       --baseline-moe=../dsv41_jax/layers/moe_dispatch.py        # H200, one call
+  PYTHONUNBUFFERED=1 timeout 300 python3 -u benchmarks/mhc_moe_gpu.py --only=site \
+      --json=$OUT/site.json                                      # the site rows alone
   JAX_PLATFORMS=cpu python benchmarks/mhc_moe_gpu.py --smoke    # CPU: tiny shapes, runs everything
 
-mHC (configs/small.py:s3 at 4 × 4096 tokens, d 1024, hc_mult 4, 20 Sinkhorn iterations; float32
-streams X as the model keeps them, bf16 sublayer output F): one single-pass site (previous expand,
+mHC (configs/small.py:s3 at 4 × 4096 tokens, d 1024, hc_mult 4, 20 Sinkhorn iterations; streams X
+in s3's `hc_stream_dtype`, bfloat16, or `--streams=float32` as s1/s2 keep them (the rows before
+issue 27's fused site were float32), bf16 sublayer output F): one single-pass site (previous expand,
 this site's coefficients, collapse + norm) forward and forward+backward (the gradient of a random
 projection of all five outputs w.r.t. all nine inputs), for
 - `reference`: `dsv41_jax.layers.mhc.hc_site` (HIGHEST einsums for expand/collapse when RESULTS was measured,
@@ -14,12 +17,16 @@ projection of all five outputs w.r.t. all nine inputs), for
   rows: broadcast multiply-adds with hand VJPs, the mix GEMM, the Sinkhorn gates as one Triton
   kernel and its recomputing backward; the fused single-pass Triton site measured there as
   `kernel` was retired); `kernel gates block 64`: the same with 64-token gate blocks;
+- `fused`: `pallas_kernels.mhc_site.hc_site`, the site as two Triton kernels (forward: X', x and
+  the mix in one pass over the streams; backward: every cotangent of the streams in one), the
+  Sinkhorn gates' kernels between;
 and the pieces alone: expand (the einsum form measured as the reference before issue 27; the ops'
 expand is now the broadcast form, so the site rows above were measured with the einsum reference),
 the mix x̂ · fnᵀ with mean(x̂²) (the op's XLA form, a cuBLAS SGEMM and a reduction) and the gates (sigmoids +
 Sinkhorn) on [T, (2+n)n].
-Minimum bytes (each input read once, each output written once): forward X, F read, X', x
-written; forward+backward adds X, F, gX', gx read and gX, gF written (X' recomputed, not stored).
+Minimum bytes (each input read once, each output written once, in their dtypes: x and gx are
+float32): forward X, F read, X', x written; forward+backward adds X, F, X' (for d fn = gyᵀ x̂),
+gX', gx read and gX, gF written; at s3 with bfloat16 streams 22·d and 40·d bytes a token.
 
 MoE (s3: 48 experts, top-4, 1024 -> 512, 16,384 tokens, skewed routing with two empty experts):
 `moe_dispatch.routed_experts` dropless forward and forward+backward (gradients w.r.t. x and the
@@ -37,6 +44,7 @@ Imports only jax/numpy/flax and this repository (runs on the GPU image without t
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -52,7 +60,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import elapsed, header, log, time_calls  # noqa: E402
 from dsv41_jax.layers import mhc, moe_dispatch  # noqa: E402
-from pallas_kernels import mhc as mhc_kernel  # noqa: E402
+from pallas_kernels import mhc as mhc_kernel, mhc_site  # noqa: E402
 
 COPY_BPS, MMA_FLOPS = 4.3e12, 790e12
 KW = dict(iters=20, hc_eps=1e-6, norm_eps=1e-20)
@@ -71,7 +79,7 @@ def _row(**kw):
   print(json.dumps(kw), flush=True)
 
 
-def site_inputs(rng, lead, n, d):
+def site_inputs(rng, lead, n, d, streams):
   X = rng.standard_normal((*lead, n, d)).astype(np.float32) * rng.uniform(0.5, 2, (*lead, 1, 1))
   F = rng.standard_normal((*lead, d)).astype(np.float32)
   pre = rng.uniform(0.05, 1.0, (*lead, n)).astype(np.float32)
@@ -82,8 +90,8 @@ def site_inputs(rng, lead, n, d):
   scale = rng.uniform(0.5, 1.5, (3,)).astype(np.float32)
   w = rng.uniform(0.5, 1.5, (d,)).astype(np.float32)
   comb = mhc.sinkhorn_project(jnp.asarray(logits), 20, 1e-6)
-  return (jnp.asarray(X), jnp.asarray(F, jnp.bfloat16), jnp.asarray(post), comb, jnp.asarray(pre),
-          jnp.asarray(fn), jnp.asarray(base), jnp.asarray(scale), jnp.asarray(w))
+  return (jnp.asarray(X, streams), jnp.asarray(F, jnp.bfloat16), jnp.asarray(post), comb,
+          jnp.asarray(pre), jnp.asarray(fn), jnp.asarray(base), jnp.asarray(scale), jnp.asarray(w))
 
 
 def _loss_grad(f, args, seed=1):
@@ -107,14 +115,14 @@ def _max_rel(got, want):
   return max(out)
 
 
-def time_case(case, impl, fn, args, reps, nbytes=None, flops=None, ref=None):
+def time_case(case, impl, fn, args, reps, nbytes=None, flops=None, ref=None, **extra):
   try:
     t, first = time_calls(fn, *args, reps=reps)
   except Exception as e:  # noqa: BLE001  (a failing variant is reported, the others still run)
     _row(case=case, impl=impl, error=f"{type(e).__name__}: {str(e)[:300]}")
     traceback.print_exc()
     return None
-  row = dict(case=case, impl=impl, ms=round(t * 1e3, 4), first_s=round(first, 2))
+  row = dict(case=case, impl=impl, **extra, ms=round(t * 1e3, 4), first_s=round(first, 2))
   if nbytes:
     row.update(GBps=round(nbytes / t / 1e9, 1), of_copy=round(nbytes / t / COPY_BPS, 3))
   if flops:
@@ -127,17 +135,25 @@ def time_case(case, impl, fn, args, reps, nbytes=None, flops=None, ref=None):
 
 def mhc_cases(lead, n, d, reps, budget_s, interpret, impls, pieces):
   rng = np.random.default_rng(0)
-  args = site_inputs(rng, lead, n, d)
+  args = site_inputs(rng, lead, n, d, ARGS.streams)
   tokens = int(np.prod(lead))
-  sx, sf = 4, 2
-  fwd_bytes = tokens * (2 * n * d * sx + d * sf + d * sx)
-  bwd_bytes = fwd_bytes + tokens * (n * d * sx + d * sf + n * d * sx + d * sx + n * d * sx + d * sf)
+  sx, sf, s32 = jnp.dtype(ARGS.streams).itemsize, 2, 4
+  fwd_bytes = tokens * (2 * n * d * sx + d * sf + d * s32)          # X, F read; X', x written
+  # + X, F, X', gX', gx read; gX, gF written
+  bwd_bytes = fwd_bytes + tokens * (4 * n * d * sx + 2 * d * sf + d * s32)
   site = {
       "reference": lambda *a: mhc.hc_site(*a, **KW),
       "kernel": lambda *a: mhc_kernel.hc_site(*a, **KW, interpret=interpret),
       "kernel gates block 64": lambda *a: mhc_kernel.hc_site(*a, **KW, interpret=interpret,
                                                              block_tokens=64),
+      "fused": lambda *a: mhc_site.hc_site(*a, **KW, interpret=interpret),
   }
+  for v in ARGS.fused_variants if "fused" in impls else ():
+    bt, bd, warps, stages = (int(x) for x in v.split("x"))
+    site[f"fused bt{bt} bd{bd} w{warps} s{stages}"] = functools.partial(
+        lambda *a, **b: mhc_site.hc_site(*a, **KW, interpret=interpret, **b), block_tokens=bt,
+        block_d=bd, num_warps=warps, num_stages=stages)
+    impls = (*impls, f"fused bt{bt} bd{bd} w{warps} s{stages}")
   if "site" not in _REFS:
     _REFS["site"] = (jax.jit(site["reference"])(*args), _loss_grad(site["reference"], args)(*args))
   ref_fwd, ref_grad = _REFS["site"]
@@ -146,9 +162,10 @@ def mhc_cases(lead, n, d, reps, budget_s, interpret, impls, pieces):
     if elapsed() > budget_s:
       break
     if not ARGS.quick:
-      time_case("mhc site fwd", impl, jax.jit(f), args, reps, nbytes=fwd_bytes, ref=ref_fwd)
+      time_case("mhc site fwd", impl, jax.jit(f), args, reps, nbytes=fwd_bytes, ref=ref_fwd,
+                streams=ARGS.streams)
     time_case("mhc site fwd+bwd", impl, _loss_grad(f, args), args, reps, nbytes=bwd_bytes,
-              ref=ref_grad)
+              ref=ref_grad, streams=ARGS.streams)
     _save(ARGS.json)
   if not pieces:
     return
@@ -310,9 +327,15 @@ def main():
   ap.add_argument("--budget-s", type=float, default=150.0)
   ap.add_argument("--json", default="")
   ap.add_argument("--baseline-moe", default="")
-  ap.add_argument("--only", choices=["mhc", "moe", ""], default="")
+  ap.add_argument("--only", choices=["mhc", "site", "moe", ""], default="",
+                  help="site: the mHC site rows alone (reference, kernel, fused)")
+  ap.add_argument("--streams", choices=["bfloat16", "float32"], default="bfloat16",
+                  help="the mHC streams' dtype (s3: bfloat16)")
+  ap.add_argument("--fused-variants", type=lambda v: [x for x in v.split(",") if x], default=[],
+                  help="extra site rows of the fused kernel, BTxBDxWARPSxSTAGES,... (block "
+                       "tokens, block d, num_warps, num_stages), e.g. 16x64x8x2,32x16x8x2")
   ap.add_argument("--quick", action="store_true",
-                  help="mHC only: the site forward+backward (kernel) and the gates")
+                  help="mHC only: the site forward+backward (kernel, fused) and the gates")
   ARGS = ap.parse_args()
   if ARGS.baseline_moe and not os.path.exists(ARGS.baseline_moe):
     ap.error(f"--baseline-moe {ARGS.baseline_moe!r}: no such file")
@@ -326,9 +349,12 @@ def main():
     reps = ARGS.reps
   t0 = time.time()
   if ARGS.quick:
-    mhc_cases(lead, n, d, reps, ARGS.budget_s, cpu, ("kernel",), True)
+    mhc_cases(lead, n, d, reps, ARGS.budget_s, cpu, ("kernel", "fused"), True)
+  elif ARGS.only == "site":
+    mhc_cases(lead, n, d, reps, ARGS.budget_s, cpu, ("reference", "kernel", "fused"), False)
   elif ARGS.only in ("", "mhc"):
-    mhc_cases(lead, n, d, reps, ARGS.budget_s * 0.35, cpu, ("reference", "kernel"), False)
+    mhc_cases(lead, n, d, reps, ARGS.budget_s * 0.35, cpu, ("reference", "kernel", "fused"),
+              False)
   if ARGS.only in ("", "moe") and not ARGS.quick:
     # the layer under remat first: the step's MoE path (the routed-experts rows stand in RESULTS)
     moe_remat_cases(*moe, reps=reps, budget_s=ARGS.budget_s * 0.5,
