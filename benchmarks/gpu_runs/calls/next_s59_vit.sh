@@ -2,9 +2,9 @@
 # session 57, off by default until this measures it). Session 57's launch.train (s57_s3train/, H100)
 # ran 2.44 s a step with the ViT frozen and 2.72 s once it trains, against gpu_step.py's ~2.26-2.33
 # (no images there): every step embeds 2,048 image slots of which ~480 hold an image.
-# ONE ARM A CALL: session 58 ran both arms in one call under 270 s each and lost the second: on a
-# fresh machine the first compile took 141 s (81.7 s at session 57 on a machine whose compilation
-# cache was warm), so an arm is ~350 s (start-up ~50 s, compile ~140 s, 40 steps of ~2.5 s, the
+# ONE ARM A CALL: session 58 ran both arms in one call under 270 s each and lost the second: the
+# first compile took 141 s (81.7 s at session 57; that call's host was slower throughout: the
+# parameters' init 51.0 s against 30.9), so an arm is up to ~350 s (start-up ~50 s, compile ~140 s, 40 steps of ~2.5 s, the
 # ViT-trainable program compiling beside the first phase). Run it twice, back to back:
 #   run(command="ARM=budget24 bash benchmarks/gpu_runs/calls/next_s59_vit.sh", carry=[".whl"], timeout_s=480)
 #   run(command="ARM=main bash benchmarks/gpu_runs/calls/next_s59_vit.sh", carry=[".whl"], timeout_s=480)
