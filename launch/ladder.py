@@ -406,13 +406,15 @@ def ablation_verdict(deltas, baseline_spread: float, baseline_seeds: int) -> str
   """Whether a switch's effect is told apart from seed noise: "beyond the seed spread" when every
   seed's Δ has the same sign and the smallest |Δ| exceeds the baseline's spread over seeds,
   "within noise" when not, and "one baseline seed: no spread yet" while the baseline has one seed
-  (its spread of 0 would call every effect real)."""
+  (its spread of 0 would call every effect real). A switch run at one seed so far gets its verdict
+  marked provisional: a second seed can flip the sign or fall under the spread."""
   if baseline_seeds < 2:
     return "one baseline seed: no spread yet"
   deltas = np.asarray(deltas)
   same_sign = bool(np.all(deltas > 0) or np.all(deltas < 0))
-  return ("beyond the seed spread" if same_sign and np.abs(deltas).min() > baseline_spread
-          else "within noise")
+  verdict = ("beyond the seed spread" if same_sign and np.abs(deltas).min() > baseline_spread
+             else "within noise")
+  return verdict + (" (one seed so far)" if deltas.size < 2 else "")
 
 
 def markdown(rows, fit, abl) -> str:

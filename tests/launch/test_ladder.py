@@ -163,6 +163,8 @@ def test_ablation_verdict_needs_a_spread_and_one_sign():
   assert ladder.ablation_verdict([-0.05, -0.07], 0.04, 2) == "beyond the seed spread"
   assert ladder.ablation_verdict([0.05, 0.03], 0.04, 2) == "within noise"   # one |Δ| under it
   assert ladder.ablation_verdict([0.5, -0.5], 0.04, 2) == "within noise"    # the sign flips
+  assert ladder.ablation_verdict([0.05], 0.04, 2) == "beyond the seed spread (one seed so far)"
+  assert ladder.ablation_verdict([0.01], 0.04, 2) == "within noise (one seed so far)"
 
 
 # --- the ladder end to end ------------------------------------------------------------------------
