@@ -215,8 +215,15 @@ def _interpret(interpret):
 def hc_coefficients(X_BxTxNxD, fn, base, scale, *, iters: int, hc_eps: float, norm_eps: float,
                     block_tokens: int = 16, interpret: bool | None = None):
   """Kernel of the op `hc_coefficients`: (pre, post, comb) of one site, float32 (module doc)."""
-  *lead, n, _ = X_BxTxNxD.shape
-  mix = hc_mix(X_BxTxNxD, fn, norm_eps)
+  return coefficients_of_mix(hc_mix(X_BxTxNxD, fn, norm_eps), base, scale, n=X_BxTxNxD.shape[-2],
+                             iters=iters, hc_eps=hc_eps, block_tokens=block_tokens,
+                             interpret=interpret)
+
+
+def coefficients_of_mix(mix, base, scale, *, n: int, iters: int, hc_eps: float,
+                        block_tokens: int = 16, interpret: bool | None = None):
+  """(pre, post, comb) from the site's mix [.., (2+n)n] (`hc_mix`'s, ρ applied): the scaled and
+  shifted logits through the `gates` kernel, float32."""
   s = scale.astype(_F32)
   scale_cols = jnp.concatenate([jnp.full((n,), s[0]), jnp.full((n,), s[1]),
                                 jnp.full((n * n,), s[2])])
@@ -224,7 +231,7 @@ def hc_coefficients(X_BxTxNxD, fn, base, scale, *, iters: int, hc_eps: float, no
   # layer remat need not run the forward kernel again for the recomputed expand and collapse.
   out = checkpoint_name(gates(mix * scale_cols + base.astype(_F32),
                               (n, iters, hc_eps, block_tokens, _interpret(interpret))), MIX)
-  return out[..., :n], out[..., n:2 * n], out[..., 2 * n:].reshape(*lead, n, n)
+  return out[..., :n], out[..., n:2 * n], out[..., 2 * n:].reshape(*mix.shape[:-1], n, n)
 
 
 def hc_site(X_BxTxNxD, F_BxTxD, post_BxTxN, comb_BxTxNxN, pre_BxTxN, fn, base, scale,

@@ -67,7 +67,8 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from pallas_kernels.mhc import _interpret, _next_pow2, _tokens_tiled, _triton_params, gates
+from pallas_kernels.mhc import (_interpret, _next_pow2, _tokens_tiled, _triton_params,
+                                 coefficients_of_mix, unsupported_reason as gates_unsupported)
 from pallas_kernels.ops.mhc import MIX, _bf16_terms
 
 _F32 = jnp.float32
@@ -242,8 +243,7 @@ def _bwd_kernel(x_ref, f_ref, gxn_ref, gx_ref, co_ref, gy_ref, w_ref, *refs, n: 
   k_c = (g_r * (-0.5 * r / mean_c)) / d * 2.0
   gy = gy_ref[...]
   if dt == jnp.bfloat16:             # g = g₁ + g₂ + …: bfloat16 terms as `_mix_bf16_bwd`
-    g1 = gy.astype(jnp.bfloat16)
-    g2 = (gy - g1.astype(_F32)).astype(jnp.bfloat16)
+    g1, g2 = _bf16_terms(gy, 2)
   col = jax.lax.broadcasted_iota(jnp.int32, (bt, q), 1)
 
   def pass2(c, gco):
@@ -357,7 +357,7 @@ def hc_site(X_BxTxNxD, F_BxTxD, post_BxTxN, comb_BxTxNxN, pre_BxTxN, fn, base, s
 
   Both kernels take `block_tokens` × `block_d` tiles (powers of two, at least 16: the dots'
   smallest dimension) with `num_warps` warps and `num_stages` pipeline stages (module doc)."""
-  *lead, n, d = X_BxTxNxD.shape
+  *_, n, d = X_BxTxNxD.shape
   m = (2 + n) * n
   interpret = _interpret(interpret)
   bd = min(block_d, d & -d)
@@ -371,12 +371,8 @@ def hc_site(X_BxTxNxD, F_BxTxD, post_BxTxN, comb_BxTxNxN, pre_BxTxN, fn, base, s
   # composition's (`pallas_kernels.mhc.hc_coefficients`): layer remat keeps them.
   st = checkpoint_name(st, MIX)
   mix = st[..., :m] * jax.lax.rsqrt(st[..., m:])
-  sc = scale.astype(_F32)
-  scale_cols = jnp.concatenate([jnp.full((n,), sc[0]), jnp.full((n,), sc[1]),
-                                jnp.full((n * n,), sc[2])])
-  out = checkpoint_name(gates(mix * scale_cols + base.astype(_F32),
-                              (n, iters, hc_eps, gate_block_tokens, interpret)), MIX)
-  return Xn, x, out[..., :n], out[..., n:2 * n], out[..., 2 * n:].reshape(*lead, n, n)
+  return (Xn, x, *coefficients_of_mix(mix, base, scale, n=n, iters=iters, hc_eps=hc_eps,
+                                      block_tokens=gate_block_tokens, interpret=interpret))
 
 
 def unsupported_reason(X_BxTxNxD, F_BxTxD, post_BxTxN, comb_BxTxNxN, pre_BxTxN, fn, *_,
@@ -391,7 +387,4 @@ def unsupported_reason(X_BxTxNxD, F_BxTxD, post_BxTxN, comb_BxTxNxN, pre_BxTxN, 
     return f"fn has shape {fn.shape}, expected {((2 + n) * n, n * d)}"
   if min(block_d, d & -d) < 16:
     return f"hidden size {d} has no power-of-two chunk of at least 16 for the site kernels"
-  if jax.default_backend() == "gpu" and n & (n - 1):
-    return (f"hc_mult {n}: the gate rows ({_next_pow2(2 + n) * n} columns) are not a power of "
-            "two (Triton blocks)")
-  return None
+  return gates_unsupported(X_BxTxNxD)

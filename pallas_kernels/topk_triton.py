@@ -15,8 +15,8 @@ there, reading the row once and writing its K slots:
   τ        the need-th largest key, a digit of `digit_bits` bits at a time from the top: the
            digit is the number of candidates u | m·2^lo (m = 1 … 2^bits − 1) that at least
            `need` keys reach, all 2^bits counts from one compare-and-sum of the row (32 / bits
-           block reductions a row: 32 at 1 bit, the first form and the default until the GPU has
-           timed 2 and 4, 8 at 4 bits)
+           block reductions a row: 32 at 1 bit, the default, 8 at 4 bits; on the H100 the 1-bit
+           form was the fastest, RESULTS.md session 58)
   selected key > τ, or key == τ and fewer than need − #(key > τ) equal keys before it (ties to
            the lowest indices: `lax.top_k`'s rule)
   slot     the number of selected entries before it, from one running sum of the row that
@@ -71,6 +71,14 @@ def unsupported_reason(scores_BxTxN, visible_BxTxN, k: int) -> str | None:
   return None
 
 
+def _digit(keys, need, m, u, lo):
+  """The digit of τ at bit `lo` after the prefix u, and the counts [2^bits] of keys reaching each
+  candidate u | m·2^lo (the digit is the number of candidates that `need` keys reach, less one)."""
+  cand = u | (m << lo)                                   # wraps into the sign bit for lo + bits = 32
+  reach = jnp.sum((keys[None, :] >= (cand ^ _MIN)).astype(jnp.int32), axis=1)
+  return jnp.sum((reach >= need).astype(jnp.int32)) - 1, reach
+
+
 def _tau_early_exit(keys, need, m, digit_bits):
   """τ by the same digits, stopping once exactly `need` keys reach the prefix: a device loop
   carrying the prefix u and r = #(keys ≥ u), the count of the digit it chose. Then the keys ≥ u
@@ -87,9 +95,7 @@ def _tau_early_exit(keys, need, m, digit_bits):
   def body(c):
     i, u, _ = c
     lo = 32 - digit_bits * (i + 1)
-    cand = u | (m << lo)                                 # wraps into the sign bit for lo + bits = 32
-    reach = jnp.sum((keys[None, :] >= (cand ^ _MIN)).astype(jnp.int32), axis=1)
-    digit = jnp.sum((reach >= need).astype(jnp.int32)) - 1
+    digit, reach = _digit(keys, need, m, u, lo)
     r = jnp.sum(jnp.where(m[:, 0] == digit, reach, 0))
     return i + 1, u | (digit << lo), r
 
@@ -119,10 +125,7 @@ def _select_kernel(row_ref, need_ref, o_ref, *, k_slots, k, digit_bits, from_sco
   else:
     u = jnp.int32(0)
     for lo in range(32 - digit_bits, -1, -digit_bits):
-      cand = u | (m << lo)                               # wraps into the sign bit for lo + bits = 32
-      reach = jnp.sum((keys[None, :] >= (cand ^ _MIN)).astype(jnp.int32), axis=1)
-      digit = jnp.sum((reach >= need).astype(jnp.int32)) - 1
-      u = u | (digit << lo)
+      u = u | (_digit(keys, need, m, u, lo)[0] << lo)
     tau = u ^ _MIN
   above = (keys > tau).astype(jnp.int32)
   tie = (keys == tau).astype(jnp.int32)
