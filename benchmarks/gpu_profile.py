@@ -56,6 +56,7 @@ COMPONENTS: tuple[tuple[str, str, str | None], ...] = (
     ("indexer", "pallas_kernels/indexer.py", None),
     ("indexer", "pallas_kernels/ops/indexer.py", None),
     ("indexer", "pallas_kernels/topk_select.py", None),
+    ("indexer", "pallas_kernels/topk_triton.py", None),
     ("attention", "pallas_kernels/ops/sparse_attention.py", None),
     ("attention", "pallas_kernels/sparse_attention.py", None),
     ("attention", "pallas_kernels/csa2_attention.py", None),

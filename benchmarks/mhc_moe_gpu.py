@@ -17,13 +17,15 @@ projection of all five outputs w.r.t. all nine inputs), for
   rows: broadcast multiply-adds with hand VJPs, the mix GEMM, the Sinkhorn gates as one Triton
   kernel and its recomputing backward; the fused single-pass Triton site measured there as
   `kernel` was retired); `kernel gates block 64`: the same with 64-token gate blocks;
-- `fused`: `pallas_kernels.mhc_site.hc_site`, the site as two Triton kernels (forward: X', x and
-  the mix in one pass over the streams; backward: every cotangent of the streams in one), the
-  Sinkhorn gates' kernels between;
 and the pieces alone: expand (the einsum form measured as the reference before issue 27; the ops'
 expand is now the broadcast form, so the site rows above were measured with the einsum reference),
 the mix x̂ · fnᵀ with mean(x̂²) (the op's XLA form, a cuBLAS SGEMM and a reduction) and the gates (sigmoids +
 Sinkhorn) on [T, (2+n)n].
+The fused single-pass Triton site of session 58 (`pallas_kernels/mhc_site.py`, one forward and
+one backward kernel) measured slower than `kernel` at all five tiles it was timed at (session 59,
+H100, s3, bfloat16 streams: kernel 0.474 / 1.216 ms forward / forward+backward, fused 0.807 /
+2.296 at its default 64×32 tiles, best 0.644 forward at 16×64 and 2.213 forward+backward at 16×32,
+reference 0.665 / 1.880) and was removed (git history: the commit before its removal, e.g. 8873ae8).
 Minimum bytes (each input read once, each output written once, in their dtypes: x and gx are
 float32): forward X, F read, X', x written; forward+backward adds X, F, X' (for d fn = gyᵀ x̂),
 gX', gx read and gX, gF written; at s3 with bfloat16 streams 22·d and 40·d bytes a token.
@@ -44,7 +46,6 @@ Imports only jax/numpy/flax and this repository (runs on the GPU image without t
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib.util
 import json
 import os
@@ -60,7 +61,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import elapsed, header, log, time_calls  # noqa: E402
 from dsv41_jax.layers import mhc, moe_dispatch  # noqa: E402
-from pallas_kernels import mhc as mhc_kernel, mhc_site  # noqa: E402
+from pallas_kernels import mhc as mhc_kernel  # noqa: E402
 
 COPY_BPS, MMA_FLOPS = 4.3e12, 790e12
 KW = dict(iters=20, hc_eps=1e-6, norm_eps=1e-20)
@@ -146,14 +147,7 @@ def mhc_cases(lead, n, d, reps, budget_s, interpret, impls, pieces):
       "kernel": lambda *a: mhc_kernel.hc_site(*a, **KW, interpret=interpret),
       "kernel gates block 64": lambda *a: mhc_kernel.hc_site(*a, **KW, interpret=interpret,
                                                              block_tokens=64),
-      "fused": lambda *a: mhc_site.hc_site(*a, **KW, interpret=interpret),
   }
-  for v in ARGS.fused_variants if "fused" in impls else ():
-    bt, bd, warps, stages = (int(x) for x in v.split("x"))
-    site[f"fused bt{bt} bd{bd} w{warps} s{stages}"] = functools.partial(
-        lambda *a, **b: mhc_site.hc_site(*a, **KW, interpret=interpret, **b), block_tokens=bt,
-        block_d=bd, num_warps=warps, num_stages=stages)
-    impls = (*impls, f"fused bt{bt} bd{bd} w{warps} s{stages}")
   if "site" not in _REFS:
     _REFS["site"] = (jax.jit(site["reference"])(*args), _loss_grad(site["reference"], args)(*args))
   ref_fwd, ref_grad = _REFS["site"]
@@ -328,14 +322,11 @@ def main():
   ap.add_argument("--json", default="")
   ap.add_argument("--baseline-moe", default="")
   ap.add_argument("--only", choices=["mhc", "site", "moe", ""], default="",
-                  help="site: the mHC site rows alone (reference, kernel, fused)")
+                  help="site: the mHC site rows alone (reference, kernel)")
   ap.add_argument("--streams", choices=["bfloat16", "float32"], default="bfloat16",
                   help="the mHC streams' dtype (s3: bfloat16)")
-  ap.add_argument("--fused-variants", type=lambda v: [x for x in v.split(",") if x], default=[],
-                  help="extra site rows of the fused kernel, BTxBDxWARPSxSTAGES,... (block "
-                       "tokens, block d, num_warps, num_stages), e.g. 16x64x8x2,32x16x8x2")
   ap.add_argument("--quick", action="store_true",
-                  help="mHC only: the site forward+backward (kernel, fused) and the gates")
+                  help="mHC only: the site forward+backward (kernel) and the gates")
   ARGS = ap.parse_args()
   if ARGS.baseline_moe and not os.path.exists(ARGS.baseline_moe):
     ap.error(f"--baseline-moe {ARGS.baseline_moe!r}: no such file")
@@ -349,12 +340,11 @@ def main():
     reps = ARGS.reps
   t0 = time.time()
   if ARGS.quick:
-    mhc_cases(lead, n, d, reps, ARGS.budget_s, cpu, ("kernel", "fused"), True)
+    mhc_cases(lead, n, d, reps, ARGS.budget_s, cpu, ("kernel",), True)
   elif ARGS.only == "site":
-    mhc_cases(lead, n, d, reps, ARGS.budget_s, cpu, ("reference", "kernel", "fused"), False)
+    mhc_cases(lead, n, d, reps, ARGS.budget_s, cpu, ("reference", "kernel"), False)
   elif ARGS.only in ("", "mhc"):
-    mhc_cases(lead, n, d, reps, ARGS.budget_s * 0.35, cpu, ("reference", "kernel", "fused"),
-              False)
+    mhc_cases(lead, n, d, reps, ARGS.budget_s * 0.35, cpu, ("reference", "kernel"), False)
   if ARGS.only in ("", "moe") and not ARGS.quick:
     # the layer under remat first: the step's MoE path (the routed-experts rows stand in RESULTS)
     moe_remat_cases(*moe, reps=reps, budget_s=ARGS.budget_s * 0.5,

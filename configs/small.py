@@ -23,7 +23,10 @@ same (−0.0035 ± 0.0043 nats). So is the router's product as six bfloat16 tens
 (−0.0091 ± 0.0114 nats). So are the weights cast to the compute dtype once a step with the
 experts' gate/up pair (`cast_weights_once`) and the scan stacks and switch residual slots left
 unfilled (`train.unfilled_buffers`): s3's accumulated step 2,113.8 → 1,985.1 ms (12.0 % MFU) on
-one H200, and the s1 loss over 3 seeds the same (+0.0026 ± 0.0046 nats).
+one H200, and the s1 loss over 3 seeds the same (+0.0026 ± 0.0046 nats). From s3 up the ViT runs
+over the filled image slots, 24 a row (`vision.slot_budget`, every slot when a micro-batch holds
+more; the same embeddings up to float rounding): s3's launch.train at 8 × (4 × 4096) 2.35 → 2.32
+s a step with the ViT frozen and 2.64 → 2.46 once it trains (one H100, session 59).
 
 Ledger (`python -m launch.ledger --config=configs/small.py:s2`): total / Engram / activated
 (decode) parameters and train FLOPs per token at the size's seq:
@@ -77,13 +80,13 @@ SIZES: dict[str, dict] = {
                topk=256, seq=2048, batch=64, accum=8, streams="bfloat16", products="compute",
                router="bf16_6x", once=True, lr=1e-3, steps=40_000,
                vit=dict(num_layers=8, hidden_size=512, num_heads=8, intermediate_size=2048,
-                        projector_hidden=2048)),
+                        projector_hidden=2048, slot_budget=24)),
     "s4": dict(d=1536, layers=24, heads=16, head_dim=192, experts=64, k=6, inter=768, vocab=65536,
                engram_rows=200_000, engram_heads=8, engram_dim=128, index_heads=16, index_dim=128,
                topk=512, seq=4096, batch=64, accum=8, streams="bfloat16", products="compute",
                router="bf16_6x", once=True, lr=8e-4, steps=50_000,
                vit=dict(num_layers=12, hidden_size=768, num_heads=12, intermediate_size=3072,
-                        projector_hidden=3072)),
+                        projector_hidden=3072, slot_budget=24)),
     # 3B-class for one H200 (issue 28): MaxText ds4mini's width and expert scale (d 1536, 64
     # experts of 768, top-6) on the V4.1 plan at 12 layers, so the two are comparable.
     "m3": dict(d=1536, layers=12, heads=16, head_dim=128, experts=64, k=6, inter=768, vocab=65536,
@@ -91,7 +94,7 @@ SIZES: dict[str, dict] = {
                topk=512, seq=4096, batch=32, accum=8, streams="bfloat16", products="compute",
                router="bf16_6x", once=True, lr=8e-4, steps=50_000,
                vit=dict(num_layers=12, hidden_size=768, num_heads=12, intermediate_size=3072,
-                        projector_hidden=3072)),
+                        projector_hidden=3072, slot_budget=24)),
 }
 
 

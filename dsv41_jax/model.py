@@ -41,7 +41,8 @@ from pallas_kernels.ops.sparse_attention import OUTPUT as ATTENTION_OUTPUT
 def remat_policy(prim, *args, **params) -> bool:
   """Layer remat (cfg.remat) recomputes a layer's forward in its backward except the outputs of
   `top_k` and the values named `SAVED_NAMES`: the indexer's selection and candidate pool (a sort
-  of [T, N] scores per indexing layer, or the radix select), the attention op's plan of the
+  of [T, N] scores per indexing layer, or the radix select; the kernel's scores at the selection,
+  [B, T, K] float32, which the KL loss's backward reads), the attention op's plan of the
   selection (a sort of its slots), the MoE routing, the MoE layer's router logits, pair sort and
   output (`moe_dispatch.KEPT`: the output is what the mHC site's backward reads; recomputing it
   re-ran the down-projections and the combine), the attention kernel's output, log-sum-exp and

@@ -35,9 +35,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from pallas_kernels import csa2_attention as _ca
+from pallas_kernels.ops import indexer as _ops
 from pallas_kernels.topk_select import radix_topk
 from pallas_kernels.topk_triton import MAX_ENTRIES as _TRITON_MAX_ENTRIES, triton_topk
 
@@ -113,11 +115,13 @@ def masked_scores(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry_la
 
   One program scores a block of `block_t` queries against `block_chunk` entries (a multiple of
   `block_n`; None: every entry, one program a query block), `block_n` at a time, and writes −∞
-  over the entry blocks no query of its block sees yet. Causally a row's live blocks grow with
-  its position, so whole-row programs range from one live block to all of them: at s3's 4 × 4096
-  that is 256 programs for 132 SMs, the last query blocks 32 live blocks against 16.5 on average.
-  Chunks give more, more even programs (the dead chunks only write −∞); the GPU has not timed
-  them yet (`benchmarks/csa2_kernels_gpu.py`'s indexer case, "scores only" rows).
+  over the entry blocks no query of its block sees yet; a chunk larger than the (padded) row is
+  the row. Causally a row's live blocks grow with its position, so whole-row programs range from
+  one live block to all of them: at s3's 4 × 4096 that is 256 programs for 132 SMs, the last query
+  blocks 32 live blocks against 16.5 on average. Chunks give more, more even programs (the dead
+  chunks only write −∞): at s3's shape on an H100 the scores took 0.85 ms in chunks of 512
+  entries against 1.17 whole-row (1,024: 0.91, 2,048: 1.00; session 59,
+  `benchmarks/csa2_kernels_gpu.py --cases idx-4k-chunks`), so `score_and_select` passes 512.
 
   Tiles: at s3's 4 × 4096, 16 heads × 128, ratio 1 on the H200, 64 queries × 128 entries with 4
   warps scored in 1.13 ms, against 1.49 for 64 × 64 and 1.32-1.89 for the four other tiles measured
@@ -126,9 +130,11 @@ def masked_scores(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry_la
   """
   B, T, H, I = q_BxTxHxI.shape
   N = index_k_BxNxI.shape[1]
-  chunk = block_n * -(-N // block_n) if block_chunk is None else int(block_chunk)
-  if chunk % block_n:
-    raise ValueError(f"indexer scores: block_chunk {chunk} is not a multiple of block_n {block_n}")
+  whole = block_n * -(-N // block_n)
+  if block_chunk is not None and int(block_chunk) % block_n:
+    raise ValueError(f"indexer scores: block_chunk {block_chunk} is not a multiple of block_n "
+                     f"{block_n}")
+  chunk = whole if block_chunk is None else min(int(block_chunk), whole)
   tp = -(-T // block_t) * block_t
   nc = -(-N // chunk)
   np_ = nc * chunk
@@ -381,7 +387,7 @@ def score_and_select(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry
                      segment_ids_BxT, *, k: int, query_chunk: int | None = 512,
                      max_score_bytes: int = 1 << 31, max_slot_bytes: int = 1 << 31,
                      interpret: bool | None = None,
-                     block_t: int = 64, block_n: int = 128, block_chunk: int | None = None,
+                     block_t: int = 64, block_n: int = 128, block_chunk: int | None = 512,
                      num_warps: int = 4, num_stages: int = 2, select: str = "auto"):
   """(topk_BxTxK int32, scores_at_topk_BxTxK float32): the kernel's form of the model function.
 
@@ -394,15 +400,18 @@ def score_and_select(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry
   (Triton's 32-bit offsets). `select`: "radix" (the XLA
   radix select, `pallas_kernels.topk_select`), "triton" (the same slots from one Triton program
   per row, `pallas_kernels.topk_triton`: 0.95 ms against the radix select's 4.57 and
-  `lax.top_k`'s 4.26 at 4 × 4,096 × top-256 on the H200, RESULTS.md) or "auto" (triton where one
-  program holds the row's N entries, radix beyond); "triton_early" is the Triton select stopping
-  its digits once the prefix isolates the K-th key (`triton_topk(early_exit=True)`; not chosen by
-  "auto" until the GPU has timed it). Every choice selects the same slots.
+  `lax.top_k`'s 4.26 at 4 × 4,096 × top-256 on the H200, RESULTS.md), "triton_early" (the
+  Triton select stopping its digits once the prefix isolates the K-th key,
+  `triton_topk(early_exit=True)`: 0.82 ms against 0.94 on an H100, session 59) or "auto"
+  (triton_early where one program holds the row's N entries, radix beyond). Every choice selects
+  the same slots. `block_chunk`: `masked_scores`' entry chunk (512: scores + selection 1.59 ms
+  against 1.89 whole-row with the early-exit select, 5.6x the XLA reference's forward, and s3's
+  accumulated step 2,213.5 against 2,236.2 ms with both; H100, session 59).
   """
   B, T, H, I = q_BxTxHxI.shape
   N = index_k_BxNxI.shape[1]
   if select == "auto":
-    select = "triton" if N <= _TRITON_MAX_ENTRIES else "radix"
+    select = "triton_early" if N <= _TRITON_MAX_ENTRIES else "radix"
   if select not in _SELECTS:
     raise ValueError(f"indexer kernel: select {select!r} is not one of "
                      f"{sorted(_SELECTS) + ['auto']}")
@@ -433,7 +442,7 @@ def score_and_select(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry
   c = -(-T // -(-T // c))                                           # equal chunks
   picked = _row_chunks(lambda q, w, i: scores_at(q, w, index_k_BxNxI, i, interpret), T, c,
                        (q_BxTxHxI, w_BxTxH, topk))
-  return topk, picked
+  return topk, checkpoint_name(picked, _ops.SELECTION)
 
 
 def indexer_topk(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry_last_BxN,

@@ -152,8 +152,9 @@ def triton_topk(scores_BxTxN: jax.Array, visible_BxTxN: jax.Array | None, k: int
   the visible entries, ascending, −1 past the number visible), one Triton program per row.
   `visible_BxTxN=None`: the entries whose score is above −inf (the kernel reads the scores and
   makes the keys itself); `digit_bits` (1, 2 or 4) of τ found per reduction; `early_exit` stops
-  the digits once the prefix isolates the need-th key (`_tau_early_exit`; the same slots; off
-  until the GPU has timed it)."""
+  the digits once the prefix isolates the need-th key (`_tau_early_exit`; the same slots; 0.82
+  ms against 0.94 at 4 × 4,096 × top-256 with the keys in the kernel on an H100, session 59: the
+  indexer's default)."""
   if (reason := unsupported_reason(scores_BxTxN, visible_BxTxN, k)):
     raise ValueError(f"Triton top-k: {reason}")
   if digit_bits not in (1, 2, 4):

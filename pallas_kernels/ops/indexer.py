@@ -20,7 +20,9 @@ import jax.numpy as jnp
 
 # The name a kernel gives the selection it makes without `lax.top_k` (`jax.ad_checkpoint.
 # checkpoint_name`), so that layer remat can keep it as it keeps `top_k`'s outputs
-# (`dsv41_jax.model.remat_policy`) instead of selecting again in the backward.
+# (`dsv41_jax.model.remat_policy`) instead of selecting again in the backward; the indexer kernel
+# gives it to the scores at the selection too ([B, T, K] float32, which the KL loss's backward
+# reads: kept, `scores_at`'s forward kernel does not run again in the remat pass).
 SELECTION = "indexer_selection"
 
 

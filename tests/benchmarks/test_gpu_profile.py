@@ -202,3 +202,24 @@ def test_block_calls_into_the_layers_sit_where_the_rules_name_their_component():
   assert not wrong, wrong
   # The rules themselves: inlined into layer_forward, the same calls would count as dense.
   assert gpu_profile.component((path, "layer_forward", 1)) == "dense"
+
+
+# Modules whose kernels have no component of their own: the dispatcher and its helpers, and the
+# QAT fake-quantizers (called from the attention, the indexer and the experts alike; off by
+# default, so "other" in the default step's table).
+_NO_COMPONENT = {"pallas_kernels/__init__.py", "pallas_kernels/dispatch.py",
+                 "pallas_kernels/notices.py", "pallas_kernels/sharded.py",
+                 "pallas_kernels/fake_quant.py", "pallas_kernels/ops/__init__.py",
+                 "pallas_kernels/ops/paths.py", "pallas_kernels/ops/quant.py"}
+
+
+def test_every_kernel_module_has_a_component():
+  """Session 58 made the Triton select the indexer's default, but its module had no rule: its
+  1.8 ms a micro-batch (s3, H100) went to "other" and issue 26's indexer row read short."""
+  import pathlib
+  import pallas_kernels
+  root = pathlib.Path(pallas_kernels.__file__).parent
+  files = sorted(str(p.relative_to(root.parent)) for p in root.rglob("*.py"))
+  missing = [f for f in files if f not in _NO_COMPONENT
+             and gpu_profile.component((f, "f", 1)) == "other"]
+  assert not missing, missing

@@ -56,10 +56,12 @@ def _kernel_select(q, w, kv, seg, **kw):
 
 
 @pytest.mark.parametrize("m, tiles", [(1, BLOCKS), (2, BLOCKS), (1, {}),
-                                      (1, dict(BLOCKS, block_chunk=32))])
+                                      (1, dict(BLOCKS, block_chunk=32)),
+                                      (1, dict(BLOCKS, block_chunk=512))])
 def test_masked_scores_match_reference(m, tiles):
   # tiles {}: the default 64 × 128, one block holding all of T and N; block_chunk 32: two entry
-  # blocks a program, N not a multiple of it (padded), later chunks dead for the first rows
+  # blocks a program, N not a multiple of it (padded), later chunks dead for the first rows;
+  # block_chunk 512 (score_and_select's default): larger than the row, so the row
   q, w, kv, seg = _inputs(m, m)
   got = kx.masked_scores(q, w, kv.index_k_BxNxI, kv.entry_segment_BxN, kv.entry_last_BxN, seg,
                          jnp.arange(T), interpret=True, **tiles)
@@ -69,6 +71,31 @@ def test_masked_scores_match_reference(m, tiles):
   assert np.all(np.asarray(got)[~vis] == -np.inf)
   # float32, HIGHEST dots: per-head accumulation vs one einsum differs only in summation order.
   np.testing.assert_allclose(np.asarray(got)[vis], want[vis], rtol=1e-5, atol=1e-5)
+
+
+def test_layer_remat_keeps_the_selection_and_its_scores():
+  # Under the model's remat policy the backward reads the kept topk and scores_at_topk: neither the
+  # scores kernel nor scores_at's forward kernel runs again (each once in the gradient's program).
+  from dsv41_jax.model import remat_policy
+  q, w, kv, seg = _inputs(3, 1)
+
+  def loss(q, w, k):
+    topk, picked = kx.score_and_select(q, w, k, kv.entry_segment_BxN, kv.entry_last_BxN, seg, k=K,
+                                       interpret=True, **BLOCKS)
+    return jnp.sum(jax.nn.log_softmax(jnp.where(topk >= 0, picked, -1e30)) * 0.5)
+
+  text = str(jax.make_jaxpr(jax.grad(jax.checkpoint(loss, policy=remat_policy), argnums=(0, 1, 2)))(
+      q, w, kv.index_k_BxNxI))
+  assert text.count("name=masked_scores") == 1
+  assert text.count("name=_scores_at_kernel_fwd") == 1
+  assert text.count("name=_scores_at_kernel_bwd") == 1
+
+
+def test_masked_scores_chunk_must_be_whole_entry_blocks():
+  q, w, kv, seg = _inputs(1, 1)
+  with pytest.raises(ValueError, match="block_chunk 24 is not a multiple of block_n 16"):
+    kx.masked_scores(q, w, kv.index_k_BxNxI, kv.entry_segment_BxN, kv.entry_last_BxN, seg,
+                     jnp.arange(T), interpret=True, **dict(BLOCKS, block_chunk=24))
 
 
 @pytest.mark.parametrize("m, row_bytes", [(1, None), (2, 2 * 16 * 23 * 4)])
@@ -103,7 +130,7 @@ def test_selection_and_gradient_match_reference(m, row_bytes):
 def test_triton_select_gives_the_radix_select_results(monkeypatch):
   # The kernel's two selections (XLA radix passes, one Triton program per row) fill the same
   # slots, so the scores at them are equal too; "auto" (the default) takes the Triton program
-  # where it holds a row's entries and the radix passes beyond.
+  # (stopping its digits early) where it holds a row's entries and the radix passes beyond.
   q, w, kv, seg = _inputs(14, 2)
   want = _kernel_select(q, w, kv, seg, select="radix")
   for select in ("triton", "triton_early"):
@@ -114,7 +141,7 @@ def test_triton_select_gives_the_radix_select_results(monkeypatch):
          for n, f in kx._SELECTS.items()}
   monkeypatch.setattr(kx, "_SELECTS", spy)
   N = kv.index_k_BxNxI.shape[1]
-  for limit, chosen in ((N, "triton"), (N - 1, "radix")):
+  for limit, chosen in ((N, "triton_early"), (N - 1, "radix")):
     monkeypatch.setattr(kx, "_TRITON_MAX_ENTRIES", limit)
     ran.clear()
     for a, b in zip(_kernel_select(q, w, kv, seg), want):

@@ -64,6 +64,12 @@
 # carrying .whl and build/ladder_prev (a fresh machine compiles each point's program: the first
 # point took 211 s, the next 156 s). dense_attention_seed0 ran before the renumbering as well (other
 # initial weights): add ablations/dense_attention_seed0 (removed first) once seed 1 is done.
+# Session 59 (an H100): dense_attention_seed1 2.6036, full_depth_kv_seed1 2.4905, engram_off_seed1
+# 2.7223 (s59_ablations/, 145-165 s each). 5 seed-1 points are left (~3 a call): untar
+# s59_ablations/ladder_gpu.tar.gz into build/ladder_prev, then the same command
+#   run(command="ONLY='ablations/*_seed1' ABLATIONS=1 END=560 bash benchmarks/gpu_runs/calls/next4.sh",
+#       carry=[".whl", "build/ladder_prev"], timeout_s=600)
+# twice, then `rm -rf build/ladder_prev/ablations/dense_attention_seed0` and ONLY='ablations/dense_attention_seed0'.
 # JOBS=2 may fit more points a call: with no point yet timed at 2 at once, each is estimated at
 # twice its time alone (ladder_jobs.estimate_seconds), so the first such call starts only 2 points;
 # later calls time them by what the first measured.
