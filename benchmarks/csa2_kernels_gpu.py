@@ -357,7 +357,7 @@ def idx_check(interp):
        rel_dw=rel(gk[1], gr[1]), rel_dk=rel(gk[2], gr[2]))
 
 
-def idx_bench(T, interp, reps, xla=True, H=32, I=128, K=512, variants=((64, 128, 4),), B=1):
+def idx_bench(T, interp, reps, xla=True, H=32, I=128, K=512, variants=((64, 128, 4, 512),), B=1):
   q, w, idx_k, r, seg, pos = idx_inputs(T, H, I, K, jnp.bfloat16, B=B)
   fl = 2.0 * B * T * T * H * I
   shape = f"{B}x{T} H{H} I{I} K{K} m1"
@@ -549,15 +549,19 @@ def main():
                                    kernels=("pallas csa2",), global_branch=False),
       "topk-4k": lambda: topk_bench(4, 4096, 256, interp, reps),
       "idx-4k": lambda: idx_bench(4096, interp, reps, H=16, I=128, K=256, B=4),
-      # the scores kernel over entry chunks (more, more even programs than one a query block)
+      # the scores kernel over entry chunks (more, more even programs than one a query block;
+      # 512, the default since session 59, against whole rows and larger chunks)
       "idx-4k-chunks": lambda: idx_bench(4096, interp, reps, xla=False, H=16, I=128, K=256, B=4,
                                          variants=((64, 128, 4), (64, 128, 4, 512),
-                                                   (64, 128, 4, 1024), (64, 128, 4, 2048))),
-      # the scores kernel's tiles (block_t queries, block_n entries, warps) at s3's shapes; each
-      # with the early-exit select, forward and backward (the first with every select)
+                                                   (64, 128, 4, 1024), (64, 128, 4, 2048),
+                                                   (64, 128, 4, 256))),
+      # the scores kernel's tiles (block_t queries, block_n entries, warps) at s3's shapes over
+      # the default 512-entry chunks; each with the early-exit select, forward and backward (the
+      # first with every select)
       "idx-4k-tiles": lambda: idx_bench(4096, interp, reps, xla=False, H=16, I=128, K=256, B=4,
-                                        variants=((64, 128, 4), (128, 64, 4), (64, 64, 4),
-                                                  (128, 128, 8), (64, 64, 8), (32, 64, 4))),
+                                        variants=((64, 128, 4, 512), (128, 64, 4, 512),
+                                                  (64, 64, 4, 512), (128, 128, 8, 512),
+                                                  (64, 64, 8, 512), (32, 64, 4, 512))),
       # m3's and s4's top-512 (configs/small.py): the measured envelopes stop at top-256.
       "4k-m1-k512": lambda: attn_bench(4, 4096, 1, interp, reps, both, K=512),
       "4k-m2-k512": lambda: attn_bench(4, 4096, 2, interp, reps, both, K=512),

@@ -116,7 +116,7 @@ def masked_scores(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry_la
   One program scores a block of `block_t` queries against `block_chunk` entries (a multiple of
   `block_n`; None: every entry, one program a query block), `block_n` at a time, and writes −∞
   over the entry blocks no query of its block sees yet; a chunk larger than the (padded) row is
-  the row. Causally a row's live blocks grow with its position, so whole-row programs range from
+  the row, one smaller than an entry block is one block. Causally a row's live blocks grow with its position, so whole-row programs range from
   one live block to all of them: at s3's 4 × 4096 that is 256 programs for 132 SMs, the last query
   blocks 32 live blocks against 16.5 on average. Chunks give more, more even programs (the dead
   chunks only write −∞): at s3's shape on an H100 the scores took 0.85 ms in chunks of 512
@@ -131,10 +131,10 @@ def masked_scores(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry_la
   B, T, H, I = q_BxTxHxI.shape
   N = index_k_BxNxI.shape[1]
   whole = block_n * -(-N // block_n)
-  if block_chunk is not None and int(block_chunk) % block_n:
+  if block_chunk is not None and int(block_chunk) > block_n and int(block_chunk) % block_n:
     raise ValueError(f"indexer scores: block_chunk {block_chunk} is not a multiple of block_n "
                      f"{block_n}")
-  chunk = whole if block_chunk is None else min(int(block_chunk), whole)
+  chunk = whole if block_chunk is None else min(max(int(block_chunk), block_n), whole)
   tp = -(-T // block_t) * block_t
   nc = -(-N // chunk)
   np_ = nc * chunk

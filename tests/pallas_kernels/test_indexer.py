@@ -57,11 +57,13 @@ def _kernel_select(q, w, kv, seg, **kw):
 
 @pytest.mark.parametrize("m, tiles", [(1, BLOCKS), (2, BLOCKS), (1, {}),
                                       (1, dict(BLOCKS, block_chunk=32)),
-                                      (1, dict(BLOCKS, block_chunk=512))])
+                                      (1, dict(BLOCKS, block_chunk=512)),
+                                      (1, dict(BLOCKS, block_chunk=8))])
 def test_masked_scores_match_reference(m, tiles):
   # tiles {}: the default 64 × 128, one block holding all of T and N; block_chunk 32: two entry
   # blocks a program, N not a multiple of it (padded), later chunks dead for the first rows;
-  # block_chunk 512 (score_and_select's default): larger than the row, so the row
+  # block_chunk 512 (score_and_select's default): larger than the row, so the row; block_chunk 8:
+  # smaller than an entry block of 16, so one block (a larger block_n under the default chunk)
   q, w, kv, seg = _inputs(m, m)
   got = kx.masked_scores(q, w, kv.index_k_BxNxI, kv.entry_segment_BxN, kv.entry_last_BxN, seg,
                          jnp.arange(T), interpret=True, **tiles)
