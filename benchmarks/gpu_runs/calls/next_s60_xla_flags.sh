@@ -22,5 +22,5 @@ OUT=$(realpath "$OUT")
 export XLA_ARM_notriton=--xla_gpu_enable_triton_gemm=false
 export XLA_ARM_lhs=--xla_gpu_enable_latency_hiding_scheduler=true
 export XLA_ARM_dbuf=--xla_gpu_enable_while_loop_double_buffering=true
-arms s3 135 main notriton lhs dbuf
+arms s3 140 main notriton lhs dbuf
 step done
