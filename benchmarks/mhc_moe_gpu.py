@@ -25,7 +25,7 @@ The fused single-pass Triton site of session 58 (`pallas_kernels/mhc_site.py`, o
 one backward kernel) measured slower than `kernel` at all five tiles it was timed at (session 59,
 H100, s3, bfloat16 streams: kernel 0.474 / 1.216 ms forward / forward+backward, fused 0.807 /
 2.296 at its default 64×32 tiles, best 0.644 forward at 16×64 and 2.213 forward+backward at 16×32,
-reference 0.665 / 1.880) and was removed (git history: the commit before its removal, e.g. 8873ae8).
+reference 0.665 / 1.880) and was removed (in git history at 8873ae8).
 Minimum bytes (each input read once, each output written once, in their dtypes: x and gx are
 float32): forward X, F read, X', x written; forward+backward adds X, F, X' (for d fn = gyᵀ x̂),
 gX', gx read and gX, gF written; at s3 with bfloat16 streams 22·d and 40·d bytes a token.

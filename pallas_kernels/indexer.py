@@ -116,16 +116,17 @@ def masked_scores(q_BxTxHxI, w_BxTxH, index_k_BxNxI, entry_segment_BxN, entry_la
   One program scores a block of `block_t` queries against `block_chunk` entries (a multiple of
   `block_n`; None: every entry, one program a query block), `block_n` at a time, and writes −∞
   over the entry blocks no query of its block sees yet; a chunk larger than the (padded) row is
-  the row, one smaller than an entry block is one block. Causally a row's live blocks grow with its position, so whole-row programs range from
-  one live block to all of them: at s3's 4 × 4096 that is 256 programs for 132 SMs, the last query
-  blocks 32 live blocks against 16.5 on average. Chunks give more, more even programs (the dead
-  chunks only write −∞): at s3's shape on an H100 the scores took 0.85 ms in chunks of 512
-  entries against 1.17 whole-row (1,024: 0.91, 2,048: 1.00; session 59,
-  `benchmarks/csa2_kernels_gpu.py --cases idx-4k-chunks`), so `score_and_select` passes 512.
+  the row, one smaller than an entry block is one block. Causally a row's live blocks grow with
+  its position, so whole-row programs range from one live block to all of them: at s3's 4 × 4096
+  that is 256 programs for 132 SMs, the last query blocks 32 live blocks against 16.5 on average.
+  Chunks give more, more even programs (the dead chunks only write −∞): at s3's shape on an H100
+  the scores took 0.85 ms in chunks of 512 entries against 1.17 whole-row (1,024: 0.91, 2,048:
+  1.00; session 59, `benchmarks/csa2_kernels_gpu.py --cases idx-4k-chunks`), so `score_and_select`
+  passes 512.
 
   Tiles: at s3's 4 × 4096, 16 heads × 128, ratio 1 on the H200, 64 queries × 128 entries with 4
-  warps scored in 1.13 ms, against 1.49 for 64 × 64 and 1.32-1.89 for the four other tiles measured
-  (benchmarks/RESULTS.md, 2026-12-04). The tile changes only the dots' float32 rounding
+  warps scored in 1.13 ms, against 1.49 for 64 × 64 and 1.32-1.89 for the four other tiles
+  measured (benchmarks/RESULTS.md, 2026-12-04). The tile changes only the dots' float32 rounding
   (`tests/pallas_kernels/test_indexer.py` checks two tilings against the reference).
   """
   B, T, H, I = q_BxTxHxI.shape

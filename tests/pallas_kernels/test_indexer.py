@@ -97,7 +97,7 @@ def test_masked_scores_chunk_must_be_whole_entry_blocks():
   q, w, kv, seg = _inputs(1, 1)
   with pytest.raises(ValueError, match="block_chunk 24 is not a multiple of block_n 16"):
     kx.masked_scores(q, w, kv.index_k_BxNxI, kv.entry_segment_BxN, kv.entry_last_BxN, seg,
-                     jnp.arange(T), interpret=True, **dict(BLOCKS, block_chunk=24))
+                     jnp.arange(T), interpret=True, **BLOCKS, block_chunk=24)
 
 
 @pytest.mark.parametrize("m, row_bytes", [(1, None), (2, 2 * 16 * 23 * 4)])

@@ -1,3 +1,5 @@
+# Ran once (session 59, s59_idx_step/); a record now: both forms are main's defaults, so its
+# tree_copy edit matches nothing and the script stops there.
 # Issue 26: s3's accumulated step with the indexer's two session-58 forms as defaults, side by side
 # with main (either card, ~560 s; carry .whl; from the repository root). Standalone (session 59,
 # H100) the early-exit select and 512-entry score chunks made scores + selection 1.59 ms against

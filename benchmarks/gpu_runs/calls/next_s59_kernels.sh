@@ -1,3 +1,5 @@
+# Ran once (session 59, s59_kernels/); a record now: `--fused-variants` left with the fused site
+# (in git history at 8873ae8), so step 1 no longer runs.
 # Session 58's kernels, timed side by side on either card (~560 s; carry .whl; from the repository root):
 #   1. issue 27: the fused single-pass mHC site (`pallas_kernels/mhc_site.py`: forward and backward
 #      each one Triton kernel) against the op's reference and today's kernel (`pallas_kernels.mhc`),
