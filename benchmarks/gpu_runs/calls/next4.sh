@@ -70,6 +70,14 @@
 #   run(command="ONLY='ablations/*_seed1' ABLATIONS=1 END=560 bash benchmarks/gpu_runs/calls/next4.sh",
 #       carry=[".whl", "build/ladder_prev"], timeout_s=600)
 # twice, then `rm -rf build/ladder_prev/ablations/dense_attention_seed0` and ONLY='ablations/dense_attention_seed0'.
+# Session 60 (an H100, two calls on one warm machine): the five seed-1 points are done (s60_ablations_call{1,2}/).
+# dense_attention_seed0 was NOT run again: the second call was on the warm machine, whose build/ladder_gpu
+# still held the old point, so removing it from build/ladder_prev was not enough ("done, skipped"). RERUN
+# (comma-separated point names) now removes those points from the machine's workdir after the restore,
+# warm machine or not. Next (one point, ~160-210 s on a fresh machine; untar s60_ablations_call2's archive
+# into build/ladder_prev first):
+#   run(command="RERUN=ablations/dense_attention_seed0 ONLY=ablations/dense_attention_seed0 ABLATIONS=1 END=400 bash benchmarks/gpu_runs/calls/next4.sh",
+#       carry=[".whl", "build/ladder_prev"], timeout_s=450)
 # JOBS=2 may fit more points a call: with no point yet timed at 2 at once, each is estimated at
 # twice its time alone (ladder_jobs.estimate_seconds), so the first such call starts only 2 points;
 # later calls time them by what the first measured.
@@ -117,6 +125,8 @@ if [ -d build/xla_cache ]; then
   step "compilation cache: $(ls build/xla_cache | wc -l) entries restored"
   mkdir -p $CACHE && cp -r build/xla_cache/. $CACHE/
 fi
+# RERUN: points to run again although a done copy was restored or is left on a warm machine.
+for p in ${RERUN//,/ }; do step "rerun: $p removed from $W"; rm -rf "${W:?}/$p"; done
 END=${END:-545}
 : "${ONLY:=*}" "${JOBS:=1}"
 step "ladder ${SWEEP:+sweep }${ABLATIONS:+ablations }$ONLY, $JOBS at once, $((END - SECONDS)) s"
