@@ -62,6 +62,9 @@ arms() {
   for spec in "$@"; do
     name=${spec%%:*}; name=${name%%@*}
     echo "-- $name"; grep -E "^\| $size|rror" "/tmp/arm_${size}_$name.out" | tail -2
+    # the arm's whole output comes back too (session 61's four flag arms all hit their timeout and
+    # left nothing to say how far each had got)
+    cp "/tmp/arm_${size}_$name.out" "$OUT/arm_${size}_$name.out" 2>/dev/null
   done
 }
 # profile SIZE NAME [KEY=VALUE ...]: gpu_profile.py at 4 x 4096 (command buffers off, two profiled
