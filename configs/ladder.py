@@ -2,8 +2,8 @@
 
 `get_config(arg)` answers two kinds of argument:
 
-* a grid name, `cpu`, `gpu` or `micro`: the ladder's spec (sizes, budgets, ablation size, seeds, XLA flags),
-  read by `launch.ladder`;
+* a grid name, `cpu`, `gpu`, `gpu_lr2e-3` or `micro`: the ladder's spec (sizes, budgets, ablation
+  size, seeds, XLA flags), read by `launch.ladder`;
 * a point, `<grid>/<size>/<steps>` or `<grid>/<size>/<steps>/<ablation>`: the ordinary
   `launch.train` config of one run, e.g. `configs/ladder.py:cpu/L8d64/400`.
 
@@ -38,10 +38,17 @@ at most 16.6 GiB, its share 31 GiB), resumed over several 10-minute device calls
 
 (`--list` prints each point's `launch.train` command instead; `--report` reads the finished work
 directories, or the copies of their point.json and metrics.jsonl.)
+
+The :gpu grid's peak rates are the learning-rate sweep's optima per chain and size (`lr` in GRIDS;
+L16d512, never swept, borrows L12d384's and is flagged untuned). Its 9 points in
+benchmarks/ladder/gpu ran before the sweep at 2e-3 for every size: `gpu_lr2e-3` is that grid. A
+done point whose record says it trained at another chain or peak rate than its config now gives is
+stale: `launch.ladder` marks it so (left out of the fits) and reruns it afresh.
 """
 
 from __future__ import annotations
 
+import math
 import re
 
 import jax
@@ -62,7 +69,8 @@ FASTER_CPU = FAST_CPU + (" --xla_cpu_use_fusion_emitters=false"
                          if jax.__version_info__ < (0, 11) else "")
 
 # Each grid: sizes (name -> layers, width), budgets in steps, the batch and sequence of every point,
-# the peak learning rate and warm-up, and the ablation size, budget and seeds.
+# the peak learning rate (`lr`: one for every size and chain, or per chain a table of sizes, see
+# `peak_lr`) and warm-up, and the ablation size, budget and seeds.
 GRIDS: dict[str, dict] = {
     # Widths 32-96 at depth 8-10: 0.2-1.4 M activated matrix parameters per token (head
     # included); budgets 60-240 steps of 1024 tokens. Compilation dominates a point on CPU (the
@@ -75,16 +83,20 @@ GRIDS: dict[str, dict] = {
     # One H200: widths 256-512, seq 1024, batch 16 (16 K tokens a step); every point alone fits
     # one 10-minute device call (measured step times in the docstring).
     "gpu": dict(sizes={"L8d256": (8, 256), "L12d384": (12, 384), "L16d512": (16, 512)},
-                steps=(200, 400, 800), seq=1024, batch=16, lr=2e-3, warmup=50,
+                steps=(200, 400, 800), seq=1024, batch=16, warmup=50,
+                # Peak rate per chain and size, for grid points and ablations alike: each chain's
+                # best rate of the sweep below at 400 steps, 2 seeds (issue 29; RESULTS "Muon
+                # against AdamW, tuned", 2026-12-05; benchmarks/ladder/gpu/report.md): Muon
+                # 2.5852 ± 0.0015 at L8d256, 2.5141 ± 0.0364 at L12d384; AdamW 2.7448 ± 0.0257
+                # and 2.6578 ± 0.0299. L16d512 was never swept: it takes L12d384's rates, the
+                # nearest swept size (`peak_lr`), and every record and report says so.
+                lr=dict(muon={"L8d256": 4e-3, "L12d384": 8e-3},
+                        adamw={"L8d256": 4e-3, "L12d384": 2e-3}),
                 ablation_size="L12d384", ablation_steps=400, seeds=(0, 1), xla_flags="",
                 # Muon against AdamW, tuned (issue 29): rates a factor 2 apart around each
                 # chain's default, 400 steps (6.6 M tokens) at two sizes; the best at 2 seeds.
                 # AdamW's 8e-3 was added when L8d256's optimum sat at 4e-3, the range's top
                 # (2026-12-03, RESULTS "Muon against AdamW").
-                # Each chain's best peak rate of the sweep at the ablation size (L12d384, 400
-                # steps; RESULTS "Muon against AdamW, tuned", 2026-12-05): the ablations run at
-                # them (the `adamw` switch at AdamW's), the grid's points at `lr` as they ran.
-                ablation_lrs=dict(muon=8e-3, adamw=2e-3),
                 sweep=dict(sizes=("L8d256", "L12d384"), steps=400, seeds=(0, 1), evals=4,
                            lrs={"muon": (5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2),
                                 "adamw": (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3)})),
@@ -94,6 +106,11 @@ GRIDS: dict[str, dict] = {
                   sweep=dict(sizes=("L2d32",), steps=4, seeds=(0, 1), evals=2,
                              lrs={"muon": (1e-3, 3e-3, 1e-2), "adamw": (1e-3, 3e-3, 1e-2)})),
 }
+# The :gpu grid as its 9 points ran (2026-12-03, benchmarks/ladder/gpu): one peak rate, 2e-3, for
+# every size and chain, before the sweep. The ablations beside them ran at :gpu's L12d384 rates
+# (Muon 8e-3, AdamW 2e-3) and the sweeps at their own, so `gpu` reproduces those; this grid's own
+# ablations, at 2e-3, were never run.
+GRIDS["gpu_lr2e-3"] = dict(GRIDS["gpu"], lr=2e-3)
 
 ABLATIONS = ("dense_attention", "full_depth_kv", "engram_off", "plain_residual", "qat",
              "candidate_pool", "adamw", "bf16_streams")
@@ -161,7 +178,7 @@ def ablate(model: dict, name: str) -> dict:
                    same schedule, weight decays and learning-rate multipliers).
   bf16_streams     the mHC streams stored in bfloat16 (`hc_stream_dtype`, docs/design.md §3.5):
                    a speed switch whose loss cost this arm measures.
-  baseline         none: the ablations' reference point (at the grid's `ablation_lrs`, if any).
+  baseline         none: the ablations' reference point.
   """
   if name == "dense_attention":
     n = model["num_hidden_layers"]
@@ -192,6 +209,39 @@ def ablate(model: dict, name: str) -> dict:
   return {}
 
 
+def peak_lr(grid: str, size: str, chain: str) -> tuple[float, str]:
+  """The peak learning rate of `chain` at `size` in `grid`, and "" or why it is untuned.
+
+  A grid's `lr` is one rate for every size and chain, or per chain a table of sizes (the sweep's
+  best rates). A size missing from its chain's table takes the rate of the nearest size in it, by
+  matrix parameters per layer × layers (layers · d², in log), and the note says so: the rate is
+  a guess, not an optimum."""
+  g = GRIDS[grid]
+  if not isinstance(g["lr"], dict):
+    return g["lr"], ""
+  table = g["lr"][chain]
+  if size in table:
+    return table[size], ""
+  def scale(name):
+    layers, d = _parse_size(name)
+    return math.log(layers * d * d)
+  near = min(table, key=lambda s: abs(scale(s) - scale(size)))
+  return table[near], f"untuned: no sweep at {size}, {near}'s rate"
+
+
+def untuned(grid: str) -> dict[str, str]:
+  """Size -> why its peak rates are untuned, for the grid's sizes that borrow a swept size's
+  (`peak_lr`); empty for a grid with one rate or a table covering every size."""
+  g = GRIDS[grid]
+  chains = g["lr"] if isinstance(g["lr"], dict) else {}
+  out = {}
+  for size in dict.fromkeys([*g["sizes"], g["ablation_size"]]):
+    notes = dict.fromkeys(n for n in (peak_lr(grid, size, chain)[1] for chain in chains) if n)
+    if notes:
+      out[size] = "; ".join(notes)
+  return out
+
+
 _SWEEP_ARM = re.compile(r"^(muon|adamw)_lr([0-9.]+(?:e[+-]?\d+)?)$")
 
 
@@ -210,6 +260,7 @@ def point_config(grid: str, size: str, steps: int, ablation: str | None = None
   arm = _SWEEP_ARM.match(ablation or "")
   optim = (dict(chain=arm.group(1), lr=float(arm.group(2))) if arm
            else ablate(model, ablation) if ablation else {})
+  lr, _ = peak_lr(grid, size, optim.get("chain", "muon"))
   cfg = common.base_config(model=model)
   cfg.optim.frozen = ()
   cfg.data.seq_len = g["seq"]
@@ -227,15 +278,13 @@ def point_config(grid: str, size: str, steps: int, ablation: str | None = None
   cfg.train.checkpoint_every = max(1, steps // 2)
   cfg.train.keep_checkpoints = 1
   cfg.train.progress_bar = False
-  cfg.optim.lr = g["lr"]
+  cfg.optim.lr = lr
   cfg.optim.warmup_steps = min(g["warmup"], steps // 4)
   tokens = steps * g["batch"] * g["seq"]
   cfg.optim.schedule_unit = "tokens"
   cfg.optim.decay_start = 0.6 * tokens
   cfg.optim.decay_end = float(tokens)
-  cfg.optim.update(optim)
-  if ablation and not arm and "ablation_lrs" in g:
-    cfg.optim.lr = g["ablation_lrs"][cfg.optim.get("chain", "muon")]
+  cfg.optim.update(optim)            # a sweep arm's chain and rate
   if arm:
     cfg.train.eval_every = max(1, steps // g["sweep"]["evals"])
   return cfg
@@ -260,13 +309,14 @@ def ladder_spec(grid: str) -> ml_collections.ConfigDict:
   spec.ablations = ABLATIONS
   spec.seeds = tuple(g["seeds"])
   spec.xla_flags = g["xla_flags"]  # appended to XLA_FLAGS of every point's run
+  spec.untuned = untuned(grid)      # size -> why its peak rates are a guess (records, report)
   if "sweep" in g:                  # launch.ladder --sweep (launch/sweep.py)
     spec.sweep = ml_collections.ConfigDict(dict(g["sweep"], lrs=dict(g["sweep"]["lrs"])))
   return spec
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """`cpu` / `gpu` / `micro`: a ladder spec; `<grid>/<size>/<steps>[/<ablation>]`: one point."""
+  """A grid name (`GRIDS`): a ladder spec; `<grid>/<size>/<steps>[/<ablation>]`: one point."""
   arg = arg or "cpu"
   parts = arg.split("/")
   if parts[0] not in GRIDS:

@@ -15,11 +15,17 @@ A ladder config file (`configs/ladder.py`) answers a grid name with the grid's s
 
   python -m launch.train --config=<file>:<point> --workdir=DIR/<name> --config.train.seed=<seed>
 
-with its output in DIR/<name>/train.log and its record in DIR/<name>/point.json; `--list` prints
+with its output in DIR/<name>/train.log and its record in DIR/<name>/point.json (with the chain and
+peak learning rate its config gives, and `lr_note` where the grid's rate at its size is untuned:
+`configs/ladder.py` `peak_lr`); `--list` prints
 each point's command as a shell line to paste (`cd <repo> && XLA_FLAGS=... <this python> -m
 launch.train ...`: the directory, environment and interpreter the ladder runs it with). A point is done
 when the run exited 0 with a held-out loss at its last step; a done point is never rerun, any other
-is (re)started, and `launch.train` resumes it from its last checkpoint. Every point's config is
+is (re)started, and `launch.train` resumes it from its last checkpoint. A done point whose run
+trained at another chain or peak rate than its config now gives (a grid whose rates were retuned)
+is stale (every point of the plan is checked, whether `--only` selects it or not): marked "stale:
+ran at lr 2e-3, config says 8e-3" (left out of the fits, results kept) and, when it runs, moved to
+DIR/stale/ and trained afresh (`ladder_jobs`, "Stale runs"). Every point's config is
 built and validated (ModelConfig, OptimConfig, schedule) before the first run; an invalid one
 stops the ladder with every error listed (exit status 2). A run that fails is recorded as failed
 with its log path and the ladder moves on; the report fits the points that finished. Ctrl-C,
@@ -50,10 +56,11 @@ Per point: N = activated matrix parameters per token (`dsv41_jax.flops.active_ma
 embedding look-ups excluded, head included), D = steps × batch × seq tokens, and
 C = `dsv41_jax.flops.train_flops_per_token` (at data.seq_len) × D, the formula behind MFU.
 Held-out loss and bits per byte are `launch.train`'s last `eval/loss`, `eval/bits_per_byte`
-(`launch/evaluation.py`). Fits: `launch/scaling_fit.py`. Ablation points train the grid's
-ablation size with one switch each (`configs/ladder.py` `ablate`), the same data order (data.seed
-fixed) and the same token budget, once per seed (`train.seed`, the initialisation);
-the table gives each switch's held-out loss minus the baseline's at the same seed. `--sweep` runs
+(`launch/evaluation.py`). Peak lr: the rate the run trained at (`ladder_jobs.ran_at`; ° read from
+the schedule it logged, † an untuned rate). Fits: `launch/scaling_fit.py`. Ablation points train
+the grid's ablation size with one switch each (`configs/ladder.py` `ablate`), the same data order
+(data.seed fixed) and the same token budget, once per seed (`train.seed`, the initialisation); the
+table gives each switch's held-out loss minus the baseline's at the same seed. `--sweep` runs
 the grid's learning-rate sweeps of the optimizer chains instead (`launch/sweep.py`: stages, report).
 """
 
@@ -199,7 +206,13 @@ def describe(path: str, point: Point) -> dict[str, Any]:
   fpt = flops.train_flops_per_token(mcfg.replace(seq_len=cfg.data.seq_len))
   return dict(layers=mcfg.num_hidden_layers, d=mcfg.hidden_size,
               n_active=flops.active_matrix_params(mcfg), flops_per_token=fpt,
-              tokens=tokens, compute=fpt * tokens)
+              tokens=tokens, compute=fpt * tokens, **trained_as(cfg))
+
+
+def trained_as(cfg) -> dict[str, Any]:
+  """The optimizer chain and peak learning rate of a point's config (what `ladder_jobs.reconcile`
+  holds a record's run to)."""
+  return dict(chain=cfg.optim.get("chain", "muon"), lr=float(cfg.optim.lr))
 
 
 def command(path: str, point: Point, workdir: str) -> list[str]:
@@ -255,8 +268,14 @@ def run_ladder(config: str, workdir: str, ablations: bool = False, log=print,
   env = point_env(spec)
   device = functools.cache(lambda: ladder_jobs.probe_device(env))
   first = plan(spec, ablations, sweeps)
-  records = _run_points(path, spec, select(first, only, later_points(spec, first, sweeps)),
-                        workdir, env, log, jobs, device, deadline)
+  chosen = select(first, only, later_points(spec, first, sweeps))
+  for p in first:   # the points --only leaves out: a stale one is marked, not left to be fitted
+    pdir = os.path.join(workdir, p.name)
+    if p not in chosen and read_record(pdir) is not None:
+      _, why = ladder_jobs.reconcile(pdir, trained_as(load_config_file(path, p.arg)))
+      if why:
+        log(f"{p.name}: {why}; not selected, left out of the fits until it runs")
+  records = _run_points(path, spec, chosen, workdir, env, log, jobs, device, deadline)
   if sweeps:
     ran = {r["name"] for r in records}
     more = [p for p in plan(spec, False, True, finished_first(first, records, workdir))
@@ -283,6 +302,9 @@ def _run_points(path: str, spec, points: list[Point], workdir: str, env: dict[st
   """Validate `points`, then run them (`ladder_jobs.run`); with jobs > 1 first the memory check
   against `device()` and the longest first (the `ladder_jobs` docstring)."""
   described = validate(path, points)
+  for p in points:   # the grid's rate at an unswept size is a guess, and its record says so
+    note = spec.get("untuned", {}).get(p.size, "")
+    described[p.name]["lr_note"] = "" if p.kind == "sweep" else note
   if jobs > 1:
     dev = device()
     ladder_jobs.check_fit(memory_need(path, points, dev.count, dev.platform), jobs, dev, env)
@@ -320,7 +342,7 @@ def memory_need(path: str, points: list[Point], devices: int, platform: str) -> 
 # --- report ---------------------------------------------------------------------------------------
 
 COLUMNS = ("name", "kind", "size", "layers", "d", "steps", "seed", "ablation", "chain", "lr",
-           "n_active",
+           "lr_from", "lr_note", "n_active",
            "flops_per_token", "tokens", "compute", "eval_loss", "eval_bpb", "train_loss",
            "text_epochs", "seconds", "status", "log", "command")
 
@@ -341,6 +363,8 @@ def collect(ladder_dir: str) -> list[dict[str, Any]]:
       curve = sorted((s, m["loss"]) for s, m in metrics.items() if m.get("loss") is not None)
       ev = final_eval(pdir, rec["steps"]) if rec.get("status") == "done" else None
       row = dict(rec, **(ev or {}))
+      chain, lr, lr_from = ladder_jobs.ran_at(rec, pdir)
+      row.update(chain=chain or "", lr=lr, lr_from=lr_from, lr_note=rec.get("lr_note", ""))
       row["train_loss"] = curve[-1][1] if curve else None
       passes = [m["data/epochs/text"] for _, m in sorted(metrics.items())
                 if m.get("data/epochs/text") is not None]
@@ -354,7 +378,8 @@ def collect(ladder_dir: str) -> list[dict[str, Any]]:
 def fits(rows: list[dict[str, Any]]) -> dict[str, Any]:
   """Frontier fit L(C) and grid fit L(N, D) over the finished grid points (see scaling_fit)."""
   done = [r for r in rows if r["kind"] == "grid" and r["status"] == "done"]
-  out: dict[str, Any] = {"points_fitted": [r["name"] for r in done]}
+  out: dict[str, Any] = {"points_fitted": [r["name"] for r in done],
+                         "peak_lrs": peak_lrs(done)}
   if not done:
     return out
   C = np.array([r["compute"] for r in done])
@@ -374,6 +399,22 @@ def fits(rows: list[dict[str, Any]]) -> dict[str, Any]:
   except ValueError as e:
     out["grid_fit"] = {"error": str(e)}
   return out
+
+
+def peak_lrs(rows: list[dict[str, Any]]) -> dict[str, list[float | None]]:
+  """Size -> the distinct peak rates its rows trained at (more than one: the rows mix rates)."""
+  out: dict[str, list[float | None]] = {}
+  for r in rows:
+    lrs = out.setdefault(r["size"], [])
+    if r.get("lr") not in lrs:
+      lrs.append(r.get("lr"))
+  return out
+
+
+def lr_cell(r: dict[str, Any]) -> str:
+  """A row's peak rate as the report prints it: ° read from its logged schedule, † untuned."""
+  return (ladder_jobs.format_lr(r.get("lr")) + ("°" if r.get("lr_from") == "metrics.jsonl" else "")
+          + ("†" if r.get("lr_note") else ""))
 
 
 def ablation_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -397,6 +438,8 @@ def ablation_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         delta_loss_std=float(dl.std(ddof=1)) if len(dl) > 1 else None,
         delta_bpb_mean=float(db.mean()),
         flops_ratio=pairs[0][0]["flops_per_token"] / pairs[0][1]["flops_per_token"],
+        lr=", ".join(dict.fromkeys(lr_cell(r) for r, _ in pairs)),
+        baseline_lr=", ".join(dict.fromkeys(lr_cell(b) for b in base.values())),
         baseline_spread=spread, baseline_seeds=sorted(base),
         verdict=ablation_verdict(dl, spread, len(base))))
   return out
@@ -419,9 +462,9 @@ def ablation_verdict(deltas, baseline_spread: float, baseline_seeds: int) -> str
 
 def markdown(rows, fit, abl) -> str:
   """The report as markdown tables (what RESULTS.md quotes)."""
-  lines = ["| point | N active | D tokens | C FLOP | held-out loss | bits/byte | train loss | "
-           "text epochs | status |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+  lines = ["| point | peak lr | N active | D tokens | C FLOP | held-out loss | bits/byte | "
+           "train loss | text epochs | status |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
   def num(r, key, fmt):
     return format(r[key], fmt) if r.get(key) is not None else "-"
   repeated = False
@@ -432,13 +475,22 @@ def markdown(rows, fit, abl) -> str:
     mark = " *" if r["name"] in fit.get("frontier", ()) else ""
     over = (r.get("text_epochs") or 0) > 1
     repeated |= over
-    lines.append(f"| {r['name']}{mark} | {r['n_active']:.3g} | {r['tokens']:.3g} | "
+    lines.append(f"| {r['name']}{mark} | {lr_cell(r)} | {r['n_active']:.3g} | {r['tokens']:.3g} | "
                  f"{r['compute']:.3g} | {num(r, 'eval_loss', '.4f')} | {num(r, 'eval_bpb', '.4f')} | "
                  f"{num(r, 'train_loss', '.4f')} | {num(r, 'text_epochs', '.2f')}{' !' if over else ''}"
                  f" | {status} |")
   if repeated:
     lines += ["", "! read its training text more than once (data/epochs/text > 1): its held-out loss "
               "mixes scaling with repetition of the same documents."]
+  lines += lr_notes([r for r in rows if r["kind"] in ("grid", "ablation")])
+  if fit.get("peak_lrs"):
+    per_size = {s: " and ".join(map(ladder_jobs.format_lr, lrs))
+                for s, lrs in fit["peak_lrs"].items()}
+    mixed = [s for s, lrs in fit["peak_lrs"].items() if len(lrs) > 1]
+    lines.append("\npeak lr of the fitted points: " + ", ".join(f"{s} {v}" for s, v in
+                                                                per_size.items())
+                 + (f" (warning: mixed rates at {', '.join(mixed)}: the fits mix them)"
+                    if mixed else ""))
   for key in ("frontier_fit", "grid_fit"):
     f = fit.get(key)
     if not f:
@@ -451,16 +503,32 @@ def markdown(rows, fit, abl) -> str:
     lines.append(f"\n{key}: {f['law']}; {params}; R² = {f['r2']:.4f} over {f['n_points']} "
                  f"points; residuals {res}")
   if abl:
-    lines += ["", "| switch | Δ held-out loss (mean) | min … max over seeds | seeds | FLOP/token ×"
-              " | against the seed spread |", "|---|---:|---:|---|---:|---|"]
+    lines += ["", "| switch | peak lr | Δ held-out loss (mean) | min … max over seeds | seeds | "
+              "FLOP/token × | against the seed spread |", "|---|---:|---:|---:|---|---:|---|"]
     for a in abl:
-      lines.append(f"| {a['ablation']} | {a['delta_loss_mean']:+.4f} | "
+      lines.append(f"| {a['ablation']} | {a['lr']} | {a['delta_loss_mean']:+.4f} | "
                    f"{a['delta_loss_min']:+.4f} … {a['delta_loss_max']:+.4f} | "
                    f"{','.join(map(str, a['seeds']))} | {a['flops_ratio']:.3f} | {a['verdict']} |")
     seeds = abl[0]["baseline_seeds"]
     lines.append(f"\nbaseline held-out loss spread over seeds {','.join(map(str, seeds))}: "
-                 + (f"{abl[0]['baseline_spread']:.4f}" if len(seeds) > 1 else "none yet (one seed)"))
+                 + (f"{abl[0]['baseline_spread']:.4f}" if len(seeds) > 1 else "none yet (one seed)")
+                 + f"; baseline peak lr {abl[0]['baseline_lr']}")
+  left = [r for r in rows if r["kind"] == "ablation" and r["status"] != "done"]
+  if left:
+    lines.append("\nablation points not in the table: "
+                 + "; ".join(f"{r['name']} ({r['status']})" for r in left))
   return "\n".join(lines) + "\n"
+
+
+def lr_notes(rows: list[dict[str, Any]]) -> list[str]:
+  """The footnotes of `lr_cell`'s marks among `rows`."""
+  out = []
+  if any(r.get("lr_from") == "metrics.jsonl" for r in rows):
+    out.append("° peak lr read from the schedule the run logged (metrics.jsonl `lr/muon`): its "
+               "record predates the ladder's `lr` field")
+  notes = {r["size"]: r["lr_note"] for r in rows if r.get("lr_note")}
+  out += [f"† {size}: {note}" for size, note in notes.items()]
+  return [""] + out if out else []
 
 
 def plots(rows, fit, out_dir: str) -> list[str]:

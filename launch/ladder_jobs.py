@@ -7,6 +7,15 @@ when its run starts, then "done", "failed" or "interrupted", with the run's seco
 its held-out loss) beside the run's own files; the run's output is appended to its train.log. A
 point is done when its run exited 0 with a held-out loss at its last step (`final_eval`).
 
+Stale runs. A record also says which optimizer chain and peak learning rate its run trained with
+(`ran_at`: the record's `chain` and `lr`, taken from the point's config when it starts; for a record
+older than those, the run's config.json, else the peak of the schedule it logged). A done point
+whose run differs from what its config now gives is stale (`reconcile`): its status becomes
+"stale: ran at lr 2e-3, config says 8e-3" (kept out of the fits, its results kept) and back to
+"done" if the config comes to agree again. Before a point whose earlier run differs (stale, or
+stopped part-way at the old rate) starts, that run's directory moves to DIR/stale/<name>.lr<rate>
+(`retire`), so the new run starts afresh instead of resuming the old one's checkpoint.
+
 `run` takes the points in the order given: a done point is skipped, any other is started as soon
 as fewer than `jobs` runs are going, and `launch.train` resumes it from its last checkpoint. Each
 run is recorded when it ends and the ladder goes on; a failed one keeps its exit status and log
@@ -49,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -111,6 +121,88 @@ def final_eval(pdir: str, steps: int) -> dict[str, float] | None:
   return {"eval_loss": m["eval/loss"], "eval_bpb": m.get("eval/bits_per_byte")}
 
 
+def format_lr(lr: float | None) -> str:
+  """A peak rate as the configs write it: 0.002 -> "2e-3", 0.016 -> "1.6e-2"; None -> "?"."""
+  if lr is None:
+    return "?"
+  mantissa, exponent = f"{lr:.3e}".split("e")
+  return f"{float(mantissa):g}e{int(exponent)}"
+
+
+def ran_at(rec: dict[str, Any], pdir: str) -> tuple[str | None, float | None, str | None]:
+  """(chain, peak learning rate, where they were read) of a point's run; None where nothing says.
+
+  The record's `chain` and `lr` when set (every record since the ladder took them from the
+  point's config; before, a sweep point's only: a grid or ablation point's read "" and 0.0), else
+  the run's config.json (`optim.chain`, `optim.lr`), else, for the rate only, the peak of the
+  schedule in metrics.jsonl: `lr/muon`, the schedule × `muon_lr_mult`, 1 in every ladder config
+  (a done run logs the held rate: its log interval is under its hold)."""
+  chain, lr = rec.get("chain") or None, rec.get("lr") or None
+  if lr is not None:
+    return chain, float(lr), "point.json"
+  try:
+    with open(os.path.join(pdir, "config.json")) as f:
+      optim = json.load(f).get("optim", {})
+    return chain or optim.get("chain", "muon"), float(optim["lr"]), "config.json"
+  except (FileNotFoundError, KeyError):
+    pass
+  logged = [m["lr/muon"] for m in read_metrics(pdir).values() if m.get("lr/muon") is not None]
+  if logged:
+    return chain, float(f"{max(logged):.6g}"), "metrics.jsonl"   # float32 as logged
+  return chain, None, None
+
+
+def stale_reason(rec: dict[str, Any], pdir: str, want: dict[str, Any]) -> str:
+  """"" when the run of `rec` trained as `want` (its config's `chain` and `lr`) says, or `want`
+  gives no rate; else why not, e.g. "stale: ran at lr 2e-3, config says 8e-3". An unknown rate
+  is stale (nothing shows it agrees); an unknown chain (an old grid or ablation record without
+  config.json) is not compared."""
+  if want.get("lr") is None:
+    return ""
+  chain, lr, _ = ran_at(rec, pdir)
+  same_chain = chain is None or chain == want["chain"]
+  if same_chain and lr is not None and math.isclose(lr, want["lr"], rel_tol=1e-5):
+    return ""
+  if lr is None:
+    return (f"stale: ran at an unknown lr (none in point.json, config.json or metrics.jsonl), "
+            f"config says {want['chain']} at {format_lr(want['lr'])}")
+  if same_chain:
+    return f"stale: ran at lr {format_lr(lr)}, config says {format_lr(want['lr'])}"
+  return (f"stale: ran {chain} at lr {format_lr(lr)}, config says {want['chain']} at "
+          f"{format_lr(want['lr'])}")
+
+
+def is_stale(rec: dict[str, Any] | None) -> bool:
+  return rec is not None and str(rec.get("status", "")).startswith("stale")
+
+
+def reconcile(pdir: str, want: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+  """The point's record and `stale_reason` against `want`; a done record that is stale is marked
+  so on disk, and one marked stale that `want` describes again is done again."""
+  rec = read_record(pdir)
+  if rec is None:
+    return None, ""
+  why = stale_reason(rec, pdir, want)
+  if rec.get("status") == "done" or is_stale(rec):
+    status = why or "done"
+    if rec.get("status") != status:
+      rec = dict(rec, status=status)
+      write_record(pdir, rec)
+  return rec, why
+
+
+def retire(workdir: str, name: str, rec: dict[str, Any]) -> str:
+  """Move a point's earlier run (a stale one) to DIR/stale/<name>.lr<rate>[.k]; returns where."""
+  _, lr, _ = ran_at(rec, os.path.join(workdir, name))
+  base = os.path.join(workdir, "stale", f"{name}.lr{format_lr(lr)}")
+  dest, k = base, 1
+  while os.path.exists(dest):
+    dest, k = f"{base}.{k}", k + 1
+  os.makedirs(os.path.dirname(dest), exist_ok=True)
+  os.rename(os.path.join(workdir, name), dest)
+  return dest
+
+
 # --- how long a point takes ----------------------------------------------------------------------
 
 def step_seconds(pdir: str) -> float | None:
@@ -136,7 +228,8 @@ def finished_timings(workdir: str) -> list[tuple[dict[str, Any], float]]:
     if "point.json" not in files:
       continue
     rec = read_record(root)
-    if (rec and rec.get("status") == "done" and rec.get("seconds") and rec.get("steps")
+    if (rec and (rec.get("status") == "done" or is_stale(rec)) and rec.get("seconds")
+        and rec.get("steps")
         and _runs(root) == 1):
       per_step = step_seconds(root)
       if per_step:
@@ -310,7 +403,7 @@ def run(points, commands: dict[str, list[str]], described: dict[str, dict[str, A
       while queue and len(running) < jobs:
         number, p = queue.pop(0)
         pdir = os.path.join(workdir, p.name)
-        old = read_record(pdir)
+        old, stale = reconcile(pdir, described[p.name])
         if old is not None and old.get("status") == "done":
           log(f"[{number}/{len(points)}] {p.name}: done, skipped")
           records[p.name] = old
@@ -326,6 +419,9 @@ def run(points, commands: dict[str, list[str]], described: dict[str, dict[str, A
                 + f"{max(left, 0):.0f} s left")
             records[p.name] = dict(old or {"name": p.name}, status="not started")
             continue
+        if stale:
+          log(f"[{number}/{len(points)}] {p.name}: {stale}; its run ({old.get('status')}) moved "
+              f"to {retire(workdir, p.name, old)}, starting afresh")
         _start(running, number, len(points), p, pdir, commands[p.name], described[p.name],
                grid, env, jobs, log)
       if not running:

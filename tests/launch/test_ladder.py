@@ -5,6 +5,10 @@
 * the report tables every point, lists a failed one with its log, fits the finished ones, and
   gives each ablation's loss difference against the baseline of its seed;
 * an invalid grid point stops the ladder before any run;
+* the :gpu grid's points and ablations take the tuned table's rates, an unswept size is flagged in
+  its records and the report, `gpu_lr2e-3` is the grid as it ran; a done point whose run trained
+  at another rate (from its record, config.json or logged schedule) is marked stale, left out of
+  the fits and rerun afresh;
 * a two-point micro ladder runs end to end: a failing point is recorded with its log, a rerun
   skips the finished point and resumes the other, a third run reruns nothing;
 * each ablation switch changes the model as intended (dense attention sees every earlier token;
@@ -234,21 +238,173 @@ def test_only_selects_points_by_pattern_and_rejects_a_pattern_matching_none():
     ladder.select(grid, ["L99_800", "L8d256_200", "x"])
 
 
-def test_gpu_ablations_run_at_each_chains_tuned_rate():
-  """The :gpu ablations (baseline and switches) take the sweep's best rate of their chain at the
-  ablation size (`ablation_lrs`); the grid point with the same size and budget keeps the grid's
-  rate as it ran; the CPU grid, without `ablation_lrs`, its own."""
+def test_gpu_points_and_ablations_run_at_the_tuned_table_and_an_unswept_size_is_flagged():
+  """One table of tuned rates (`GRIDS["gpu"]["lr"]`, per chain and size) gives the :gpu grid's
+  points and ablations their peak rate; L16d512, never swept, takes L12d384's and is flagged
+  untuned; `gpu_lr2e-3` is the grid as its 9 points ran (2e-3 everywhere, nothing else changed);
+  the CPU grid keeps its one rate."""
+  table = ladder_cfg.GRIDS["gpu"]["lr"]
+  assert table == {"muon": {"L8d256": 4e-3, "L12d384": 8e-3},
+                   "adamw": {"L8d256": 4e-3, "L12d384": 2e-3}}
   spec = ladder_cfg.get_config("gpu")
-  tuned = ladder_cfg.GRIDS["gpu"]["ablation_lrs"]
+  borrowed = {"L8d256": "L8d256", "L12d384": "L12d384", "L16d512": "L12d384"}
+  for p in ladder.plan(spec, False):
+    cfg = ladder_cfg.get_config(p.arg)
+    assert cfg.optim.chain == "muon" and cfg.optim.lr == table["muon"][borrowed[p.size]], p.arg
+    old = ladder_cfg.get_config(p.arg.replace("gpu/", "gpu_lr2e-3/"))
+    assert old.optim.lr == 2e-3 and dict(old.optim, lr=cfg.optim.lr) == dict(cfg.optim)
+    assert old.to_dict().keys() == cfg.to_dict().keys()
+    assert all(old[k] == cfg[k] for k in ("model", "data", "train", "mesh")), p.arg
   points = ladder.plan(spec, True)
   assert {p.arg.split("/")[-1] for p in points} == {"baseline", *spec.ablations}
   for p in points:
     cfg = ladder_cfg.get_config(p.arg)
-    chain = cfg.optim.get("chain", "muon")
-    assert (chain == "adamw") == p.arg.endswith("/adamw") and cfg.optim.lr == tuned[chain], p.arg
+    chain = cfg.optim.chain
+    assert (chain == "adamw") == p.arg.endswith("/adamw"), p.arg
+    assert cfg.optim.lr == table[chain][spec.ablation_size], p.arg
+  # The grid point at the ablation size and budget is the ablation baseline's run.
   grid_point = ladder_cfg.get_config(f"gpu/{spec.ablation_size}/{spec.ablation_steps}")
-  assert grid_point.optim.lr == ladder_cfg.GRIDS["gpu"]["lr"] != tuned["muon"]
+  assert dict(grid_point.optim) == dict(ladder_cfg.get_config(
+      f"gpu/{spec.ablation_size}/{spec.ablation_steps}/baseline").optim)
+  assert ladder_cfg.peak_lr("gpu", "L16d512", "adamw") == (
+      2e-3, "untuned: no sweep at L16d512, L12d384's rate")
+  assert dict(spec.untuned) == {"L16d512": "untuned: no sweep at L16d512, L12d384's rate"}
+  assert not dict(ladder_cfg.get_config("gpu_lr2e-3").untuned)
+  assert not dict(ladder_cfg.get_config("cpu").untuned)
   assert ladder_cfg.get_config("cpu/L10d32/60/adamw").optim.lr == ladder_cfg.GRIDS["cpu"]["lr"]
+  assert ladder_cfg.get_config("cpu/L8d32/60").optim.lr == ladder_cfg.GRIDS["cpu"]["lr"]
+
+
+def test_records_take_the_configs_rate_and_an_unswept_sizes_note(tmp_path, monkeypatch):
+  """The ladder writes into each record the chain and peak rate its config gives and, at an
+  untuned size, the note; a done point that --only leaves out but whose run trained at another
+  rate is marked stale. Pure: the runs are not started."""
+  got = {}
+  def no_run(points, commands, described, *args, **kwargs):
+    got.update(described)
+    return []
+  monkeypatch.setattr(ladder_jobs, "run", no_run)
+  work = tmp_path / "work"
+  ladder_jobs.write_record(str(work / "L12d384_200"), dict(
+      name="L12d384_200", kind="grid", size="L12d384", steps=200, chain="muon", lr=2e-3,
+      status="done", eval_loss=3.0))
+  lines = []
+  ladder.run_ladder("configs/ladder.py:gpu", str(work), log=lines.append,
+                    only=["L8d256_200", "L16d512_200"])
+  assert sorted(got) == ["L16d512_200", "L8d256_200"]
+  assert (got["L8d256_200"]["chain"], got["L8d256_200"]["lr"], got["L8d256_200"]["lr_note"]) == (
+      "muon", 4e-3, "")
+  assert (got["L16d512_200"]["lr"], got["L16d512_200"]["lr_note"]) == (
+      8e-3, "untuned: no sweep at L16d512, L12d384's rate")
+  stale = "stale: ran at lr 2e-3, config says 8e-3"
+  assert ladder.read_record(str(work / "L12d384_200"))["status"] == stale
+  assert lines == [f"L12d384_200: {stale}; not selected, left out of the fits until it runs"]
+
+
+def _done_record(pdir, chain="", lr=0.0):
+  """A done grid point's record; by default as the ladder wrote it before records held the rate,
+  chain "" and lr 0.0 (the 9 :gpu points of benchmarks/ladder/gpu, build/ladder_prev)."""
+  rec = dict(name=os.path.basename(pdir), arg="gpu/L8d256/200", seed=0, kind="grid",
+             size="L8d256", steps=200, ablation="", chain=chain, lr=lr, status="done",
+             eval_loss=3.19)
+  ladder_jobs.write_record(pdir, rec)
+  return rec
+
+
+def test_an_old_records_rate_comes_from_its_config_or_its_logged_schedule(tmp_path):
+  """A record without the rate: the run's config.json, else the peak of the schedule it logged
+  (float32, as metrics.jsonl holds it), else unknown, which is stale."""
+  want = dict(chain="muon", lr=4e-3)
+  logged = tmp_path / "logged"
+  rec = _done_record(str(logged))
+  with open(logged / "metrics.jsonl", "w") as f:
+    for step, lr in ((10, 0.00044000003254041076), (50, 0.0020000000949949026),
+                     (150, 0.0020000000949949026), (200, 1e-5)):
+      f.write(json.dumps({"step": step, "lr/muon": lr}) + "\n")
+  assert ladder_jobs.ran_at(rec, str(logged)) == (None, 2e-3, "metrics.jsonl")
+  assert ladder_jobs.stale_reason(rec, str(logged), want) == (
+      "stale: ran at lr 2e-3, config says 4e-3")
+  assert ladder_jobs.stale_reason(rec, str(logged), dict(chain="adamw", lr=2e-3)) == ""  # chain ?
+  configured = tmp_path / "configured"
+  rec = _done_record(str(configured))
+  (configured / "config.json").write_text(json.dumps({"optim": {"chain": "adamw", "lr": 4e-3}}))
+  assert ladder_jobs.ran_at(rec, str(configured)) == ("adamw", 4e-3, "config.json")
+  assert ladder_jobs.stale_reason(rec, str(configured), want) == (
+      "stale: ran adamw at lr 4e-3, config says muon at 4e-3")
+  bare = tmp_path / "bare"
+  rec = _done_record(str(bare))
+  assert ladder_jobs.ran_at(rec, str(bare)) == (None, None, None)
+  assert ladder_jobs.stale_reason(rec, str(bare), want).startswith("stale: ran at an unknown lr")
+  assert ladder_jobs.format_lr(0.016) == "1.6e-2" and ladder_jobs.format_lr(2.5e-4) == "2.5e-4"
+
+
+def test_a_stale_done_point_is_marked_and_rerun_afresh_and_a_current_one_skipped(tmp_path):
+  """`ladder_jobs.run`: a done point whose run trained at another rate than its config gives is
+  marked stale, its directory moved to DIR/stale/ (so the new run does not resume its
+  checkpoint) and the point started; a done point at its config's rate is skipped; a stale mark
+  goes back to done once the config agrees again."""
+  work = tmp_path / "work"
+  old = _done_record(str(work / "A_200"), chain="muon", lr=2e-3)
+  (work / "A_200" / "checkpoints").mkdir()
+  _done_record(str(work / "B_200"), chain="muon", lr=4e-3)
+  point = lambda name: ladder.Point(name, f"g/A/{name}", 0, "grid", "A", 200)
+  points = [point("A_200"), point("B_200")]
+  commands = {p.name: [sys.executable, "-c", "pass"] for p in points}
+  want = {p.name: dict(chain="muon", lr=4e-3) for p in points}
+  lines = []
+  records = ladder_jobs.run(points, commands, want, "g", str(work), dict(os.environ), lines.append)
+  assert lines[0] == ("[1/2] A_200: stale: ran at lr 2e-3, config says 4e-3; its run (stale: ran "
+                      f"at lr 2e-3, config says 4e-3) moved to {work}/stale/A_200.lr2e-3, "
+                      "starting afresh")
+  assert "[2/2] B_200: done, skipped" in lines
+  moved = ladder.read_record(str(work / "stale" / "A_200.lr2e-3"))
+  assert moved["eval_loss"] == old["eval_loss"]
+  assert (work / "stale" / "A_200.lr2e-3" / "checkpoints").is_dir()
+  assert not (work / "A_200" / "checkpoints").exists()
+  assert records[0]["lr"] == 4e-3 and records[0]["status"] == "failed"   # ran, logged no eval
+  # A stale mark left by a run that did not restart the point is undone when the config agrees.
+  _done_record(str(work / "C_200"), chain="muon", lr=2e-3)
+  assert ladder_jobs.reconcile(str(work / "C_200"), dict(chain="muon", lr=4e-3))[0]["status"] == (
+      "stale: ran at lr 2e-3, config says 4e-3")
+  rec, why = ladder_jobs.reconcile(str(work / "C_200"), dict(chain="muon", lr=2e-3))
+  assert why == "" and rec["status"] == ladder.read_record(str(work / "C_200"))["status"] == "done"
+
+
+def test_report_labels_each_points_rate_and_fits_no_stale_point(tmp_path):
+  """The report gives each point's peak rate (° read from its logged schedule, † untuned, with
+  the footnotes), leaves a stale point out of the fits with its status, and warns when the fitted
+  points of one size ran at different rates."""
+  root = str(tmp_path / "ladder")
+  for size, n in (("S", 1e5), ("M", 1e6), ("L", 1e7)):
+    for steps in (100, 1000):
+      _fake_point(root, f"{size}_{steps}", "grid", size, steps, n,
+                  loss=3.0 - np.log10(n * steps) / 10)
+  for name, fields in (("S_100", dict(chain="muon", lr=4e-3)),
+                       ("M_100", dict(chain="muon", lr=8e-3)),
+                       ("L_100", dict(chain="muon", lr=8e-3, lr_note="untuned: no sweep at L")),
+                       ("L_1000", dict(chain="muon", lr=8e-3, lr_note="untuned: no sweep at L")),
+                       ("M_1000", dict(chain="muon", lr=2e-3,
+                                       status="stale: ran at lr 2e-3, config says 8e-3"))):
+    path = os.path.join(root, name, "point.json")
+    with open(path) as f:
+      rec = json.load(f)
+    with open(path, "w") as f:
+      json.dump(dict(rec, **fields), f)
+  with open(os.path.join(root, "S_1000", "metrics.jsonl"), "a") as f:   # an old record: 0.0
+    f.write(json.dumps({"step": 50, "lr/muon": 0.0020000000949949026}) + "\n")
+  r = ladder.report(root, str(tmp_path / "out"))
+  rows = {row["name"]: row for row in r["rows"]}
+  assert sorted(r["fits"]["points_fitted"]) == ["L_100", "L_1000", "M_100", "S_100", "S_1000"]
+  assert rows["S_1000"]["lr"] == 2e-3 and rows["S_1000"]["lr_from"] == "metrics.jsonl"
+  table = {line.split(" |")[0].strip("| *"): line for line in r["markdown"].splitlines()
+           if line.startswith("| ")}
+  assert "| 8e-3† |" in table["L_100"] and "| 2e-3° |" in table["S_1000"]
+  assert "| 4e-3 |" in table["S_100"]
+  assert "stale: ran at lr 2e-3, config says 8e-3 (" in table["M_1000"]
+  assert "† L: untuned: no sweep at L" in r["markdown"]
+  assert "° peak lr read from the schedule the run logged" in r["markdown"]
+  assert ("peak lr of the fitted points: L 8e-3, M 8e-3, S 4e-3 and 2e-3 (warning: mixed rates "
+          "at S: the fits mix them)") in r["markdown"]
 
 
 def test_second_stage_plans_from_every_finished_first_stage_point(tmp_path):
