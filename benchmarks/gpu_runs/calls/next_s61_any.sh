@@ -1,4 +1,4 @@
-# Session 61: whichever card comes (carry .whl; build/ladder_prev too if the checkout has it; from the
+# Session 61 (a record: it ran on an H100, issue 29's last point; next_s62_any.sh is the next call): whichever card comes (carry .whl; build/ladder_prev too if the checkout has it; from the
 # repository root).
 #   run(command="bash benchmarks/gpu_runs/calls/next_s61_any.sh", carry=[".whl", "build/ladder_prev"],
 #       timeout_s=600)
