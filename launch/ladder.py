@@ -19,7 +19,8 @@ with its output in DIR/<name>/train.log and its record in DIR/<name>/point.json 
 peak learning rate its config gives, and `lr_note` where the grid's rate at its size is untuned:
 `configs/ladder.py` `peak_lr`); `--list` prints
 each point's command as a shell line to paste (`cd <repo> && XLA_FLAGS=... <this python> -m
-launch.train ...`: the directory, environment and interpreter the ladder runs it with). A point is done
+launch.train ...`: the directory, environment and interpreter the ladder runs it with; a `#` line
+before it where the point's directory holds a stale run, which the pasted line would resume). A point is done
 when the run exited 0 with a held-out loss at its last step; a done point is never rerun, any other
 is (re)started, and `launch.train` resumes it from its last checkpoint. A done point whose run
 trained at another chain or peak rate than its config now gives (a grid whose rates were retuned)
@@ -679,9 +680,17 @@ def main(argv):
       done = [r for r in (read_record(os.path.join(_WORKDIR.value, p.name)) for p in first) if r]
       points = select(plan(spec, _ABLATIONS.value, _SWEEP.value, done), _ONLY.value,
                       later_points(spec, first, _SWEEP.value))
-      validate(path, points)
+      described = validate(path, points)
       env = point_env(spec)
       for p in points:
+        # A stale run in the point's directory (another rate than the config's) would be resumed
+        # by the pasted command; the ladder itself moves it aside first (`ladder_jobs.retire`).
+        pdir = os.path.join(_WORKDIR.value, p.name)
+        rec = read_record(pdir)
+        why = ladder_jobs.stale_reason(rec, pdir, described[p.name]) if rec else ""
+        if why:
+          print(f"# {p.name}: {why}; move {pdir} aside before running this line (the ladder "
+                f"moves it to {os.path.join(_WORKDIR.value, 'stale')}/ itself)")
         print(shell_line(command(path, p, _WORKDIR.value), env))
       return
     try:

@@ -222,6 +222,27 @@ def test_list_prints_lines_a_shell_runs_as_the_ladder_would(tmp_path, env):
   assert not (tmp_path / "w").exists()
 
 
+def test_list_warns_before_a_stale_points_line(tmp_path, env):
+  """A point whose directory holds a run at another rate than its config's gets a comment line
+  before its command (pasted alone, launch.train would resume that run); a point at the config's
+  rate gets none."""
+  work = tmp_path / "w"
+  ladder_jobs.write_record(str(work / "L2d32_3"), dict(
+      name="L2d32_3", kind="grid", size="L2d32", steps=3, chain="muon", lr=1e-2, status="done",
+      eval_loss=9.0))
+  ladder_jobs.write_record(str(work / "L2d32_6"), dict(
+      name="L2d32_6", kind="grid", size="L2d32", steps=6, chain="muon", lr=3e-3, status="done",
+      eval_loss=9.0))
+  rc, out = _ladder(env, "--config=configs/ladder.py:micro", f"--workdir={work}", "--list")
+  assert rc == 0, out
+  lines = out.strip().splitlines()
+  assert len(lines) == 3, out
+  assert lines[0] == (f"# L2d32_3: stale: ran at lr 1e-2, config says 3e-3; move {work}/L2d32_3 "
+                      f"aside before running this line (the ladder moves it to {work}/stale/ itself)")
+  assert "--workdir=" + str(work / "L2d32_3") in lines[1]
+  assert "--workdir=" + str(work / "L2d32_6") in lines[2]
+
+
 def test_only_selects_points_by_pattern_and_rejects_a_pattern_matching_none():
   """`--only` keeps the plan's order; a sweep's second-stage names may be named before the first
   stage ran; a pattern that matches nothing lists the names (pure: no runs)."""
