@@ -5,8 +5,6 @@
   PYTHONUNBUFFERED=1 timeout 300 python3 -u benchmarks/mhc_moe_gpu.py --only=site \
       --json=$OUT/site.json                                      # the site rows alone
   JAX_PLATFORMS=cpu python benchmarks/mhc_moe_gpu.py --smoke    # CPU: tiny shapes, runs everything
-  PYTHONUNBUFFERED=1 timeout 200 python3 -u benchmarks/mhc_moe_gpu.py --only=swiglu \
-      --json=$OUT/swiglu.json                                    # the fused gate/up + SwiGLU rows
 
 mHC (configs/small.py:s3 at 4 × 4096 tokens, d 1024, hc_mult 4, 20 Sinkhorn iterations; streams X
 in s3's `hc_stream_dtype`, bfloat16, or `--streams=float32` as s1/s2 keep them (the rows before
@@ -40,11 +38,6 @@ under another name) vs capacity mode (factor 1.25). Useful FLOPs: 3 products × 
 runs it, 4 layers in a scan under layer remat, with the model's remat policy, with it but the
 experts' weights cast again in the backward, with `--baseline-moe`'s module, and without the MoE's
 names (`moe_remat_cases`).
-
-Routed experts' gate/up product + SwiGLU (`swiglu_cases`, `--only=swiglu`; not yet run on a GPU):
-the grouped GEMM + `weighted_swiglu` fusion the model runs today against the op `grouped_swiglu`'s
-kernel (`pallas_kernels/grouped_swiglu.py`, SwiGLU × routing weight in the GEMM's epilogue), at
-s3's 65,536 sorted pairs, forward and forward+backward, with useful FLOPs and minimum bytes.
 
 Ceilings: 4.3 TB/s copy and 790 TFLOP/s bf16 matrix rate (the H200 as measured here, KINDS.md).
 Imports only jax/numpy/flax and this repository (runs on the GPU image without the data stack).
@@ -252,53 +245,6 @@ def moe_cases(tokens, d, f, e, k, reps, budget_s, impl):
     _save(ARGS.json)
 
 
-def swiglu_cases(tokens, d, f, e, k, reps, budget_s):
-  """The routed experts' gate/up product and SwiGLU at the given shapes (s3: 65,536 sorted pairs,
-  1024 -> [a | u] 2 x 512, 48 experts, skewed sizes with two empty experts), bf16 [a | u] as s3's
-  `moe_product_dtype="compute"` has it: the two steps the model runs today (the Mosaic grouped
-  GEMM, then `weighted_swiglu` as an XLA fusion) against the op `grouped_swiglu`'s kernel (h in the
-  GEMM's epilogue), forward (h) and forward+backward (gradients of <h, r> w.r.t. x, [w1 | w3] and
-  the routing weights; the same backward math in both). Useful FLOPs 2·P·D·2F forward, 3x that
-  forward+backward; minimum bytes (each array once, in its dtype): two steps x, w, [a | u] written
-  and read back, g, h; fused x, w, [a | u], g, h."""
-  from pallas_kernels import grouped_matmul as gm
-  from pallas_kernels import grouped_swiglu as gs
-  rng = np.random.default_rng(3)
-  p_rows = tokens * k
-  share = np.exp(0.9 * rng.standard_normal(e))
-  share[rng.choice(e, 2, replace=False)] = 0.0
-  sizes = jnp.asarray(rng.multinomial(p_rows, share / share.sum()), jnp.int32)
-  x = jnp.asarray(rng.standard_normal((p_rows, d)), jnp.bfloat16)
-  w13 = jnp.asarray(rng.standard_normal((e, d, 2 * f)) / np.sqrt(d), jnp.bfloat16)
-  weight = jnp.asarray(rng.uniform(0.1, 1.0, p_rows), jnp.float32)
-  dt, limit = jnp.bfloat16, 10.0
-
-  def two_steps(x, w13, weight):
-    au = gm.grouped_matmul(x, w13, sizes, gm._op_plan(), out_dtype=dt)
-    return moe_dispatch.weighted_swiglu(au, weight, limit, dt)
-
-  def fused(x, w13, weight):
-    return gs.mosaic_grouped_swiglu(x, w13, weight, sizes, limit=limit, gate_up_dtype=dt)[0]
-
-  fl = 2 * p_rows * d * 2 * f
-  io = p_rows * d * 2 + e * d * 2 * f * 2 + p_rows * 4 + p_rows * f * 2
-  au_bytes = p_rows * 2 * f * 2
-  args = (x, w13, weight)
-  ref_fwd = ref_grad = None
-  for name, fn, nbytes in (("grouped GEMM + XLA SwiGLU", two_steps, io + 2 * au_bytes),
-                           ("fused kernel", fused, io + au_bytes)):
-    if elapsed() > budget_s:
-      break
-    grad = _loss_grad(fn, args)
-    if ref_fwd is None:
-      ref_fwd, ref_grad = jax.jit(fn)(*args), grad(*args)
-    time_case("experts gate/up + swiglu fwd", name, jax.jit(fn), args, reps, flops=fl,
-              nbytes=nbytes, min_bytes=nbytes, ref=ref_fwd)
-    time_case("experts gate/up + swiglu fwd+bwd", name, grad, args, reps, flops=3 * fl,
-              ref=ref_grad)
-    _save(ARGS.json)
-
-
 def moe_remat_cases(tokens, d, f, e, k, reps, budget_s, impl, layers=4):
   """The MoE layer as the step runs it: `layers` layers (one weight set, stacked) in a `lax.scan`
   under layer remat, x <- x + MoE(x) with the router, dropless routed experts and the shared
@@ -375,9 +321,8 @@ def main():
   ap.add_argument("--budget-s", type=float, default=150.0)
   ap.add_argument("--json", default="")
   ap.add_argument("--baseline-moe", default="")
-  ap.add_argument("--only", choices=["mhc", "site", "moe", "swiglu", ""], default="",
-                  help="site: the mHC site rows alone (reference, kernel); swiglu: the routed "
-                       "experts' gate/up product + SwiGLU, two steps vs the fused kernel")
+  ap.add_argument("--only", choices=["mhc", "site", "moe", ""], default="",
+                  help="site: the mHC site rows alone (reference, kernel)")
   ap.add_argument("--streams", choices=["bfloat16", "float32"], default="bfloat16",
                   help="the mHC streams' dtype (s3: bfloat16)")
   ap.add_argument("--quick", action="store_true",
@@ -400,8 +345,6 @@ def main():
     mhc_cases(lead, n, d, reps, ARGS.budget_s, cpu, ("reference", "kernel"), False)
   elif ARGS.only in ("", "mhc"):
     mhc_cases(lead, n, d, reps, ARGS.budget_s * 0.35, cpu, ("reference", "kernel"), False)
-  if ARGS.only in ("", "swiglu") and not ARGS.quick:
-    swiglu_cases(*moe, reps=reps, budget_s=ARGS.budget_s * (1.0 if ARGS.only else 0.4))
   if ARGS.only in ("", "moe") and not ARGS.quick:
     # the layer under remat first: the step's MoE path (the routed-experts rows stand in RESULTS)
     moe_remat_cases(*moe, reps=reps, budget_s=ARGS.budget_s * 0.5,

@@ -36,7 +36,6 @@ class OpPolicies:
   sparse_attention: Policy = dispatch.default_policy("sparse_attention")
   indexer_topk: Policy = dispatch.default_policy("indexer_topk")
   grouped_matmul: Policy = dispatch.default_policy("grouped_matmul")
-  grouped_swiglu: Policy = dispatch.default_policy("grouped_swiglu")
 
   def __post_init__(self):
     errors = []

@@ -203,11 +203,6 @@ def _mosaic_gpu(args, kwargs) -> str | None:
   return _resolve("pallas_kernels.grouped_matmul:op_unsupported_reason")(*args)
 
 
-def _mosaic_gpu_swiglu(args, kwargs) -> str | None:
-  """The fused gate/up + SwiGLU kernel's own rule (Hopper GPU, or interpreted on the CPU)."""
-  return _resolve("pallas_kernels.grouped_swiglu:op_unsupported_reason")(*args, **kwargs)
-
-
 # --- the registry ------------------------------------------------------------------------------
 
 _FQ = "measured 1.6-1.9x XLA on the H200, RESULTS.md 'Pallas kernels vs XLA'"
@@ -265,13 +260,6 @@ OPS: dict[str, Op] = {
         (Kernel("pallas_kernels.grouped_matmul:mosaic_grouped_matmul", _mosaic_gpu,
                 _gpu_only("forward+backward 349 TFLOP/s vs ragged_dot's 8.3 on the H200, "
                           "RESULTS.md 'Grouped GEMM'")),)),
-    # The gate/up product with the SwiGLU in its epilogue; as `grouped_matmul`, not per batch shard.
-    "grouped_swiglu": Op(
-        "pallas_kernels.ops.grouped_swiglu:grouped_swiglu",
-        (Kernel("pallas_kernels.grouped_swiglu:mosaic_grouped_swiglu", _mosaic_gpu_swiglu,
-                _never("not yet measured faster than the grouped GEMM + XLA SwiGLU it replaces "
-                       "(interpret mode on the CPU only; benchmarks/gpu_runs/calls/"
-                       "next_s62_swiglu.sh measures it): 'auto' keeps the two steps")),)),
 }
 
 

@@ -226,10 +226,7 @@ def _kernel_kwargs(plan: Plan):
     params = getattr(plgpu, "InterpretGPUParams", None)
     if params is None:  # jax 0.10 keeps it private
       from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
-    # A TMA read past the array's end fills zeros on the GPU (a last row block of M % block_m
-    # rows); the interpreter reads NaN there instead of raising, so rows that are never stored
-    # are all the kernels may let it reach.
-    interpret, num_sms = params(out_of_bounds_reads="uninitialized"), plan.num_sms or 4
+    interpret, num_sms = params(), plan.num_sms or 4
   else:
     interpret, num_sms = None, plan.num_sms or jax.devices()[0].core_count
   return dict(grid=(num_sms,), grid_names=("sm",), interpret=interpret,
@@ -271,10 +268,8 @@ def _snake(lin, rows: int, cols: int, band: int):
   return row, b * band + lax.rem(within, jnp.int32(band))
 
 
-def _store_rows(o_smem, o_gmem, lo, hi, row0, col0, block_m: int, block_n: int, m: int,
-                wait: bool = True):
-  """TMA-store rows [lo, hi) of the staged tile to o_gmem[row0 + lo :, col0 :], 2^i rows a copy;
-  then wait until the tile has been read (`wait=False`: a later store's wait covers it)."""
+def _store_rows(o_smem, o_gmem, lo, hi, row0, col0, block_m: int, block_n: int, m: int):
+  """TMA-store rows [lo, hi) of the staged tile to o_gmem[row0 + lo :, col0 :], 2^i rows a copy."""
   plgpu = _plgpu()
   from jax.experimental import pallas as pl
   size = hi - lo
@@ -290,8 +285,7 @@ def _store_rows(o_smem, o_gmem, lo, hi, row0, col0, block_m: int, block_n: int, 
                               o_gmem.at[pl.ds(row0 + start, step), pl.ds(col0, block_n)])
 
     start = start + (size & step)
-  if wait:
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _gmm_kernel(x_MxK, w, tiles, fill, *, transpose_w: bool, out_dtype, cfg: TileConfig,

@@ -157,7 +157,6 @@ class MoE(nnx.Module):
     self.mode = cfg.moe_dispatch
     self.capacity_factor = cfg.moe_capacity_factor
     self.grouped_matmul_policy = cfg.ops.grouped_matmul
-    self.grouped_swiglu_policy = cfg.ops.grouped_swiglu
     self.product_dtype = cfg.moe_product_dtype
     self.router_precision = ROUTER_PRECISION[cfg.router_precision]
     self.dtype = jnp.dtype(cfg.dtype)
@@ -184,7 +183,7 @@ class MoE(nnx.Module):
         x, weights, experts, valid, self.experts.w1[...], self.experts.w3[...],
         self.experts.w2[...], mode=self.mode, capacity_factor=self.capacity_factor,
         swiglu_limit=self.limit, policy=self.grouped_matmul_policy,
-        swiglu_policy=self.grouped_swiglu_policy, product_dtype=self.product_dtype)
+        product_dtype=self.product_dtype)
     if self.shared is not None:
       y = y + self.shared(x)
     n_pairs = valid.sum() * self.k

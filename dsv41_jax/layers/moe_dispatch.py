@@ -22,10 +22,7 @@ Modes (`cfg.moe_dispatch`):
 - `dropless`: exact. Sorted pairs go through one grouped GEMM per weight, the op `grouped_matmul`
   of the dispatcher under `policy` (`cfg.ops.grouped_matmul`): `jax.lax.ragged_dot` (the op's
   reference) or the Mosaic GPU grouped GEMM with its own backward (`pallas_kernels.grouped_matmul`,
-  docs/design.md §T7), which "auto" takes on a Hopper GPU. The gate/up product and the SwiGLU
-  together are the op `grouped_swiglu` (`cfg.ops.grouped_swiglu`), whose kernel computes h in the
-  gate/up GEMM's epilogue (`pallas_kernels.grouped_swiglu`; not yet measured on a GPU, so "auto"
-  runs the two steps).
+  docs/design.md §T7), which "auto" takes on a Hopper GPU.
 - `capacity`: each expert takes at most `C = min(n, ceil(capacity_factor · n·K / E))` pairs of the
   n tokens of one batch shard (one device; the whole batch without a mesh), in the slot-major
   order above; the rest are dropped and contribute nothing for that expert (the other selected
@@ -64,8 +61,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 from dsv41_jax import sharding
 from pallas_kernels import dispatch
-from pallas_kernels.ops.grouped_swiglu import (  # noqa: F401  (the op's math, the model's names)
-    _weighted_swiglu, clamped_swiglu, weighted_swiglu)
 
 MODES = ("dropless", "capacity")
 PRODUCT_DTYPES = ("float32", "compute")
@@ -77,6 +72,66 @@ KEPT = "moe_kept"
 # Remat name of the routed experts' gate|up product (kept only where `ModelConfig.remat_saves`
 # has "experts": `dsv41_jax.model.layer_remat_policy`).
 GATE_UP = "moe_gate_up"
+
+
+def clamped_swiglu(a, u, limit: float):
+  """SiLU(min(a, limit)) · clip(u, −limit, limit) in float32 (docs/design.md §8.2)."""
+  a = jnp.minimum(a.astype(jnp.float32), limit)
+  u = jnp.clip(u.astype(jnp.float32), -limit, limit)
+  return jax.nn.silu(a) * u
+
+
+def _weighted_swiglu(au_PxF2, weight_P, limit: float, dtype):
+  """`weighted_swiglu` without its VJP (autodiff's; the tests' reference)."""
+  f = au_PxF2.shape[-1] // 2
+  h = clamped_swiglu(au_PxF2[:, :f], au_PxF2[:, f:], limit) * weight_P[:, None]
+  return h.astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def weighted_swiglu(au_PxF2, weight_P, limit: float, dtype):
+  """h = g · clamped_swiglu(a, u), rounded to `dtype`, with [a | u] = au [P, 2F] (the fused
+  gate|up product, float32) and g = weight [P] (float32); [P, F].
+
+  Autodiff's arithmetic, from the residuals au and g only: the derivative is `jax.vjp` of
+  `clamped_swiglu`, and the cotangent of [a | u] is assembled as the transpose of the two slices
+  is (a masked -0 reads +0, as before). The backward is written over one index space,
+  [P, 2, F] = [P, 2F]: the cotangent of [a | u], and g's Σ_f dh·s summed over the same [P, 2, F]
+  with zeros in the u half, so XLA can emit both as one multi-output fusion that reads au and dh
+  once (autodiff's g-gradient is a sum over [P, F], which cannot share a loop with a [P, 2F]
+  output: a second pass over au and dh). On the CPU the values are autodiff's bit for bit under
+  layer remat (`test_moe_dispatch`); a backend that orders the [P, 2F] sum otherwise than the
+  [P, F] one rounds g's gradient differently, within float32 rounding."""
+  return _weighted_swiglu(au_PxF2, weight_P, limit, dtype)
+
+
+def _weighted_swiglu_fwd(au_PxF2, weight_P, limit, dtype):
+  return _weighted_swiglu(au_PxF2, weight_P, limit, dtype), (au_PxF2, weight_P)
+
+
+def _weighted_swiglu_bwd(limit, dtype, res, dh_PxF):
+  au_PxF2, weight_P = res
+  p, f2 = au_PxF2.shape
+  f = f2 // 2
+  au_Px2xF = au_PxF2.reshape(p, 2, f)
+  s_PxF, pullback = jax.vjp(lambda a, u: clamped_swiglu(a, u, limit), au_Px2xF[:, 0],
+                            au_Px2xF[:, 1])
+  dh_PxF = dh_PxF.astype(jnp.float32)
+  da_PxF, du_PxF = pullback(dh_PxF * weight_P[:, None])
+  # in au's dtype: a bf16 [a | u] (`product_dtype="compute"`) takes its cotangent rounded once
+  # here, as the grouped product's backward would round it
+  d_au = (jnp.pad(da_PxF, ((0, 0), (0, f))) + jnp.pad(du_PxF, ((0, 0), (f, 0)))
+          ).astype(au_PxF2.dtype)
+  # g's cotangent Σ_f dh·s as the VJP of g -> g·s with s placed in [P, 2, F] (zeros in the u
+  # half): a reduction over d_au's index space, and, inside shard_map, the psum over the mesh axes
+  # that au varies over and g does not (the MLP width split over `tensor`), as autodiff has it.
+  s_Px2xF = jnp.where((jnp.arange(2) == 0)[None, :, None], s_PxF[:, None, :], 0.0)
+  _, weight_transpose = jax.vjp(lambda g: g[:, None, None] * s_Px2xF, weight_P)
+  (d_weight,) = weight_transpose(jnp.broadcast_to(dh_PxF[:, None, :], s_Px2xF.shape))
+  return d_au, d_weight
+
+
+weighted_swiglu.defvjp(_weighted_swiglu_fwd, _weighted_swiglu_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -161,8 +216,7 @@ def gate_and_up(w1, w3) -> tuple[jax.Array, jax.Array]:
 
 
 def grouped_ffn(x_sorted_PxD, weight_P, w1, w3, w2, group_sizes_E, limit: float,
-                policy: str = "auto", gate_up_dtype=jnp.float32, out_dtype=jnp.float32,
-                swiglu_policy: str = "auto"):
+                policy: str = "auto", gate_up_dtype=jnp.float32, out_dtype=jnp.float32):
   """Clamped SwiGLU experts over expert-sorted rows (grouped GEMMs), each row's activation times
   its routing weight before W2 (`weighted_swiglu`); [P, D] in `out_dtype`.
 
@@ -170,24 +224,12 @@ def grouped_ffn(x_sorted_PxD, weight_P, w1, w3, w2, group_sizes_E, limit: float,
   and each output column is the same dot as in its own product (equal to two products). Each
   product accumulates in float32; [a | u] is returned in `gate_up_dtype` and the down-projection
   in `out_dtype` (float32, or the compute dtype: rounded once, module docstring). (w1, w3) may be
-  `gate_up_pair`'s form.
-
-  The gate/up product and the SwiGLU are the op `grouped_swiglu` under `swiglu_policy`
-  (`cfg.ops.grouped_swiglu`): where that op chooses its reference ("reference"; "auto" until its
-  kernel is measured faster) they run as two steps, the op `grouped_matmul` under `policy` and
-  `weighted_swiglu`, as before the op existed; its kernel (`pallas_kernels.grouped_swiglu`)
-  computes h in the gate/up GEMM's epilogue, with the same backward math."""
+  `gate_up_pair`'s form."""
   dt = x_sorted_PxD.dtype
   w13 = _gate_up_weight(w1, w3, dt)
-  static = dict(limit=limit, gate_up_dtype=gate_up_dtype)
-  path, fused = dispatch.choose("grouped_swiglu", swiglu_policy, x_sorted_PxD, w13, weight_P,
-                                group_sizes_E, **static)
-  if path == dispatch.OPS["grouped_swiglu"].reference:
-    au = checkpoint_name(grouped_matmul(x_sorted_PxD, w13, group_sizes_E, policy, gate_up_dtype),
-                         GATE_UP)
-    h = weighted_swiglu(au, weight_P, limit, dt)
-  else:
-    h, _ = fused(x_sorted_PxD, w13, weight_P, group_sizes_E, **static)
+  au = checkpoint_name(grouped_matmul(x_sorted_PxD, w13, group_sizes_E, policy, gate_up_dtype),
+                       GATE_UP)
+  h = weighted_swiglu(au, weight_P, limit, dt)
   return grouped_matmul(h, w2, group_sizes_E, policy, out_dtype)
 
 
@@ -325,8 +367,7 @@ def _capacity_local(x_NxD, weights_NxK, experts_NxK, valid_N, n_experts: int, ca
 # --- expert-parallel exchanges (run inside shard_map) -------------------------------------------
 
 def _ep_sorted_ffn(w1, w3, w2, *, n_experts: int, n_tokens: int, k: int, limit: float, policy: str,
-                   swiglu_policy: str, expert_axis, n_shards: int, tensor_axis, gate_up_dtype,
-                   out_dtype):
+                   expert_axis, n_shards: int, tensor_axis, gate_up_dtype, out_dtype):
   """`sorted_ffn` that ships sorted rows to the experts' owners and back (dropless, exact)."""
   e_loc = n_experts // n_shards
   s = n_tokens * min(k, e_loc)  # worst case rows from one device to one owner
@@ -350,7 +391,7 @@ def _ep_sorted_ffn(w1, w3, w2, *, n_experts: int, n_tokens: int, k: int, limit: 
     inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     sizes = jnp.zeros((e_loc + 1,), jnp.int32).at[recv_e].add(1)[:e_loc]
     y = grouped_ffn(recv_x[order], recv_w[order], w1, w3, w2, sizes, limit, policy,
-                    gate_up_dtype, out_dtype, swiglu_policy)
+                    gate_up_dtype, out_dtype)
     if tensor_axis is not None:
       y = jax.lax.psum(y, tensor_axis)
     y = y[inv].astype(x_sorted_PxD.dtype).reshape(n_shards, s, d)
@@ -389,8 +430,8 @@ def _ep_buffer_ffn(w1, w3, w2, *, n_experts: int, limit: float, expert_axis, n_s
 # --- entry point --------------------------------------------------------------------------------
 
 def _dispatch_shard(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1, w3, w2, *, mode: str,
-                    capacity_factor: float, limit: float, policy: str, swiglu_policy: str,
-                    product_dtype: str, expert_axis, n_shards: int, tensor_axis):
+                    capacity_factor: float, limit: float, policy: str, product_dtype: str,
+                    expert_axis, n_shards: int, tensor_axis):
   b, t, d = x_BxTxD.shape
   k = experts_BxTxK.shape[-1]
   n = b * t
@@ -412,12 +453,11 @@ def _dispatch_shard(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1, w3, w2
   if mode == "dropless":
     if exchange:
       ffn = _ep_sorted_ffn(w1, w3, w2, n_experts=n_experts, n_tokens=n, k=k, limit=limit,
-                           policy=policy, swiglu_policy=swiglu_policy, expert_axis=expert_axis,
-                           n_shards=n_shards, tensor_axis=tensor_axis, **dtypes)
+                           policy=policy, expert_axis=expert_axis, n_shards=n_shards,
+                           tensor_axis=tensor_axis, **dtypes)
     else:
       def ffn(xs, ws, es, gs):
-        y = grouped_ffn(xs, ws, w1, w3, w2, gs, limit, policy, swiglu_policy=swiglu_policy,
-                        **dtypes)
+        y = grouped_ffn(xs, ws, w1, w3, w2, gs, limit, policy, **dtypes)
         return y if tensor_axis is None else jax.lax.psum(y, tensor_axis).astype(narrow)
     y, dropped = _dropless_local(x, g, e, valid, n_experts, ffn)
   else:
@@ -444,8 +484,8 @@ def _mesh_axes(mesh, logical: str) -> tuple[str, ...] | None:
 
 def routed_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1_ExDxF, w3_ExDxF,
                    w2_ExFxD, *, mode: str = "dropless", capacity_factor: float = 1.25,
-                   swiglu_limit: float = 10.0, policy: str = "auto", swiglu_policy: str = "auto",
-                   product_dtype: str = "float32", mesh=None):
+                   swiglu_limit: float = 10.0, policy: str = "auto", product_dtype: str = "float32",
+                   mesh=None):
   """Σ_{k} g_{t,k} · E_{e_{t,k}}(x_t) over the routed pairs of the valid tokens.
 
   Args:
@@ -456,7 +496,6 @@ def routed_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1_ExDxF, w
       `gate_up_pair`'s form.
     mode: "dropless" or "capacity" (module docstring).
     policy: the op `grouped_matmul`'s policy for `dropless` ("auto" | "reference" | "kernel").
-    swiglu_policy: the op `grouped_swiglu`'s policy for `dropless` (`grouped_ffn`).
     product_dtype: "float32" or "compute": the expert products' output dtype (module docstring).
     mesh: a Mesh / AbstractMesh; None takes the context mesh (`jax.set_mesh`), none = local.
   Returns:
@@ -473,9 +512,8 @@ def routed_experts(x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1_ExDxF, w
   if product_dtype not in PRODUCT_DTYPES:
     raise ValueError(f"moe product dtype {product_dtype!r} is not one of {PRODUCT_DTYPES}")
   dispatch.check_policy("grouped_matmul", policy)
-  dispatch.check_policy("grouped_swiglu", swiglu_policy)
   kw = dict(mode=mode, capacity_factor=capacity_factor, limit=swiglu_limit, policy=policy,
-            swiglu_policy=swiglu_policy, product_dtype=product_dtype)
+            product_dtype=product_dtype)
   args = (x_BxTxD, weights_BxTxK, experts_BxTxK, valid_BxT, w1_ExDxF, w3_ExDxF, w2_ExFxD)
   if mesh is None:
     mesh = jax.sharding.get_abstract_mesh()

@@ -8,10 +8,9 @@
 | `sparse_attention` | `attend` (window ∪ selected entries ∪ sink, one softmax; "masked"/"gather") |
 | `indexer`          | `indexer_scores`, `entry_visible`, `select_topk`, the candidate pool, `score_and_select` |
 | `grouped_matmul`   | `grouped_matmul` (the routed experts' grouped product, `ragged_dot`)     |
-| `grouped_swiglu`   | `grouped_swiglu` (gate/up product + `weighted_swiglu`), `clamped_swiglu` |
 | `paths`            | `path_str` (a parameter's name)                                          |
 
 The ops with kernels are registered in `pallas_kernels.dispatch`, under the names
 `fake_quant_{fp4_main_kv,mxfp4,fp8_swa}`, `hc_coefficients`, `hc_site`, `sparse_attention`,
-`indexer_topk`, `grouped_matmul` and `grouped_swiglu`.
+`indexer_topk` and `grouped_matmul`.
 """

@@ -76,12 +76,11 @@ def test_every_registered_kernel_is_reached_from_a_model_or_optimizer_path(reach
       index_source_layer_ids=(0, 1), engram_layer_ids=(), seq_len=16, index_head_dim=32,
       fp4_main_kv=True, fp4_indexer=True, fp8_swa_kv=True, moe_dispatch="dropless",
       use_candidate_pool=True, candidate_source_layer_id=1,
-      ops=dict(ALL_KERNEL, grouped_matmul="auto", grouped_swiglu="auto"))  # float32 experts
+      ops=dict(ALL_KERNEL, grouped_matmul="auto"))  # float32 experts: the reference
   assert "pallas_call" in str(_trace_model_grad(cfg))
   # The MoE layer at the Mosaic kernels' tiles (bf16 operands, d and f multiples of 128).
   mcfg = testing.tiny_config(hidden_size=128, moe_intermediate_size=128, dtype="bfloat16",
-                             moe_dispatch="dropless",
-                             ops={"grouped_matmul": "kernel", "grouped_swiglu": "kernel"})
+                             moe_dispatch="dropless", ops={"grouped_matmul": "kernel"})
   graphdef, params = nnx.split(MoE(mcfg, nnx.Rngs(0)))
   seg, img = jnp.ones((1, 64), jnp.int32), jnp.zeros((1, 64), bool)
   bias = jnp.zeros((2, mcfg.n_routed_experts), jnp.float32)
