@@ -1,3 +1,5 @@
+# MEASURED in session 62 (one H100; benchmarks/RESULTS.md): notriton 2,214.0, lhs 2,218.2 against main
+# 2,208.8-2,219.1 ms (no effect); dbuf 4,837.3 ms (2.2x slower). Kept as the record of how they ran.
 # Issue 28: XLA's GPU options that MaxText-style GPU setups change, on s3's accumulated step, one
 # arm each against main (either card; ~400 s a call on an H100, where s3 arms run one after
 # another; carry .whl; from the repository root). Only `--xla_gpu_enable_command_buffer=` (the
