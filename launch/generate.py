@@ -77,6 +77,19 @@ def checkpoint_steps(workdir: str) -> list[int]:
   return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
 
 
+def _shape_mismatch(metadata, target) -> str | None:
+  """The first leaf of `target` whose shape differs from the checkpoint's (orbax's `metadata` of a
+  state directory), as "NAME is SHAPE there, SHAPE here"; None when all stored leaves agree."""
+  tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
+  key = lambda path: tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+  stored = {key(p): getattr(m, "shape", None) for p, m in jax.tree_util.tree_leaves_with_path(tree)}
+  for p, x in jax.tree_util.tree_leaves_with_path(target):
+    there = stored.get(key(p))
+    if there is not None and tuple(there) != tuple(x.shape):
+      return f"{jax.tree_util.keystr(p)} is {tuple(there)} there, {tuple(x.shape)} here"
+  return None
+
+
 def load_model(workdir: str, step: int | None = None,
                expected_model: dict | None = None) -> LoadedModel:
   """Restore parameters and MoE biases of checkpoint `step` (default: the newest) of `workdir`.
@@ -115,11 +128,19 @@ def load_model(workdir: str, step: int | None = None,
                                              jnp.float32, sharding=device)}
   state_dir = os.path.join(os.path.abspath(workdir), "checkpoints", str(step), "state")
   try:
+    # Shapes are compared before the read: orbax's read that fails on one array leaves the reads
+    # of the others pending, to raise "Exception ignored in <coroutine ...>" at some later
+    # garbage collection.
+    if (differs := _shape_mismatch(ocp.PyTreeCheckpointer().metadata(state_dir), target)):
+      raise LoadError(f"checkpoint {step} in {workdir} is not a checkpoint of the model in its "
+                      f"config.json ({differs})")
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", UserWarning)
       restored = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
           item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
           partial_restore=True))
+  except LoadError:
+    raise
   except Exception as e:  # the stored tree does not fit this config's model
     first = (str(e).splitlines() or [""])[0][:200]
     raise LoadError(f"checkpoint {step} in {workdir} is not a checkpoint of the model in its "
