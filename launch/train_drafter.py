@@ -108,7 +108,7 @@ def _make_step(graphdef, dgraph, tcfg: tuple):
         dp, h, logits, batch, backbone.embed[...], backbone.head[...])
     updates, opt_state = tx.update(grads, opt_state, dp)
     return optax.apply_updates(dp, updates), opt_state, dict(figs, loss=loss,
-                                                              grad_norm=optax.global_norm(grads))
+                                                              grad_norm=optax.tree.norm(grads))
 
   return jax.jit(step, donate_argnums=(0, 1))
 
