@@ -80,7 +80,7 @@ def test_variables_pure_state_and_dict_label_alike():
           Row("**/attn/attn_sink", "adamw"))
   want = {"embed": "sinkhorn", "attn/wq_b": "muon", "attn/attn_sink": "adamw"}
   for tree in (state, nnx.as_pure(state) if hasattr(nnx, "as_pure") else nnx.pure(state),
-               state.to_pure_dict()):
+               nnx.to_pure_dict(state)):
     got = {p: r.group for p, r in table.label_params(tree, rows).items()}
     assert got == want
 

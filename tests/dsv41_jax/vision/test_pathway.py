@@ -65,7 +65,7 @@ def test_param_paths_and_ledger(split_model):
   from configs import common, flash
   from dsv41_jax import ledger
   _, state = split_model
-  tops = {k[0] for k, _ in state.flat_state()}
+  tops = {k[0] for k, _ in nnx.to_flat_state(state)}
   assert {"vision", "projector"} <= tops
   fcfg = common.model_config(flash.get_config())
   v, d = fcfg.vision, fcfg.hidden_size
@@ -102,7 +102,7 @@ def test_frozen_vit_gets_no_gradient_and_unfrozen_does(cfg, split_model, value_a
     return value_and_grad[train_vit](state, batch)[1]
 
   def sizes(g, top):
-    return [float(jnp.abs(v[...]).max()) for k, v in g.flat_state() if k[0] == top]
+    return [float(jnp.abs(v[...]).max()) for k, v in nnx.to_flat_state(g) if k[0] == top]
 
   frozen, trained = grads(False), grads(True)
   assert all(x == 0.0 for x in sizes(frozen, "vision"))
