@@ -229,8 +229,7 @@ def finished_timings(workdir: str) -> list[tuple[dict[str, Any], float]]:
       continue
     rec = read_record(root)
     if (rec and (rec.get("status") == "done" or is_stale(rec)) and rec.get("seconds")
-        and rec.get("steps")
-        and _runs(root) == 1):
+        and rec.get("steps") and _runs(root) == 1):
       per_step = step_seconds(root)
       if per_step:
         out.append((rec, per_step))
