@@ -11,9 +11,11 @@ timeout -s TERM ${SITE_SECS:-190} python3 -u benchmarks/mhc_moe_gpu.py --only=si
     --json=$OUT/site.json 2>&1 | grep -v "^WARNING\|DeprecationWarning\|warnings.warn" | tail -40
 # s3's accumulated step, main and the stream kernel as the dispatcher's hc_site kernel: on an H100
 # one arm after the other, ~180 s each (session 62: two arms in 353 s).
+# ONLY_STREAM=1: the stream arm alone (a short call; main's arm from another call on the same card).
+ARMS=(main stream@/tmp/tree_stream); [ -n "$ONLY_STREAM" ] && ARMS=(stream@/tmp/tree_stream)
 if [ -z "$NO_STEP" ] && [ $SECONDS -lt 215 ]; then
   tree_copy stream pallas_kernels/dispatch.py \
       's/"pallas_kernels.mhc:hc_site"/"pallas_kernels.mhc_stream:hc_site"/' &&
-  arms s3 $(( (590 - SECONDS) / 2 )) main stream@/tmp/tree_stream
+  arms s3 $(( (${CALL_SECS:-590} - SECONDS) / ${#ARMS[@]} )) "${ARMS[@]}"
 fi
 step done
