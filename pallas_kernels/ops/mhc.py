@@ -129,9 +129,10 @@ def hc_coefficients(X_BxTxNxD: jax.Array, fn: jax.Array, base: jax.Array, scale:
   mix = hc_mix(X_BxTxNxD, fn, norm_eps)
   base = base.astype(jnp.float32)
   scale = scale.astype(jnp.float32)
-  pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
-  post = 2.0 * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
-  logits = (mix[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*lead, n, n)
+  # base [(2+n)n], or per token [.., (2+n)n] (a test's per-token copies, test_model.py)
+  pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[..., :n]) + hc_eps
+  post = 2.0 * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[..., n:2 * n])
+  logits = (mix[..., 2 * n:] * scale[2] + base[..., 2 * n:]).reshape(*lead, n, n)
   return pre, post, sinkhorn_project(logits, iters, hc_eps)
 
 

@@ -12,6 +12,7 @@ from dsv41_jax import model as M, testing
 from dsv41_jax.errors import ConfigError
 from dsv41_jax.layer_plan import build_layer_plan
 from dsv41_jax.loss import objective
+from dsv41_jax.layers import mhc as mhc_layer
 from pallas_kernels.ops import mhc as ops_mhc, norm as ops_norm
 
 
@@ -145,6 +146,15 @@ def test_loss_isolation_and_sharded_equals_single_device(cfg, split_model):
   term is as accurate as the rule demands. A missing partial sum is off by a whole data shard's
   contributions, |Σ c| ≫ γ·Σ|c|, and the test shows that the bound rejects one.
 
+  Each mHC site's `base` gradient gets the same kind of bound: the program adds zero per-token
+  copies to every site's `base` (so the ops see a [.., B, T, (2+n)n] base), returns their
+  cotangents s (the per-token terms; a leaf held to the generic rule), and in each run
+  |g − Σ_t s_t| ≤ γ(BT − 1)·Σ_t |s_t|. The generic rule failed on a 2-core Xeon (stop 63, both
+  jax versions): layer 0's `attn_hc/base`, sharded 1.32e-7 from float64 against a 9.43e-8 bound,
+  because that single-device run rounded the leaf's cancelling token sum to 1.51e-8 (4e-6 of the
+  leaf), ~10× better than its terms' rounding warrants; reversing the batch rows gave the same
+  1.51e-8, so one more single-device sample does not help. A lost data shard's terms are rejected.
+
   Both gradients come from one pullback of one forward pass (the program compiles ~40 % faster
   than with a jax.grad per loss). A broken copy whose indexer keeps the gradient of its input
   (`layers/indexer.py` without `stop_gradient(x_BxTxD)`) fails: the indexer loss's gradient
@@ -156,26 +166,47 @@ def test_loss_isolation_and_sharded_equals_single_device(cfg, split_model):
                                pad_from=(None, 27, None, 30))
   zero_BxTxD = np.zeros(batch["tokens"].shape + (cfg.hidden_size,), np.float32)
 
+  B, T = batch["tokens"].shape
+  model0 = nnx.merge(graphdef, state)
+  sites = [path for path, node in nnx.iter_graph(model0) if isinstance(node, mhc_layer.MHCSite)]
+
+  def at(model, path):
+    for key in path:
+      model = model[key] if isinstance(key, int) else getattr(model, key)
+    return model
+
+  # Per-token copies of every site's `base` (zeros added per token, [B, *stack, T, (2+n)n] with
+  # the row first for the batch sharding): their cotangents are the per-token terms s_t of the
+  # base gradient (rule in the docstring).
+  zero_base = {"/".join(map(str, path)): np.zeros(
+      (B,) + at(model0, path).base[...].shape[:-1] + (T,) + at(model0, path).base[...].shape[-1:],
+      np.float32) for path in sites}
+
   def program(graphdef, cfg):
-    def parts(params, batch, delta_BxTxD):
+    def parts(params, batch, delta_BxTxD, delta_base):
       model = nnx.merge(graphdef, params)
+      for path in sites:
+        node, d = at(model, path), delta_base["/".join(map(str, path))]
+        base = node.base[...]
+        per_token = jnp.moveaxis(d, 0, -3).astype(base.dtype)    # [*stack, B, T, m]
+        node.base.set_value(base[..., None, None, :] + per_token)
       h_BxTxD = model.embed_tokens(batch["tokens"]) + delta_BxTxD.astype(cfg.dtype)
       logits, aux = model(batch, bias, input_embeddings_BxTxD=h_BxTxD)
       return objective(cfg, logits, aux, batch)[1], logits
 
-    def fn(params, batch, zero_BxTxD):
-      def outputs(q, d):
-        p, logits = parts(q, batch, d)
+    def fn(params, batch, zero_BxTxD, zero_base):
+      def outputs(q, d, e):
+        p, logits = parts(q, batch, d, e)
         return p["lm_loss"], p["indexer_loss"], logits
 
       # One forward pass and its pullback, applied to each loss's one-hot cotangent: each
       # gradient is that loss's alone, and the program holds one forward, not three (~40 % less
       # to trace and compile than a jax.grad per loss).
-      out, pullback = jax.vjp(outputs, params, zero_BxTxD)
+      out, pullback = jax.vjp(outputs, params, zero_BxTxD, zero_base)
       one, nil = jnp.ones_like(out[0]), jnp.zeros_like(out[0])
-      g_lm, c_lm = pullback((one, nil, jnp.zeros_like(out[2])))
-      g_idx, _ = pullback((nil, one, jnp.zeros_like(out[2])))
-      return out, (g_lm, g_idx, c_lm)
+      g_lm, c_lm, s_lm = pullback((one, nil, jnp.zeros_like(out[2])))
+      g_idx, _, _ = pullback((nil, one, jnp.zeros_like(out[2])))
+      return out, (g_lm, g_idx, c_lm, s_lm)
     return fn
 
   cfg64 = cfg.replace(dtype="float64", param_dtype="float64")
@@ -184,10 +215,14 @@ def test_loss_isolation_and_sharded_equals_single_device(cfg, split_model):
   # The tolerance rule of the docstring is assert_sharded_matches' float64 rule (4×, 1e-5).
   mesh = testing.cpu_mesh({"data": 2, "expert": 2, "tensor": 2})
   embed_grad = "[1][0]['embed'].value"
-  result = testing.assert_sharded_matches(program(graphdef, cfg), (state, batch, zero_BxTxD),
+  base_grads = {k: "[1][0]" + "".join(f"[{p!r}]" if not p.isdigit() else f"[{p}]"
+                                      for p in k.split("/")) + "['base'].value"
+                for k in zero_base}
+  result = testing.assert_sharded_matches(program(graphdef, cfg),
+                                          (state, batch, zero_BxTxD, zero_base),
                                           mesh, float64=_in_float64(program(g64, cfg64)),
                                           float64_ratio=4.0, float64_floor=1e-5,
-                                          float64_own_rule=(embed_grad,))
+                                          float64_own_rule=(embed_grad, *base_grads.values()))
 
   tokens = np.asarray(batch["tokens"]).reshape(-1)
   n_v = np.bincount(tokens, minlength=cfg.vocab_size)[:, None]
@@ -219,7 +254,26 @@ def test_loss_isolation_and_sharded_equals_single_device(cfg, split_model):
       np.concatenate([np.zeros_like(c_sharded[:2]), c_sharded[2:]]))[0]
   assert excess(lost, c_sharded) > 1e3 * u * np.abs(c_sharded).max()
 
-  _, (g_lm, g_idx, _) = result.single
+  # Each mHC site's `base` gradient likewise: the sum over the B·T tokens of its per-token terms
+  # s (the per-token copies' cotangents, a leaf held to the generic rule above), within what a
+  # float32 sum of them may lose in any order; a data shard's lost terms are rejected.
+  gamma_bt = (B * T - 1) * u / (1 - (B * T - 1) * u)
+  worst = {}
+  for name, run in (("single device", result.single), ("sharded", result.sharded),
+                    ("float64", result.float64)):
+    flat = _flat(run[1][0])
+    for key, path in base_grads.items():
+      s_t = np.asarray(run[1][3][key], np.float64)                 # [B, *stack, T, m]
+      g = np.asarray(flat[path[len('[1][0]'):]], np.float64)
+      over = np.abs(g - s_t.sum(axis=(0, -2))) - gamma_bt * np.abs(s_t).sum(axis=(0, -2))
+      assert over.max() <= 0, f"{name}: {path} is {over.max():.3g} beyond γ(BT − 1)·Σ|s|"
+      worst[key] = max(worst.get(key, -np.inf), over.max())
+  s_sharded = np.asarray(result.sharded[1][3][next(iter(base_grads))], np.float64)
+  lost = s_sharded[2:].sum(axis=(0, -2))
+  bound = gamma_bt * np.abs(s_sharded).sum(axis=(0, -2))
+  assert (np.abs(s_sharded.sum(axis=(0, -2)) - lost) - bound).max() > 0
+
+  _, (g_lm, g_idx, _, _) = result.single
   flat_lm, flat_idx = _flat(g_lm), _flat(g_idx)
   indexer_keys = [k for k in flat_lm if "'indexer'" in k]
   assert indexer_keys
