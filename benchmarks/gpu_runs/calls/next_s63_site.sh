@@ -1,6 +1,6 @@
 # Issue 27's site bandwidth: the streaming mHC site kernel (`pallas_kernels/mhc_stream.py`, one
 # program per (token block, d-slice)) against the registered kernel and the reference, standalone at
-# s3's shapes with four tilings and the machine's copy rate, then s3's accumulated step with the
+# s3's shapes at three more tilings and the machine's copy rate, then s3's accumulated step with the
 # dispatcher's `hc_site` kernel pointed at it (a tree copy), if time is left. Either card.
 #   run(command="bash benchmarks/gpu_runs/calls/next_s63_site.sh", carry=[".whl"], timeout_s=600)
 source benchmarks/gpu_runs/calls/prelude.sh
