@@ -144,6 +144,34 @@ def test_comparison_passes_a_correct_program_and_fails_a_wrong_one():
                                      grad_argnums=1, float64=float64)
 
 
+def test_comparison_takes_a_second_sample_one_ulp_away():
+  """`float64_perturbed`: the single-device program runs again with every non-zero float32
+  argument one ulp away, the rule takes the larger of the two errors, and it still fails a
+  missing partial sum."""
+  mesh = testing.cpu_mesh({"data": 2, "tensor": 2})
+  x, w = _matmul_inputs()
+  x[0, 0] = 0.0
+  good = lambda x, w: jnp.tanh(x @ w)
+  result = testing.assert_sharded_matches(
+      good, (x, w), mesh, in_specs=("batch", P(None, "tensor")), grad_argnums=(0, 1),
+      float64=True, float64_perturbed=True)
+  moved = testing._one_ulp_away((x, w), 0)
+  for a, b in zip((x, w), moved):
+    steps = np.abs(b.view(np.int32).astype(np.int64) - a.view(np.int32))
+    assert b.dtype == np.float32 and np.all(steps[a != 0] == 1) and np.all(b[a == 0] == 0)
+    assert 0 < (b > a).mean() < 1                     # both directions
+  y, y_moved = np.asarray(result.single[0]), np.asarray(result.single_perturbed[0])
+  np.testing.assert_allclose(y_moved, np.tanh(np.asarray(moved[0], np.float64) @ moved[1]),
+                             rtol=1e-5, atol=1e-6)
+  assert not np.array_equal(y_moved, y)
+  with pytest.raises(AssertionError, match=r"output\[0\]: sharded run is .*\(one ulp away"):
+    testing.assert_sharded_matches(_missing_psum, (x, w), mesh,
+                                   in_specs=(P(None, "tensor"), P("tensor", None)),
+                                   grad_argnums=1, float64=True, float64_perturbed=True)
+  with pytest.raises(ValueError, match="float64_perturbed samples .* pass float64 too"):
+    testing.assert_sharded_matches(good, (x, w), mesh, float64_perturbed=True)
+
+
 def test_bad_inputs_name_the_problem():
   mesh = testing.cpu_mesh({"data": 2, "expert": 2})
   x, w = _matmul_inputs(rows=6)
