@@ -4,9 +4,8 @@
       --baseline-moe=../dsv41_jax/layers/moe_dispatch.py        # H200, one call
   PYTHONUNBUFFERED=1 timeout 300 python3 -u benchmarks/mhc_moe_gpu.py --only=site \
       --json=$OUT/site.json                                      # the site rows alone
-  PYTHONUNBUFFERED=1 timeout 560 python3 -u benchmarks/mhc_moe_gpu.py --only=site --copy \
-      --budget-s 450 --stream-variants=32x128w4,16x128w8,16x256w4,32x256w8 \
-      --json=$OUT/site.json                                      # + the stream kernel's tiles
+  PYTHONUNBUFFERED=1 timeout 300 python3 -u benchmarks/mhc_moe_gpu.py --only=site --copy \
+      --json=$OUT/site.json                                      # + the card's copy rate
   JAX_PLATFORMS=cpu python benchmarks/mhc_moe_gpu.py --smoke    # CPU: tiny shapes, runs everything
 
 mHC (configs/small.py:s3 at 4 × 4096 tokens, d 1024, hc_mult 4, 20 Sinkhorn iterations; streams X
@@ -20,12 +19,11 @@ projection of all five outputs w.r.t. all nine inputs), for
   rows: broadcast multiply-adds with hand VJPs, the mix GEMM, the Sinkhorn gates as one Triton
   kernel and its recomputing backward; the fused single-pass Triton site measured there as
   `kernel` was retired); `kernel gates block 64`: the same with 64-token gate blocks;
-- `stream`: `pallas_kernels.mhc_stream.hc_site` (not registered): wide streaming Triton kernels,
-  one program per (token block, d-slice), per-token sums as per-slice partial rows; at its
-  default tiles (16 tokens × 128 channels, 4 warps, 1 stage) and, with `--stream-variants
-  BTxBDwW[sS],...`, at each listed tile (`stream 32x256w8s1`); its own traffic is 30·d forward
-  and 52·d backward a token (its module docstring), the rows' GB/s use the minimum below;
-- `--copy`: −X, one read and one write of X (the machine's copy rate, timed the same way);
+  (the streaming kernel `pallas_kernels/mhc_stream.py` measured as `stream` was removed after
+  session 64: 9.6x slower forward+backward on an H100, RESULTS.md; in git history at e4c11d9);
+- `--copy`: −X, one read and one write of X, timed the same way (each call synchronised: it
+  includes a call's dispatch latency, 0.276 ms against 0.101 ms back to back on an H100 for s3's
+  bfloat16 X, session 64, so it is not the card's copy rate; RESULTS.md);
 and the pieces alone: expand (the einsum form measured as the reference before issue 27; the ops'
 expand is now the broadcast form, so the site rows above were measured with the einsum reference),
 the mix x̂ · fnᵀ with mean(x̂²) (the op's XLA form, a cuBLAS SGEMM and a reduction) and the gates (sigmoids +
@@ -70,7 +68,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import elapsed, header, log, time_calls  # noqa: E402
 from dsv41_jax.layers import mhc, moe_dispatch  # noqa: E402
-from pallas_kernels import mhc as mhc_kernel, mhc_stream  # noqa: E402
+from pallas_kernels import mhc as mhc_kernel  # noqa: E402
 
 COPY_BPS, MMA_FLOPS = 4.3e12, 790e12
 KW = dict(iters=20, hc_eps=1e-6, norm_eps=1e-20)
@@ -156,11 +154,7 @@ def mhc_cases(lead, n, d, reps, budget_s, interpret, impls, pieces):
       "kernel": lambda *a: mhc_kernel.hc_site(*a, **KW, interpret=interpret),
       "kernel gates block 64": lambda *a: mhc_kernel.hc_site(*a, **KW, interpret=interpret,
                                                              block_tokens=64),
-      "stream": lambda *a: mhc_stream.hc_site(*a, **KW, interpret=interpret),
   }
-  for name, tiles in _stream_variants(ARGS.stream_variants).items():
-    site[name] = lambda *a, tiles=tiles: mhc_stream.hc_site(*a, **KW, **tiles,
-                                                            interpret=interpret)
   if ARGS.copy and "copy" not in _REFS:
     _REFS["copy"] = True
     copy_bytes = 2 * tokens * n * d * sx
@@ -205,19 +199,6 @@ def mhc_cases(lead, n, d, reps, budget_s, interpret, impls, pieces):
     time_case("gates (sigmoids + sinkhorn) fwd+bwd", impl, _loss_grad(g, (z,)), (z,), reps,
               nbytes=tokens * (2 + n) * n * 16)
   _save(ARGS.json)
-
-
-def _stream_variants(spec):
-  """{"stream 16x128w4s1": dict(block_tokens=16, block_d=128, num_warps=4, num_stages=1), ...}
-  from "16x128w4,32x256w8s2" (tokens × channels, warps, optional stages, default 1)."""
-  out = {}
-  for item in filter(None, spec.split(",")):
-    tiles, _, rest = item.partition("w")
-    bt, bd = (int(v) for v in tiles.split("x"))
-    warps, _, stages = rest.partition("s")
-    kw = dict(block_tokens=bt, block_d=bd, num_warps=int(warps), num_stages=int(stages or 1))
-    out[f"stream {bt}x{bd}w{kw['num_warps']}s{kw['num_stages']}"] = kw
-  return out
 
 
 def _einsum_expand(X, post, comb, F):
@@ -358,9 +339,6 @@ def main():
                   help="the mHC streams' dtype (s3: bfloat16)")
   ap.add_argument("--quick", action="store_true",
                   help="mHC only: the site forward+backward (kernel) and the gates")
-  ap.add_argument("--stream-variants", default="",
-                  help="site: also time the stream kernel at these tiles, e.g. "
-                       "16x128w4,32x256w8s2 (block tokens x block d, warps, stages)")
   ap.add_argument("--copy", action="store_true",
                   help="site: a row timing -X (one read, one write of the streams)")
   ARGS = ap.parse_args()
@@ -374,7 +352,7 @@ def main():
   else:
     lead, n, d, moe = (4, 4096), 4, 1024, (16384, 1024, 512, 48, 4)
     reps = ARGS.reps
-  site_impls = ("reference", "kernel", "stream", *_stream_variants(ARGS.stream_variants))
+  site_impls = ("reference", "kernel")
   t0 = time.time()
   if ARGS.quick:
     mhc_cases(lead, n, d, reps, ARGS.budget_s, cpu, ("kernel",), True)

@@ -1,3 +1,4 @@
+# Run at session 64 (2026-12-07, an H100, main e4c11d9); the streaming kernel was removed after it (slower).
 # Issue 27's site bandwidth: the streaming mHC site kernel (`pallas_kernels/mhc_stream.py`, one
 # program per (token block, d-slice)) against the registered kernel and the reference, standalone at
 # s3's shapes at three more tilings and the machine's copy rate, then s3's accumulated step with the
