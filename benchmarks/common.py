@@ -1,8 +1,15 @@
 """What the benchmark scripts share: how a call is timed, the header naming the run, table headers.
 
 Timing (`time_calls`, `median_seconds`): one first call, which compiles and warms up and is timed
-apart, then `reps` calls, each waited on with `jax.block_until_ready` so asynchronous dispatch
-never hides device time; a script reports the median of those calls.
+apart, then `reps` timed bursts of calls dispatched back to back and waited on once with
+`jax.block_until_ready` (so asynchronous dispatch never hides device time); a script reports the
+median over the bursts of a burst's time per call. On an accelerator a burst holds enough calls for
+~2 ms (at most 32; one for a call that takes longer), so a short call's dispatch latency overlaps
+the previous call's device work instead of being added to it; on the CPU backend, whose queued
+calls may run at once on the host's threads, a burst is one call. Until session 64 every call was
+waited on alone, and −X of s3's bfloat16 mHC streams (134 MB) timed 0.276 ms on an H100 that way
+against 0.101 ms back to back (RESULTS.md, session 64): GPU rows measured before then include up to
+~0.17 ms a call.
 
 The header (`header`: `command` and `machine`) gives the command line and the machine (date in
 UTC, jax version, backend, devices, host cores), so every printed table says where its figures
@@ -40,17 +47,30 @@ def log(msg: str) -> None:
   print(f"[{time.strftime('%H:%M:%S')} +{elapsed():.0f}s] {msg}", file=sys.stderr, flush=True)
 
 
-def time_calls(fn: Callable, *args, reps: int) -> tuple[float, float]:
-  """(median seconds of `reps` calls of `fn(*args)`, seconds of the first call before them, which
-  compiles and warms up)."""
+def time_calls(fn: Callable, *args, reps: int, burst: int | None = None) -> tuple[float, float]:
+  """(median over `reps` bursts of a burst's seconds per call of `fn(*args)`, seconds of the first
+  call before them, which compiles and warms up). `burst` calls are dispatched back to back and
+  waited on once; None picks it from one more call waited on alone: ⌈2 ms / that call⌉, 1 to 32,
+  and 1 on the CPU backend (module docstring). `burst=1` waits on every call."""
   t0 = time.perf_counter()
   jax.block_until_ready(fn(*args))
   first = time.perf_counter() - t0
+  if burst is None and jax.default_backend() == "cpu":
+    burst = 1
+  if burst is None:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = time.perf_counter() - t0
+    burst = int(min(32, max(1, np.ceil(2e-3 / max(one, 1e-7)))))
+  if burst < 1:
+    raise ValueError(f"burst must be at least 1 call, got {burst}")
   times = []
   for _ in range(reps):
     t0 = time.perf_counter()
+    for _ in range(burst - 1):
+      fn(*args)          # dispatched; its outputs are released once the device is done with them
     jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
+    times.append((time.perf_counter() - t0) / burst)
   return float(np.median(times)), first
 
 

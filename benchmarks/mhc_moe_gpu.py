@@ -21,9 +21,9 @@ projection of all five outputs w.r.t. all nine inputs), for
   `kernel` was retired); `kernel gates block 64`: the same with 64-token gate blocks;
   (the streaming kernel `pallas_kernels/mhc_stream.py` measured as `stream` was removed after
   session 64: 9.6x slower forward+backward on an H100, RESULTS.md; in git history at e4c11d9);
-- `--copy`: −X, one read and one write of X, timed the same way (each call synchronised: it
-  includes a call's dispatch latency, 0.276 ms against 0.101 ms back to back on an H100 for s3's
-  bfloat16 X, session 64, so it is not the card's copy rate; RESULTS.md);
+- `--copy`: −X, one read and one write of X, timed the same way (`common.time_calls`: calls back
+  to back since session 64; its row then, every call waited on alone, was 0.276 ms against
+  0.101 ms back to back on an H100, RESULTS.md);
 and the pieces alone: expand (the einsum form measured as the reference before issue 27; the ops'
 expand is now the broadcast form, so the site rows above were measured with the einsum reference),
 the mix x̂ · fnᵀ with mean(x̂²) (the op's XLA form, a cuBLAS SGEMM and a reduction) and the gates (sigmoids +

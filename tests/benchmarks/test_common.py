@@ -1,11 +1,14 @@
-"""benchmarks/common.py: the step benchmarks' `--set` config overrides; arms timed in turn."""
+"""benchmarks/common.py: the step benchmarks' `--set` config overrides; arms timed in turn; timing
+in bursts."""
 
 import multiprocessing
 import time
 
 import ml_collections
+import numpy as np
 import pytest
 
+from benchmarks import common
 from benchmarks.common import Turns, set_overrides
 from configs import small
 
@@ -79,3 +82,21 @@ def test_turns_do_not_wait_for_an_arm_that_died(tmp_path):
   assert codes == [1, 0, 0]
   assert len(spans) == 2 and spans[1][1] < t0 + 20    # not the 30 s wait
   assert spans[0][0] >= max(r for _, _, r in spans) and spans[0][1] <= spans[1][0]
+
+
+def test_time_calls_times_bursts_and_rejects_an_empty_one():
+  """A burst of calls is timed as one wait; its time is divided by its calls; burst 0 is refused."""
+  calls = []
+
+  def fn(x):
+    calls.append(1)
+    return x + 1
+
+  x = np.ones(4, np.float32)
+  seconds, first = common.time_calls(fn, x, reps=3, burst=4)
+  assert len(calls) == 1 + 3 * 4 and seconds >= 0 and first >= 0
+  calls.clear()
+  common.time_calls(fn, x, reps=2)           # the CPU backend: one call a burst, no probe call
+  assert len(calls) == 1 + 2
+  with pytest.raises(ValueError, match="burst must be at least 1 call, got 0"):
+    common.time_calls(fn, x, reps=1, burst=0)
