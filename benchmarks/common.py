@@ -52,6 +52,8 @@ def time_calls(fn: Callable, *args, reps: int, burst: int | None = None) -> tupl
   call before them, which compiles and warms up). `burst` calls are dispatched back to back and
   waited on once; None picks it from one more call waited on alone: ⌈2 ms / that call⌉, 1 to 32,
   and 1 on the CPU backend (module docstring). `burst=1` waits on every call."""
+  if burst is not None and burst < 1:
+    raise ValueError(f"burst must be at least 1 call, got {burst}")
   t0 = time.perf_counter()
   jax.block_until_ready(fn(*args))
   first = time.perf_counter() - t0
@@ -62,8 +64,6 @@ def time_calls(fn: Callable, *args, reps: int, burst: int | None = None) -> tupl
     jax.block_until_ready(fn(*args))
     one = time.perf_counter() - t0
     burst = int(min(32, max(1, np.ceil(2e-3 / max(one, 1e-7)))))
-  if burst < 1:
-    raise ValueError(f"burst must be at least 1 call, got {burst}")
   times = []
   for _ in range(reps):
     t0 = time.perf_counter()

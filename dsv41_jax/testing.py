@@ -480,6 +480,9 @@ def assert_sharded_matches(fn: Callable, args: Sequence[Any], mesh: Mesh, *,
   Raises ValueError / TypeError naming the problem for a batch the mesh does not divide and for
   outputs that are not arrays. Returns a `Comparison` for further checks.
   """
+  if float64_perturbed and float64 is False:
+    raise ValueError("float64_perturbed samples the single-device error against the float64 "
+                     "run: pass float64 too")
   args = list(args)
   argnums = (grad_argnums,) if isinstance(grad_argnums, int) else tuple(grad_argnums)
   fn = _checked(fn)
@@ -500,9 +503,6 @@ def assert_sharded_matches(fn: Callable, args: Sequence[Any], mesh: Mesh, *,
   single = single_fn(*one)
   perturbed = None
   if float64_perturbed:
-    if float64 is False:
-      raise ValueError("float64_perturbed samples the single-device error against the float64 "
-                       "run: pass float64 too")
     perturbed = single_fn(*jax.device_put(_one_ulp_away(args, cotangent_seed),
                                           jax.devices()[0]))
 

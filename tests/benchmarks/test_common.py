@@ -98,5 +98,7 @@ def test_time_calls_times_bursts_and_rejects_an_empty_one():
   calls.clear()
   common.time_calls(fn, x, reps=2)           # the CPU backend: one call a burst, no probe call
   assert len(calls) == 1 + 2
+  calls.clear()
   with pytest.raises(ValueError, match="burst must be at least 1 call, got 0"):
     common.time_calls(fn, x, reps=1, burst=0)
+  assert not calls                           # refused before any call

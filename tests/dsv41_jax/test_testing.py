@@ -169,7 +169,8 @@ def test_comparison_takes_a_second_sample_one_ulp_away():
                                    in_specs=(P(None, "tensor"), P("tensor", None)),
                                    grad_argnums=1, float64=True, float64_perturbed=True)
   with pytest.raises(ValueError, match="float64_perturbed samples .* pass float64 too"):
-    testing.assert_sharded_matches(good, (x, w), mesh, float64_perturbed=True)
+    testing.assert_sharded_matches(lambda x, w: pytest.fail("ran"), (x, w), mesh,
+                                   float64_perturbed=True)
 
 
 def test_bad_inputs_name_the_problem():

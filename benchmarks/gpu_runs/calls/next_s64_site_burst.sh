@@ -6,5 +6,5 @@ OUT=$(realpath "$OUT")
 step "site: reference, kernel, copy (bursts)"
 timeout -s TERM ${SITE_SECS:-150} python3 -u benchmarks/mhc_moe_gpu.py --only=site --copy --reps 20 \
     --budget-s $(( ${SITE_SECS:-150} - 30 )) --json=$OUT/site.json 2>&1 \
-    | grep -v "^WARNING\|DeprecationWarning\|warnings.warn" | grep "^case=" 
+    | grep -v "^WARNING\|DeprecationWarning\|warnings.warn" | grep "^case="
 step done
