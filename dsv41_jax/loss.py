@@ -10,9 +10,10 @@ never reaches them (top-k is not differentiable), so one scalar trains both with
 
 `head_cross_entropy` is the same LM cross-entropy computed from the final hidden state and the head
 in chunks of tokens (`ModelConfig.lm_loss_chunk`), so the float32 [B, T, V] logits never exist
-for the whole batch: each chunk's logits are made, reduced and dropped, and made again in the
-backward pass (a hand-written VJP), where their cotangent is rounded to the compute dtype before
-the two products (bf16 tensor-core GEMMs on a GPU, not float32 ones).
+for the whole batch: each chunk's logits are made, reduced and dropped. Under differentiation
+(a hand-written VJP) the same pass also makes the gradients for a unit cotangent, the logits'
+cotangent rounded to the compute dtype before the two products (bf16 tensor-core GEMMs on a
+GPU, not float32 ones), and the backward only scales them: the logits are made once a step.
 
 Micro-batches (gradient accumulation, docs/design.md §T2). Every term is a mean over its own
 units: the LM loss over loss tokens, each layer's balance loss over documents, each layer's
@@ -59,44 +60,60 @@ def _chunk_logits(h_CxD, head_DxV):
                     preferred_element_type=jnp.float32)
 
 
+def _chunk_nll(h_CxD, head_DxV, t_C, w_C):
+  """A chunk's logits [C, V] float32, its log-sum-exps and Σ_c w_c · NLL_c."""
+  logits = _chunk_logits(h_CxD, head_DxV)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  picked = jnp.take_along_axis(logits, t_C[:, None], axis=-1)[:, 0]
+  return logits, lse, ((lse - picked) * w_C).sum()
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _head_nll_sum(h_NxD, head_DxV, targets_N, weight_N, chunk):
   """Σ_n weight_n · (logsumexp(h_n·W) − (h_n·W)[target_n]), chunk tokens at a time."""
-  return _head_nll_fwd(h_NxD, head_DxV, targets_N, weight_N, chunk)[0]
+  def body(total, c):
+    h, t, w = c
+    return total + _chunk_nll(h, head_DxV, t, w)[2], None
+
+  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
+                          (_chunks(h_NxD, chunk), _chunks(targets_N, chunk),
+                           _chunks(weight_N, chunk)))
+  return total
 
 
 def _head_nll_fwd(h_NxD, head_DxV, targets_N, weight_N, chunk):
-  def body(total, c):
-    h, t, w = c
-    logits = _chunk_logits(h, head_DxV)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
-    return total + ((lse - picked) * w).sum(), lse
-
-  total, lse = jax.lax.scan(body, jnp.zeros((), jnp.float32),
-                            (_chunks(h_NxD, chunk), _chunks(targets_N, chunk),
-                             _chunks(weight_N, chunk)))
-  return total, (h_NxD, head_DxV, targets_N, weight_N, lse)
-
-
-def _head_nll_bwd(chunk, res, g):
-  h_NxD, head_DxV, targets_N, weight_N, lse = res
+  """The value and, from the same logits, the gradients for a unit cotangent: the loss is a
+  scalar, so its backward only scales them (g · d_h, g · d_W). Each chunk's [C, V] logits are
+  made once a step, not again in the backward: one of the head's four [N, D, V] products and a
+  float32 write and read of the logits fewer (m3 at 4 × 4096: 3.3 TFLOP and 4 GiB a
+  micro-batch). The logits' cotangent p − onehot(t) is weighted by w and rounded to the compute
+  dtype before the two products, as before; g then scales float32 products, so the one rounding
+  of d_h to the compute dtype comes after it."""
   n, v = h_NxD.shape[0], head_DxV.shape[1]
   w_c = head_DxV.astype(h_NxD.dtype)
 
-  def body(d_head, c):
-    h, t, w, l = c
-    p = jnp.exp(_chunk_logits(h, head_DxV) - l[:, None])
-    d_logits = ((p - jax.nn.one_hot(t, v, dtype=p.dtype)) * (g * w)[:, None]).astype(h.dtype)
+  def body(carry, c):
+    total, d_head = carry
+    h, t, w = c
+    logits, lse, nll = _chunk_nll(h, head_DxV, t, w)
+    p = jnp.exp(logits - lse[:, None])
+    d_logits = ((p - jax.nn.one_hot(t, v, dtype=p.dtype)) * w[:, None]).astype(h.dtype)
     d_h = jnp.einsum("cv,dv->cd", d_logits, w_c, preferred_element_type=jnp.float32)
     d_head = d_head + jnp.einsum("cd,cv->dv", h, d_logits, preferred_element_type=jnp.float32)
-    return d_head, d_h.astype(h.dtype)
+    return (total + nll, d_head), d_h
 
-  d_head, d_h = jax.lax.scan(body, jnp.zeros(head_DxV.shape, jnp.float32),
-                             (_chunks(h_NxD, chunk), _chunks(targets_N, chunk),
-                              _chunks(weight_N, chunk), lse))
-  return (d_h.reshape(-1, h_NxD.shape[1])[:n], d_head.astype(head_DxV.dtype),
-          None, jnp.zeros_like(weight_N))
+  (total, d_head), d_h = jax.lax.scan(
+      body, (jnp.zeros((), jnp.float32), jnp.zeros(head_DxV.shape, jnp.float32)),
+      (_chunks(h_NxD, chunk), _chunks(targets_N, chunk), _chunks(weight_N, chunk)))
+  d_h = d_h.reshape(-1, h_NxD.shape[1])[:n]
+  likes = tuple(jnp.zeros((0,), a.dtype) for a in (h_NxD, head_DxV, weight_N))
+  return total, (d_h, d_head, likes)
+
+
+def _head_nll_bwd(chunk, res, g):
+  d_h, d_head, (h_like, head_like, weight_like) = res
+  return ((g * d_h).astype(h_like.dtype), (g * d_head).astype(head_like.dtype), None,
+          jnp.zeros(d_h.shape[:1], weight_like.dtype))
 
 
 _head_nll_sum.defvjp(_head_nll_fwd, _head_nll_bwd)

@@ -125,3 +125,25 @@ def test_batch_counts_against_a_loop():
   assert sorted(set(want_idx)) != [0] and len(set(want_idx) - {0}) == 2   # ratios 2 and 1 differ
   assert got["moe"] == (seg > 0).sum() and got["engram"] == text.sum()
   assert got["engram_rows"] == text.any(1).sum()
+
+
+def test_head_loss_makes_its_logits_once_a_step():
+  """The loss and its gradients from one product for the logits: the differentiated program holds
+  three products of the head (the logits, d_h, d_W; the backward only scales the forward's
+  gradients by the cotangent), the value alone one. A backward that made the logits again (four
+  products: a fourth [N, D, V] GEMM and a float32 write and read of the logits) fails."""
+  from dsv41_jax.loss import head_cross_entropy
+  rng = np.random.default_rng(4)
+  h = jnp.asarray(rng.normal(size=(2, 8, 16)), jnp.bfloat16)
+  w = jnp.asarray(rng.normal(size=(16, 40)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, 40, size=(2, 8)), jnp.int32)
+  mask = jnp.ones((2, 8), bool)
+
+  def loss(h, w):
+    return head_cross_entropy(h, w, targets, mask, 8)[0]
+
+  def products(f):
+    return jax.jit(f).lower(h, w).as_text().count("dot_general")
+
+  assert products(loss) == 1
+  assert products(jax.value_and_grad(loss, argnums=(0, 1))) == 3
