@@ -87,8 +87,8 @@ def _head_nll_fwd(h_NxD, head_DxV, targets_N, weight_N, chunk):
   made once a step, not again in the backward: one of the head's four [N, D, V] products and a
   float32 write and read of the logits fewer (m3 at 4 × 4096: 3.3 TFLOP and 4 GiB a
   micro-batch). The logits' cotangent p − onehot(t) is weighted by w and rounded to the compute
-  dtype before the two products, as before; g then scales float32 products, so the one rounding
-  of d_h to the compute dtype comes after it."""
+  dtype before the two products; g, known only in the backward, scales their float32 results, so
+  d_h is rounded to the compute dtype once, after it."""
   n, v = h_NxD.shape[0], head_DxV.shape[1]
   w_c = head_DxV.astype(h_NxD.dtype)
 
