@@ -5,8 +5,8 @@
 Traces (never compiles) the train step `launch.train` builds and walks its jaxpr: every
 `dot_general` and `ragged_dot_general` counts 2·M·N·K FLOPs per execution (a ragged product each
 row once), multiplied by the trip counts of the `scan`s around it (layers, micro-batches, loss
-chunks, Newton–Schulz steps; a `while` with a constant trip count by that count, one without by
-1, listed). `pallas_call`s are listed apart, unopened. Rows are grouped by the innermost frame in
+chunks, Newton–Schulz steps: `fori_loop` with static bounds is a `scan`; a `while` counting to a
+constant by that count, any other by 1, listed). `pallas_call`s are listed apart, unopened. Rows are grouped by the innermost frame in
 the project's code (file:function:line): the forward, layer remat's recomputed forward, the
 backward and the optimizer share a line's row, and "runs" says how often a step executes it, so a
 layer's dense product shows 4 runs a layer (forward, remat forward, two backward products).
@@ -27,10 +27,9 @@ import collections
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _REPO)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def _frame(eqn) -> str:
@@ -47,25 +46,22 @@ def _frame(eqn) -> str:
 
 
 def _dot_flops(eqn) -> float:
+  """2 · (output elements) · (contracted size); a ragged product contracting its ragged rows (the
+  weight gradient, [G, ...] out) uses each row once, so its output counts once, not G times."""
   import numpy as np
-  lhs, rhs = (v.aval for v in eqn.invars[:2])
-  out = eqn.outvars[0].aval
-  if eqn.primitive.name == "dot_general":
-    (lc, _), _ = eqn.params["dimension_numbers"]
-    k = int(np.prod([lhs.shape[i] for i in lc])) if lc else 1
-    return 2.0 * float(np.prod(out.shape)) * k
-  # ragged_dot_general: rows of lhs × (rhs's per-group product), groups partition the rows
-  dn = eqn.params["ragged_dot_dimension_numbers"]
-  (lc, _), _ = dn.dot_dimension_numbers
-  k = int(np.prod([lhs.shape[i] for i in lc])) if lc else 1
-  if dn.lhs_ragged_dimensions and dn.lhs_ragged_dimensions[0] in lc:
-    # ragged contracting dim (the weight gradient): out [G, ...], each row used once
-    return 2.0 * float(np.prod(out.shape)) / out.shape[0] * k
-  return 2.0 * float(np.prod(out.shape)) * k
+  lhs, out = eqn.invars[0].aval, eqn.outvars[0].aval
+  ragged = eqn.primitive.name == "ragged_dot_general"
+  dn = eqn.params["ragged_dot_dimension_numbers"] if ragged else None
+  (lc, _), _ = dn.dot_dimension_numbers if ragged else eqn.params["dimension_numbers"]
+  flops = 2.0 * float(np.prod(out.shape)) * float(np.prod([lhs.shape[i] for i in lc]))
+  if ragged and dn.lhs_ragged_dimensions and dn.lhs_ragged_dimensions[0] in lc:
+    flops /= out.shape[0]
+  return flops
 
 
 def _while_trips(eqn) -> int | None:
-  """The trip count of a `fori_loop`-shaped while (i from a constant to a constant), else None."""
+  """The trip count of a `while_loop` counting i from a constant while i < a constant, else None
+  (`fori_loop` with static bounds writes a `scan`)."""
   cj = eqn.params["cond_jaxpr"]
   if len(cj.jaxpr.eqns) != 1 or cj.jaxpr.eqns[0].primitive.name != "lt":
     return None

@@ -26,11 +26,18 @@ def test_loops_multiply_and_the_backward_counts_its_products():
   flops, runs, unknown = _count(scanned, x, w)
   assert (flops, runs, unknown) == (5 * one, 5, {})
 
-  def looped(x, w):                             # fori_loop with constant bounds, unrolled by 2
+  def looped(x, w):                             # fori_loop with static bounds: a scan
     return jax.lax.fori_loop(0, 3, lambda i, h: h @ w[i], x, unroll=2)
 
   flops, runs, _ = _count(looped, x, w)
   assert (flops, runs) == (3 * one, 3)
+
+  def counted(x, w):                            # a while counting to a constant
+    body = lambda c: (c[0] + 1, c[1] @ w[c[0]])
+    return jax.lax.while_loop(lambda c: c[0] < 4, body, (1, x))[1]
+
+  flops, runs, unknown = _count(counted, x, w)
+  assert (flops, runs, unknown) == (3 * one, 3, {})
 
   def dynamic(x, w, n):                         # a while without a constant trip count: once
     return jax.lax.fori_loop(0, n, lambda i, h: h @ w[i], x)
