@@ -395,7 +395,7 @@ def _worker_iterators(it, kind) -> list:
     elif isinstance(obj, (list, tuple)):
       todo.extend(obj)
     elif isinstance(obj, grain.DatasetIterator):
-      todo.extend(vars(obj).values())
+      todo.extend(getattr(obj, "__dict__", {}).values())  # (an iterator with __slots__: none)
   return found
 
 
