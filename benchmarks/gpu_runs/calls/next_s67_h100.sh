@@ -7,9 +7,6 @@
 #       kind="nvidia-h100-x1", needs_h200=false)
 source benchmarks/gpu_runs/calls/prelude.sh
 OUT=$(realpath "$OUT")
-step "site: reference, kernel, copy (bursts)"
-timeout -s TERM ${SITE_SECS:-150} python3 -u benchmarks/mhc_moe_gpu.py --only=site --copy --reps 20 \
-    --budget-s $(( ${SITE_SECS:-150} - 30 )) --json=$OUT/site.json 2>&1 \
-    | grep -v "^WARNING\|DeprecationWarning\|warnings.warn" | grep "^case="
+site_burst
 s3_accum main $(( ${CALL_SECS:-545} - SECONDS ))
 step done

@@ -101,3 +101,12 @@ tree_edit() {
   local dir=/tmp/tree_$1
   rm -rf "$dir" && mkdir -p "$dir" && cp -a . "$dir"/ && python3 "$2" "$dir"
 }
+# site_burst: the mHC site rows at s3's shapes (reference, registered kernel, -X copy), timed in bursts
+# by mhc_moe_gpu.py (session 64's change), SITE_SECS (default 150) of the call; writes $OUT/site.json.
+site_burst() {
+  local secs=${SITE_SECS:-150}
+  step "site: reference, kernel, copy (bursts)"
+  timeout -s TERM "$secs" python3 -u benchmarks/mhc_moe_gpu.py --only=site --copy --reps 20 \
+      --budget-s $(( secs - 30 )) --json="$OUT/site.json" 2>&1 \
+      | grep -v "^WARNING\|DeprecationWarning\|warnings.warn" | grep "^case="
+}
