@@ -21,6 +21,10 @@ projection of all five outputs w.r.t. all nine inputs), for
   `kernel` was retired); `kernel gates block 64`: the same with 64-token gate blocks;
   (the streaming kernel `pallas_kernels/mhc_stream.py` measured as `stream` was removed after
   session 64: 9.6x slower forward+backward on an H100, RESULTS.md; in git history at e4c11d9);
+- `rows`: `pallas_kernels.mhc_rows.hc_site` (session 68: one Triton pass forward reading X and F,
+  writing X', x and the two means; the mix GEMM over X'; one Triton pass backward with the mix
+  term as a tensor-core dot), at its default tiles; `--rows-tiles` adds other tiles
+  (FWDxCHUNKwWARPS/BWDxCHUNKwWARPS, e.g. 8x256w8/32x64w8);
 - `--copy`: −X, one read and one write of X, timed the same way (`common.time_calls`: calls back
   to back since session 64; its row then, every call waited on alone, was 0.276 ms against
   0.101 ms back to back on an H100, RESULTS.md);
@@ -53,6 +57,7 @@ Imports only jax/numpy/flax and this repository (runs on the GPU image without t
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -68,7 +73,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import elapsed, header, log, time_calls  # noqa: E402
 from dsv41_jax.layers import mhc, moe_dispatch  # noqa: E402
-from pallas_kernels import mhc as mhc_kernel  # noqa: E402
+from pallas_kernels import mhc as mhc_kernel, mhc_rows  # noqa: E402
 
 COPY_BPS, MMA_FLOPS = 4.3e12, 790e12
 KW = dict(iters=20, hc_eps=1e-6, norm_eps=1e-20)
@@ -141,6 +146,10 @@ def time_case(case, impl, fn, args, reps, nbytes=None, flops=None, ref=None, **e
   return t
 
 
+def _rows_tiles(*a, fwd, bwd, interpret):
+  return mhc_rows.hc_site(*a, **KW, fwd_tiles=fwd, bwd_tiles=bwd, interpret=interpret)
+
+
 def mhc_cases(lead, n, d, reps, budget_s, interpret, impls, pieces):
   rng = np.random.default_rng(0)
   args = site_inputs(rng, lead, n, d, ARGS.streams)
@@ -154,7 +163,12 @@ def mhc_cases(lead, n, d, reps, budget_s, interpret, impls, pieces):
       "kernel": lambda *a: mhc_kernel.hc_site(*a, **KW, interpret=interpret),
       "kernel gates block 64": lambda *a: mhc_kernel.hc_site(*a, **KW, interpret=interpret,
                                                              block_tokens=64),
+      "rows": lambda *a: mhc_rows.hc_site(*a, **KW, interpret=interpret),
   }
+  for spec in ARGS.rows_tiles:
+    fwd, bwd = (tuple(int(v) for v in t.replace("w", "x").split("x")) for t in spec.split("/"))
+    site[f"rows {spec}"] = functools.partial(_rows_tiles, fwd=fwd, bwd=bwd, interpret=interpret)
+    impls = (*impls, f"rows {spec}")
   if ARGS.copy and "copy" not in _REFS:
     _REFS["copy"] = True
     copy_bytes = 2 * tokens * n * d * sx
@@ -339,6 +353,9 @@ def main():
                   help="the mHC streams' dtype (s3: bfloat16)")
   ap.add_argument("--quick", action="store_true",
                   help="mHC only: the site forward+backward (kernel) and the gates")
+  ap.add_argument("--rows-tiles", nargs="*", default=[], metavar="FWD/BWD",
+                  help="site: the rows kernel at these tiles too, e.g. 8x256w8/32x64w8 "
+                       "(tokens x channels, warps; forward/backward)")
   ap.add_argument("--copy", action="store_true",
                   help="site: a row timing -X (one read, one write of the streams)")
   ARGS = ap.parse_args()
@@ -352,7 +369,7 @@ def main():
   else:
     lead, n, d, moe = (4, 4096), 4, 1024, (16384, 1024, 512, 48, 4)
     reps = ARGS.reps
-  site_impls = ("reference", "kernel")
+  site_impls = ("reference", "kernel", "rows")
   t0 = time.time()
   if ARGS.quick:
     mhc_cases(lead, n, d, reps, ARGS.budget_s, cpu, ("kernel",), True)

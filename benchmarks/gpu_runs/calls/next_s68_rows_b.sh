@@ -1,0 +1,9 @@
+# Session 68's second call (the warm machine of next_s68_rows.sh): s3 accumulated on main (the
+# comparison arm, same card), then s3 by source with the rows kernel as hc_site's kernel.
+#   run(command="bash benchmarks/gpu_runs/calls/next_s68_rows_b.sh", carry=[".whl"], timeout_s=600)
+source benchmarks/gpu_runs/calls/prelude.sh
+OUT=$(realpath "$OUT")
+arms s3 300 main
+tree_copy rows pallas_kernels/dispatch.py 's|Kernel("pallas_kernels.mhc:hc_site",|Kernel("pallas_kernels.mhc_rows:hc_site",|' || exit 1
+(cd /tmp/tree_rows && profile s3 s3_rows)
+step done

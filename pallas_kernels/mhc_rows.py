@@ -1,0 +1,322 @@
+"""The mHC site's stream pass as Triton kernels, forward and backward (docs/design.md §3.2–3.3; issue 27).
+
+A kernel of the op `hc_site` (`pallas_kernels.ops.mhc.hc_site` has the equations). Per token, with
+X [n, d] the streams entering the previous site, F [d] its sublayer output and (post, comb, pre)
+its coefficients:
+
+  v_k = X'_k = post_k F + Σ_j comb[j, k] X_j     float32 in `_expand_f32`'s order, stored in X's dtype
+  y   = Σ_k pre_k v_k                            the collapse (of X' as stored), float32
+  x   = (y · rsqrt(mean(y²) + eps)) · w          the sublayer input (`rms_norm`), float32
+  ms  = mean(v²) + eps over the n·d values       the mix's RMS
+  raw = v · fnᵀ [m = (2+n)n]                     the mix before its RMS factor (one XLA GEMM)
+
+The forward kernel (`_fwd_kernel`) reads X and F once and writes X', x and the two means: a program
+takes `block_tokens` whole rows (d in static chunks of `fwd_chunk`, the rows' y kept in registers
+until the norm's factor is known). The mix `raw` is one GEMM over X' (`ops.mhc._mix_bf16`'s form:
+bfloat16 streams through three exact bfloat16 terms of fn; float32 at HIGHEST); the gates (sigmoids,
+Sinkhorn) are `pallas_kernels.mhc.gates`. The registered kernel (`pallas_kernels.mhc.hc_site`) runs
+the same math as XLA fusions that read X' three more times (collapse, its norm, the mean square).
+
+The backward kernel (`_bwd_kernel`, residuals: X, F, the coefficients, X', x and the means) is one
+pass over d per token block: with the per-token scalars s = Σ_d gx · x (one XLA row sum), the
+forward's r = rsqrt(mean(y²) + eps) and a = 2 g_ms / (n·d),
+
+  gy    = (gx · w) · r − y · s / ((mean(y²) + eps) · d)          the norm's VJP
+  gv_k  = gX'_k + pre_k gy + a v_k + (g_raw · fn)_k              float32 (one rounding at the end)
+  gX_j  = Σ_k comb[j, k] gv_k,  gF = Σ_k post_k gv_k,  gpost_k = Σ_d gv_k F,
+  gcomb[j, k] = Σ_d gv_k X_j,  gpre_k = Σ_d v_k gy,  d w = Σ_tokens gx · y · r (per-block rows)
+
+(g_raw · fn is a tensor-core dot per chunk: bfloat16 streams g₁f₁ + g₁f₂ + g₂f₁ in bfloat16 terms as
+`_mix_bf16_bwd` does; float32 streams one IEEE float32 dot.) d fn = g_rawᵀ X' is one XLA product
+over the tokens (`_mix_bf16_bwd`'s form). Nothing is rounded between the pieces of gv (the op sums
+its cotangents of a bfloat16 X' in bfloat16), so the kernel's gradients are the reference's or
+closer to exact.
+
+Bytes at s3 (n = 4, d = 1024, bfloat16 streams, 16,384 tokens): forward 369 MB (X, F read; X', x
+written) + 134 MB for the mix GEMM; backward 535 MB (X, F, gX', gx read; gX, gF written) + 134 MB
+(s: gx and x) + 134 MB (d fn reads X'). `interpret=None` interprets on the CPU and compiles with
+Triton on the GPU. Token counts the blocks do not tile are padded (logged once). Triton blocks are
+powers of two: n, d's chunks and the coefficient rows (`unsupported_reason`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from pallas_kernels.mhc import (_interpret, _next_pow2, _tokens_tiled, _triton_params,
+                                 coefficients_of_mix)
+from pallas_kernels.ops.mhc import _bf16_terms, _dot_f32
+
+_F32 = jnp.float32
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+# Tiles (tokens, channels, warps): the forward keeps a block's y [tokens, d] float32 in registers;
+# the backward's dot needs at least 16 token rows and reads fn's rows once a block.
+FWD_TILES = (8, 256, 8)
+BWD_TILES = (32, 64, 8)
+
+
+def _widths(n: int) -> tuple[int, int]:
+  """(Q, S): the coefficient row width (post n | comb n² | pre n, padded) and the mix row width
+  ((2+n)n padded; at least 16, a Triton dot's smallest dimension)."""
+  return _next_pow2(2 * n + n * n), max(16, _next_pow2((2 + n) * n))
+
+
+def _col(ref, i):
+  """[bt, 1] column i of a row block (a coefficient or a per-token scalar)."""
+  return ref[:, pl.ds(i, 1)]
+
+
+def _streams_new(co_ref, f, xs, *, n):
+  """The chunk's X'_k, float32 before rounding, in `_expand_f32`'s order."""
+  out = []
+  for k in range(n):
+    v = _col(co_ref, k) * f
+    for j in range(n):
+      v = v + _col(co_ref, n + j * n + k) * xs[j]
+    out.append(v)
+  return out
+
+
+def _load_chunk(x_ref, f_ref, c0, bd, *, n, d):
+  f = f_ref[:, pl.ds(c0, bd)].astype(_F32)
+  return f, [x_ref[:, pl.ds(j * d + c0, bd)].astype(_F32) for j in range(n)]
+
+
+# --- forward -----------------------------------------------------------------------------------
+
+def _fwd_kernel(x_ref, f_ref, co_ref, w_ref, xo_ref, yo_ref, st_ref, *, n, d, bd, norm_eps):
+  dt = xo_ref.dtype
+  bt = st_ref.shape[0]
+  ys, ssx, ssy = [], jnp.zeros((bt, 1), _F32), jnp.zeros((bt, 1), _F32)
+  for c in range(d // bd):                      # static: the rows' y stay in registers
+    f, xs = _load_chunk(x_ref, f_ref, c * bd, bd, n=n, d=d)
+    y = None
+    for k, v in enumerate(_streams_new(co_ref, f, xs, n=n)):
+      v = v.astype(dt)
+      xo_ref[:, pl.ds(k * d + c * bd, bd)] = v
+      v = v.astype(_F32)
+      ssx = ssx + jnp.sum(v * v, axis=1, keepdims=True)
+      term = _col(co_ref, n + n * n + k) * v
+      y = term if y is None else y + term       # `collapse`'s order
+    ys.append(y)
+    ssy = ssy + jnp.sum(y * y, axis=1, keepdims=True)
+  mean_y = ssy / d + norm_eps
+  r = jax.lax.rsqrt(mean_y)
+  for c, y in enumerate(ys):
+    yo_ref[:, pl.ds(c * bd, bd)] = (y * r) * w_ref[:, pl.ds(c * bd, bd)]
+  col = jax.lax.broadcasted_iota(jnp.int32, st_ref.shape, 1)
+  st_ref[...] = jnp.where(col == 0, ssx / (n * d) + norm_eps, mean_y)
+
+
+# --- backward ----------------------------------------------------------------------------------
+
+def _bwd_kernel(x_ref, f_ref, gxo_ref, gx_ref, co_ref, sc_ref, w_ref, *refs, n, d, bd, terms):
+  *refs, gX_ref, gF_ref, gco_ref, gw_ref = refs
+  g_refs, fn_refs = refs[:len(refs) // 2], refs[len(refs) // 2:]
+  dt = x_ref.dtype
+  bt, q = gco_ref.shape
+  r, kc, a = _col(sc_ref, 0), _col(sc_ref, 1), _col(sc_ref, 2)
+  gs = [g[...] for g in g_refs]
+  zero = jnp.zeros((bt, 1), _F32)
+
+  def chunk(c, acc):
+    gpost, gcomb, gpre = acc
+    c0 = c * bd
+    f, xs = _load_chunk(x_ref, f_ref, c0, bd, n=n, d=d)
+    vs = [v.astype(dt).astype(_F32) for v in _streams_new(co_ref, f, xs, n=n)]
+    y = None
+    for k in range(n):
+      term = _col(co_ref, n + n * n + k) * vs[k]
+      y = term if y is None else y + term
+    gxc = gx_ref[:, pl.ds(c0, bd)]
+    wc = w_ref[:, pl.ds(c0, bd)]
+    gw_ref[:, pl.ds(c0, bd)] = jnp.sum(gxc * (y * r), axis=0, keepdims=True)
+    gy = (gxc * wc) * r + y * kc
+    gX = [None] * n
+    gF = None
+    gpost, gcomb, gpre = list(gpost), list(gcomb), list(gpre)
+    for k in range(n):
+      cols = pl.ds(k * d + c0, bd)
+      mixed = None
+      for gi, fi in zip(*terms):           # (g_raw · fn) for this stream's chunk
+        part = jnp.dot(gs[gi], fn_refs[fi][:, cols], preferred_element_type=_F32,
+                       precision=None if dt == jnp.bfloat16 else _HIGHEST)
+        mixed = part if mixed is None else mixed + part
+      gv = (gxo_ref[:, cols].astype(_F32) + _col(co_ref, n + n * n + k) * gy + a * vs[k]
+            + mixed)
+      gpre[k] = gpre[k] + jnp.sum(vs[k] * gy, axis=1, keepdims=True)
+      gpost[k] = gpost[k] + jnp.sum(gv * f, axis=1, keepdims=True)
+      pk = _col(co_ref, k) * gv
+      gF = pk if gF is None else gF + pk
+      for j in range(n):
+        gcomb[j * n + k] = gcomb[j * n + k] + jnp.sum(gv * xs[j], axis=1, keepdims=True)
+        t = _col(co_ref, n + j * n + k) * gv
+        gX[j] = t if gX[j] is None else gX[j] + t
+    for j in range(n):
+      gX_ref[:, pl.ds(j * d + c0, bd)] = gX[j].astype(gX_ref.dtype)
+    gF_ref[:, pl.ds(c0, bd)] = gF.astype(gF_ref.dtype)
+    return tuple(gpost), tuple(gcomb), tuple(gpre)
+
+  gpost, gcomb, gpre = jax.lax.fori_loop(
+      0, d // bd, chunk, ((zero,) * n, (zero,) * (n * n), (zero,) * n))
+  col = jax.lax.broadcasted_iota(jnp.int32, (bt, q), 1)
+  out = jnp.zeros((bt, q), _F32)
+  for i, v in enumerate((*gpost, *gcomb, *gpre)):
+    out = out + jnp.where(col == i, v, 0.0)
+  gco_ref[...] = out
+
+
+# --- the op's kernel ---------------------------------------------------------------------------
+
+def _pad_rows(a, padded):
+  return a if a.shape[0] == padded else jnp.pad(a, ((0, padded - a.shape[0]), (0, 0)))
+
+
+def _coefficient_rows(post, comb, pre, tokens, q):
+  n = post.shape[-1]
+  co = jnp.concatenate([post.reshape(tokens, n), comb.reshape(tokens, n * n),
+                        pre.reshape(tokens, n)], axis=1).astype(_F32)
+  return jnp.pad(co, ((0, 0), (0, q - co.shape[1])))
+
+
+def _mix(Xn_rows, fn):
+  """raw = X' · fnᵀ [tokens, m] float32 (`ops.mhc.hc_mix` before its RMS factor)."""
+  if Xn_rows.dtype == jnp.bfloat16:
+    m = fn.shape[0]
+    y3 = _dot_f32(Xn_rows, jnp.concatenate(_bf16_terms(fn.astype(_F32), 3)), "...k,mk->...m")
+    return y3[..., :m] + y3[..., m:2 * m] + y3[..., 2 * m:]
+  return jnp.einsum("...k,mk->...m", Xn_rows.astype(_F32), fn.astype(_F32), precision=_HIGHEST)
+
+
+def _dfn(g_raw, Xn_rows, fn):
+  """d fn = g_rawᵀ X' over the tokens (`ops.mhc._mix_bf16_bwd`'s form for bfloat16 streams)."""
+  m = fn.shape[0]
+  if Xn_rows.dtype == jnp.bfloat16:
+    g1, g2, g3 = _bf16_terms(g_raw, 3)
+    d3 = jax.lax.dot_general(jnp.concatenate([g1, g2, g3], -1), Xn_rows, ((0, 0), ((), ())),
+                             preferred_element_type=_F32)
+    return (d3[:m] + d3[m:2 * m] + d3[2 * m:]).astype(fn.dtype)
+  return jnp.einsum("tm,tk->mk", g_raw, Xn_rows.astype(_F32), precision=_HIGHEST).astype(fn.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _site_rows(X, F, post, comb, pre, w, fn, static):
+  """(X' [tokens, n·d], x [tokens, d] float32, raw [tokens, m], ms [tokens, 1]) of flattened rows."""
+  return _site_rows_fwd(X, F, post, comb, pre, w, fn, static)[0]
+
+
+def _site_rows_fwd(X, F, post, comb, pre, w, fn, static):
+  n, d, norm_eps, fwd_tiles, _, interpret = static
+  bt, bd, warps = fwd_tiles
+  bd = min(bd, d)
+  tokens = X.shape[0]
+  q, _ = _widths(n)
+  padded = _tokens_tiled(tokens, bt, "hc_site (rows)")
+  co = _pad_rows(_coefficient_rows(post, comb, pre, tokens, q), padded)
+  row = lambda width: pl.BlockSpec((bt, width), lambda i: (i, 0))  # noqa: E731
+  w_row = w.astype(_F32).reshape(1, d)
+  Xn, x, st = pl.pallas_call(
+      functools.partial(_fwd_kernel, n=n, d=d, bd=bd, norm_eps=norm_eps),
+      out_shape=(jax.ShapeDtypeStruct((padded, n * d), X.dtype),
+                 jax.ShapeDtypeStruct((padded, d), _F32),
+                 jax.ShapeDtypeStruct((padded, 2), _F32)),
+      grid=(padded // bt,),
+      in_specs=[row(n * d), row(d), row(q), pl.BlockSpec((1, d), lambda i: (0, 0))],
+      out_specs=(row(n * d), row(d), row(2)),
+      compiler_params=None if interpret else _triton_params(warps, 1),
+      interpret=interpret,
+      name="mhc_site_rows_fwd",
+  )(_pad_rows(X, padded), _pad_rows(F, padded), co, w_row)
+  Xn, x, st = Xn[:tokens], x[:tokens], st[:tokens]
+  raw = _mix(Xn, fn)
+  return (Xn, x, raw, st[:, :1]), (X, F, post, comb, pre, w, fn, Xn, x, st[:, 1:])
+
+
+def _site_rows_bwd(static, res, g):
+  n, d, _, _, bwd_tiles, interpret = static
+  bt, bd, warps = bwd_tiles
+  bd = min(bd, d)
+  X, F, post, comb, pre, w, fn, Xn, x, mean_y = res
+  gXn, gx, g_raw, g_ms = g
+  tokens = X.shape[0]
+  q, s = _widths(n)
+  m = fn.shape[0]
+  padded = _tokens_tiled(tokens, bt, "hc_site (rows) backward")
+  gx = gx.astype(_F32)
+  s_row = jnp.sum(gx * x, axis=-1, keepdims=True)               # = r · Σ (gx · w) · y
+  scalars = jnp.concatenate([jax.lax.rsqrt(mean_y), -s_row / (mean_y * d),
+                             g_ms * (2.0 / (n * d)), jnp.zeros_like(mean_y)], axis=1)
+  g_pad = jnp.pad(g_raw.astype(_F32), ((0, 0), (0, s - m)))
+  fn_pad = jnp.pad(fn.astype(_F32), ((0, s - m), (0, 0)))      # [S, n·d]
+  if X.dtype == jnp.bfloat16:
+    gs, fs = _bf16_terms(g_pad, 2), _bf16_terms(fn_pad, 2)
+    terms = ((0, 0, 1), (0, 1, 0))                              # g₁f₁ + g₁f₂ + g₂f₁
+  else:
+    gs, fs, terms = [g_pad], [fn_pad], ((0,), (0,))
+  co = _coefficient_rows(post, comb, pre, tokens, q)
+  row = lambda width: pl.BlockSpec((bt, width), lambda i: (i, 0))  # noqa: E731
+  whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0, 0))  # noqa: E731
+  w_row = w.astype(_F32).reshape(1, d)
+  gX, gF, gco, gw = pl.pallas_call(
+      functools.partial(_bwd_kernel, n=n, d=d, bd=bd, terms=terms),
+      out_shape=(jax.ShapeDtypeStruct((padded, n * d), X.dtype),
+                 jax.ShapeDtypeStruct((padded, d), F.dtype),
+                 jax.ShapeDtypeStruct((padded, q), _F32),
+                 jax.ShapeDtypeStruct((padded // bt, d), _F32)),
+      grid=(padded // bt,),
+      in_specs=[row(n * d), row(d), row(n * d), row(d), row(q), row(4), whole(w_row)]
+               + [row(s)] * len(gs) + [whole(f) for f in fs],
+      out_specs=(row(n * d), row(d), row(q), pl.BlockSpec((1, d), lambda i: (i, 0))),
+      compiler_params=None if interpret else _triton_params(warps, 1),
+      interpret=interpret,
+      name="mhc_site_rows_bwd",
+  )(*(_pad_rows(a, padded) for a in (X, F, gXn.astype(X.dtype), gx, co, scalars)), w_row,
+    *(_pad_rows(a, padded) for a in gs), *fs)
+  gco = gco[:tokens]
+  return (gX[:tokens], gF[:tokens], gco[:, :n].astype(post.dtype),
+          gco[:, n:n + n * n].reshape(comb.shape).astype(comb.dtype),
+          gco[:, n + n * n:2 * n + n * n].astype(pre.dtype),
+          jnp.sum(gw, axis=0).astype(w.dtype), _dfn(g_raw.astype(_F32), Xn, fn))
+
+
+_site_rows.defvjp(_site_rows_fwd, _site_rows_bwd)
+
+
+def hc_site(X_BxTxNxD, F_BxTxD, post_BxTxN, comb_BxTxNxN, pre_BxTxN, fn, base, scale,
+            norm_weight, *, iters: int, hc_eps: float, norm_eps: float, block_tokens: int = 16,
+            fwd_tiles: tuple[int, int, int] = FWD_TILES,
+            bwd_tiles: tuple[int, int, int] = BWD_TILES, interpret: bool | None = None):
+  """Kernel of the op `hc_site`: (X', x, pre', post', comb') of one single-pass site (module doc)."""
+  *lead, n, d = X_BxTxNxD.shape
+  tokens = int(np.prod(lead))
+  interpret = _interpret(interpret)
+  static = (n, d, norm_eps, tuple(fwd_tiles), tuple(bwd_tiles), interpret)
+  Xn, x, raw, ms = _site_rows(
+      X_BxTxNxD.reshape(tokens, n * d), F_BxTxD.reshape(tokens, d),
+      post_BxTxN.reshape(tokens, n), comb_BxTxNxN.reshape(tokens, n, n),
+      pre_BxTxN.reshape(tokens, n), norm_weight, fn, static)
+  mix = (raw * jax.lax.rsqrt(ms)).reshape(*lead, (2 + n) * n)
+  coefficients = coefficients_of_mix(mix, base, scale, n=n, iters=iters, hc_eps=hc_eps,
+                                     block_tokens=block_tokens, interpret=interpret)
+  return (Xn.reshape(X_BxTxNxD.shape), x.reshape(*lead, d), *coefficients)
+
+
+def unsupported_reason(X_BxTxNxD, *_, fwd_tiles=FWD_TILES, bwd_tiles=BWD_TILES,
+                       **__) -> str | None:
+  """Why these kernels cannot take these streams here (None if they can): compiled for the GPU,
+  Triton blocks are powers of two, so n must be one and d a multiple of both chunk widths."""
+  n, d = X_BxTxNxD.shape[-2:]
+  if jax.default_backend() != "gpu":
+    return None
+  if n & (n - 1):
+    return f"hc_mult {n} is not a power of two (Triton blocks)"
+  for what, (_, bd, _) in (("forward", fwd_tiles), ("backward", bwd_tiles)):
+    if d % min(bd, d):
+      return f"hidden size {d} is not a multiple of the {what} kernel's {bd}-channel chunks"
+  return None
