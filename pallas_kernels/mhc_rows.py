@@ -317,6 +317,8 @@ def unsupported_reason(X_BxTxNxD, *_, fwd_tiles=FWD_TILES, bwd_tiles=BWD_TILES,
   if n & (n - 1):
     return f"hc_mult {n} is not a power of two (Triton blocks)"
   for what, (_, bd, _) in (("forward", fwd_tiles), ("backward", bwd_tiles)):
-    if d % min(bd, d):
-      return f"hidden size {d} is not a multiple of the {what} kernel's {bd}-channel chunks"
+    chunk = min(bd, d)
+    if d % chunk or chunk & (chunk - 1):
+      return (f"hidden size {d} is not a multiple of a power-of-two chunk of at most {bd} channels "
+              f"(the {what} kernel's)")
   return None
