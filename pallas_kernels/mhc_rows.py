@@ -72,13 +72,22 @@ def _col(ref, i):
   return ref[:, pl.ds(i, 1)]
 
 
-def _streams_new(co_ref, f, xs, *, n):
+def _coefficients(co_ref, n):
+  """(post [n], comb [n][n] as comb[j][k], pre [n]) as [bt, 1] columns, loaded once a program
+  (before any store: loads after one are not merged)."""
+  post = [_col(co_ref, k) for k in range(n)]
+  comb = [[_col(co_ref, n + j * n + k) for k in range(n)] for j in range(n)]
+  pre = [_col(co_ref, n + n * n + k) for k in range(n)]
+  return post, comb, pre
+
+
+def _streams_new(post, comb, f, xs):
   """The chunk's X'_k, float32 before rounding, in `_expand_f32`'s order."""
   out = []
-  for k in range(n):
-    v = _col(co_ref, k) * f
-    for j in range(n):
-      v = v + _col(co_ref, n + j * n + k) * xs[j]
+  for k in range(len(post)):
+    v = post[k] * f
+    for j in range(len(post)):
+      v = v + comb[j][k] * xs[j]
     out.append(v)
   return out
 
@@ -93,16 +102,17 @@ def _load_chunk(x_ref, f_ref, c0, bd, *, n, d):
 def _fwd_kernel(x_ref, f_ref, co_ref, w_ref, xo_ref, yo_ref, st_ref, *, n, d, bd, norm_eps):
   dt = xo_ref.dtype
   bt = st_ref.shape[0]
+  post, comb, pre = _coefficients(co_ref, n)
   ys, ssx, ssy = [], jnp.zeros((bt, 1), _F32), jnp.zeros((bt, 1), _F32)
   for c in range(d // bd):                      # static: the rows' y stay in registers
     f, xs = _load_chunk(x_ref, f_ref, c * bd, bd, n=n, d=d)
     y = None
-    for k, v in enumerate(_streams_new(co_ref, f, xs, n=n)):
+    for k, v in enumerate(_streams_new(post, comb, f, xs)):
       v = v.astype(dt)
       xo_ref[:, pl.ds(k * d + c * bd, bd)] = v
       v = v.astype(_F32)
       ssx = ssx + jnp.sum(v * v, axis=1, keepdims=True)
-      term = _col(co_ref, n + n * n + k) * v
+      term = pre[k] * v
       y = term if y is None else y + term       # `collapse`'s order
     ys.append(y)
     ssy = ssy + jnp.sum(y * y, axis=1, keepdims=True)
@@ -122,6 +132,7 @@ def _bwd_kernel(x_ref, f_ref, gxo_ref, gx_ref, co_ref, sc_ref, w_ref, *refs, n, 
   dt = x_ref.dtype
   bt, q = gco_ref.shape
   r, kc, a = _col(sc_ref, 0), _col(sc_ref, 1), _col(sc_ref, 2)
+  post, comb, pre = _coefficients(co_ref, n)
   gs = [g[...] for g in g_refs]
   zero = jnp.zeros((bt, 1), _F32)
 
@@ -129,10 +140,10 @@ def _bwd_kernel(x_ref, f_ref, gxo_ref, gx_ref, co_ref, sc_ref, w_ref, *refs, n, 
     gpost, gcomb, gpre = acc
     c0 = c * bd
     f, xs = _load_chunk(x_ref, f_ref, c0, bd, n=n, d=d)
-    vs = [v.astype(dt).astype(_F32) for v in _streams_new(co_ref, f, xs, n=n)]
+    vs = [v.astype(dt).astype(_F32) for v in _streams_new(post, comb, f, xs)]
     y = None
     for k in range(n):
-      term = _col(co_ref, n + n * n + k) * vs[k]
+      term = pre[k] * vs[k]
       y = term if y is None else y + term
     gxc = gx_ref[:, pl.ds(c0, bd)]
     wc = w_ref[:, pl.ds(c0, bd)]
@@ -148,15 +159,14 @@ def _bwd_kernel(x_ref, f_ref, gxo_ref, gx_ref, co_ref, sc_ref, w_ref, *refs, n, 
         part = jnp.dot(gs[gi], fn_refs[fi][:, cols], preferred_element_type=_F32,
                        precision=None if dt == jnp.bfloat16 else _HIGHEST)
         mixed = part if mixed is None else mixed + part
-      gv = (gxo_ref[:, cols].astype(_F32) + _col(co_ref, n + n * n + k) * gy + a * vs[k]
-            + mixed)
+      gv = gxo_ref[:, cols].astype(_F32) + pre[k] * gy + a * vs[k] + mixed
       gpre[k] = gpre[k] + jnp.sum(vs[k] * gy, axis=1, keepdims=True)
       gpost[k] = gpost[k] + jnp.sum(gv * f, axis=1, keepdims=True)
-      pk = _col(co_ref, k) * gv
+      pk = post[k] * gv
       gF = pk if gF is None else gF + pk
       for j in range(n):
         gcomb[j * n + k] = gcomb[j * n + k] + jnp.sum(gv * xs[j], axis=1, keepdims=True)
-        t = _col(co_ref, n + j * n + k) * gv
+        t = comb[j][k] * gv
         gX[j] = t if gX[j] is None else gX[j] + t
     for j in range(n):
       gX_ref[:, pl.ds(j * d + c0, bd)] = gX[j].astype(gX_ref.dtype)
