@@ -46,11 +46,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from pallas_kernels.mhc import (_interpret, _next_pow2, _tokens_tiled, _triton_params,
                                  coefficients_of_mix)
-from pallas_kernels.ops.mhc import _bf16_terms, _dot_f32
+from pallas_kernels.ops.mhc import MIX, _bf16_terms, _dot_f32
 
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -311,7 +312,10 @@ def hc_site(X_BxTxNxD, F_BxTxD, post_BxTxN, comb_BxTxNxN, pre_BxTxN, fn, base, s
       X_BxTxNxD.reshape(tokens, n * d), F_BxTxD.reshape(tokens, d),
       post_BxTxN.reshape(tokens, n), comb_BxTxNxN.reshape(tokens, n, n),
       pre_BxTxN.reshape(tokens, n), norm_weight, fn, static)
-  mix = (raw * jax.lax.rsqrt(ms)).reshape(*lead, (2 + n) * n)
+  # Named like the op's mix (`ops.mhc.MIX`): under the model's remat policy the recomputed
+  # forward's GEMM then has no reader (raw is no residual of the backward) and is left out.
+  mix = (checkpoint_name(raw, MIX) * jax.lax.rsqrt(checkpoint_name(ms, MIX))).reshape(
+      *lead, (2 + n) * n)
   coefficients = coefficients_of_mix(mix, base, scale, n=n, iters=iters, hc_eps=hc_eps,
                                      block_tokens=block_tokens, interpret=interpret)
   return (Xn.reshape(X_BxTxNxD.shape), x.reshape(*lead, d), *coefficients)

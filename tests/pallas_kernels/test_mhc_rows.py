@@ -108,3 +108,24 @@ def test_rows_unsupported_shapes_name_the_reason(monkeypatch):
   assert "hc_mult 3" in mhc_rows.unsupported_reason(X(3, 1024))
   assert "hidden size 96" in mhc_rows.unsupported_reason(X(4, 96))
   assert "hidden size 1000" in mhc_rows.unsupported_reason(X(4, 1000))
+
+
+def test_rows_site_under_layer_remat_runs_the_mix_once():
+  """Under the model's remat policy the compiled gradient program holds the mix GEMM over X' once
+  (its output named `ops.mhc.MIX`, so the recomputed forward's copy has no reader) and d fn's
+  product once, as without remat (gX''s mix term is the kernel's own dot, on blocks)."""
+  from dsv41_jax import model as M
+  args = _inputs(15, lead=(2, 9))
+  kw = dict(KW, iters=5)
+  n_d = args[0].shape[-2] * args[0].shape[-1]
+  shapes = ("= f32[18,24]{", f"= f32[24,{n_d}]{{")   # the mix [tokens, m], d fn [m, n·d]
+
+  def loss(*a):
+    return sum(jnp.sum(jnp.sin(o.astype(jnp.float32))) for o in _rows(*a, **kw))
+
+  def products(f):
+    text = jax.jit(jax.grad(f, argnums=(0, 5))).lower(*args).compile().as_text()
+    return sum(" dot(" in line and any(s in line for s in shapes) for line in text.splitlines())
+
+  assert products(loss) == 2
+  assert products(jax.checkpoint(loss, prevent_cse=False, policy=M.remat_policy)) == 2
