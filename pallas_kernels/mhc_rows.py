@@ -26,11 +26,12 @@ forward's r = rsqrt(mean(y²) + eps) and a = 2 g_ms / (n·d),
   gX_j  = Σ_k comb[j, k] gv_k,  gF = Σ_k post_k gv_k,  gpost_k = Σ_d gv_k F,
   gcomb[j, k] = Σ_d gv_k X_j,  gpre_k = Σ_d v_k gy,  d w = Σ_tokens gx · y · r (per-block rows)
 
-(g_raw · fn is a tensor-core dot per chunk: bfloat16 streams g₁f₁ + g₁f₂ + g₂f₁ in bfloat16 terms as
-`_mix_bf16_bwd` does; float32 streams one IEEE float32 dot.) d fn = g_rawᵀ X' is one XLA product
-over the tokens (`_mix_bf16_bwd`'s form). Nothing is rounded between the pieces of gv (the op sums
-its cotangents of a bfloat16 X' in bfloat16), so the kernel's gradients are the reference's or
-closer to exact.
+(g_raw · fn: float32 FMAs of the token's m mix cotangents on fn's rows, which every program reads
+from L2; exact float32 products where the op's `_mix_bf16_bwd` keeps 16 bits. A tensor-core dot
+there took the kernel to 255 registers and spills at every tile tried: ptxas -v for sm_90a through
+Triton 3.6 on the CPU host.) d fn = g_rawᵀ X' is one XLA product over the tokens
+(`_mix_bf16_bwd`'s form). Nothing is rounded between the pieces of gv (the op sums its cotangents
+of a bfloat16 X' in bfloat16), so the kernel's gradients are the reference's or closer to exact.
 
 Bytes at s3 (n = 4, d = 1024, bfloat16 streams, 16,384 tokens): forward 369 MB (X, F read; X', x
 written) + 134 MB for the mix GEMM; backward 535 MB (X, F, gX', gx read; gX, gF written) + 134 MB
@@ -57,9 +58,11 @@ _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 # Tiles (tokens, channels, warps): the forward keeps a block's y [tokens, d] float32 in registers;
-# the backward's dot needs at least 16 token rows and reads fn's rows once a block.
+# the backward reads all of fn's rows once a block. Registers for sm_90a at s3's widths (ptxas -v,
+# Triton 3.6, bfloat16 streams; none spill): forward 8 × 256 × 8 148, 4 × 256 × 4 142, 4 × 512 × 4
+# 168; backward 8 × 64 × 4, 16 × 32 × 4 and 8 × 32 × 2 168 (8 × 128 × 4 and 4 × 256 × 4 spill).
 FWD_TILES = (8, 256, 8)
-BWD_TILES = (32, 64, 8)
+BWD_TILES = (8, 64, 4)
 
 
 def _widths(n: int) -> tuple[int, int]:
@@ -127,18 +130,21 @@ def _fwd_kernel(x_ref, f_ref, co_ref, w_ref, xo_ref, yo_ref, st_ref, *, n, d, bd
 
 # --- backward ----------------------------------------------------------------------------------
 
-def _bwd_kernel(x_ref, f_ref, gxo_ref, gx_ref, co_ref, sc_ref, w_ref, *refs, n, d, bd, terms):
-  *refs, gX_ref, gF_ref, gco_ref, gw_ref = refs
-  g_refs, fn_refs = refs[:len(refs) // 2], refs[len(refs) // 2:]
+def _bwd_kernel(x_ref, f_ref, gxo_ref, gx_ref, co_ref, sc_ref, w_ref, g_ref, fn_ref, gX_ref,
+                gF_ref, gco_ref, gw_ref, *, n, d, m, bd):
   dt = x_ref.dtype
   bt, q = gco_ref.shape
   r, kc, a = _col(sc_ref, 0), _col(sc_ref, 1), _col(sc_ref, 2)
   post, comb, pre = _coefficients(co_ref, n)
-  gs = [g[...] for g in g_refs]
-  zero = jnp.zeros((bt, 1), _F32)
+  g_raw = [_col(g_ref, i) for i in range(m)]
+  col = jax.lax.broadcasted_iota(jnp.int32, (bt, q), 1)
+
+  def put(acc, i, v):
+    return acc + jnp.where(col == i, jnp.sum(v, axis=1, keepdims=True), 0.0)
 
   def chunk(c, acc):
-    gpost, gcomb, gpre = acc
+    # acc [bt, Q]: the per-token sums over d (gpost_k at k, gcomb[j, k] at n + j·n + k, gpre_k at
+    # n + n² + k), one tile rather than 2n + n² columns carried through the loop.
     c0 = c * bd
     f, xs = _load_chunk(x_ref, f_ref, c0, bd, n=n, d=d)
     vs = [v.astype(dt).astype(_F32) for v in _streams_new(post, comb, f, xs)]
@@ -147,40 +153,29 @@ def _bwd_kernel(x_ref, f_ref, gxo_ref, gx_ref, co_ref, sc_ref, w_ref, *refs, n, 
       term = pre[k] * vs[k]
       y = term if y is None else y + term
     gxc = gx_ref[:, pl.ds(c0, bd)]
-    wc = w_ref[:, pl.ds(c0, bd)]
     gw_ref[:, pl.ds(c0, bd)] = jnp.sum(gxc * (y * r), axis=0, keepdims=True)
-    gy = (gxc * wc) * r + y * kc
+    gy = (gxc * w_ref[:, pl.ds(c0, bd)]) * r + y * kc
     gX = [None] * n
     gF = None
-    gpost, gcomb, gpre = list(gpost), list(gcomb), list(gpre)
     for k in range(n):
       cols = pl.ds(k * d + c0, bd)
-      mixed = None
-      for gi, fi in zip(*terms):           # (g_raw · fn) for this stream's chunk
-        part = jnp.dot(gs[gi], fn_refs[fi][:, cols], preferred_element_type=_F32,
-                       precision=None if dt == jnp.bfloat16 else _HIGHEST)
-        mixed = part if mixed is None else mixed + part
-      gv = gxo_ref[:, cols].astype(_F32) + pre[k] * gy + a * vs[k] + mixed
-      gpre[k] = gpre[k] + jnp.sum(vs[k] * gy, axis=1, keepdims=True)
-      gpost[k] = gpost[k] + jnp.sum(gv * f, axis=1, keepdims=True)
+      gv = gxo_ref[:, cols].astype(_F32) + pre[k] * gy + a * vs[k]
+      for i in range(m):                    # + (g_raw · fn): float32 FMAs on fn's rows
+        gv = gv + g_raw[i] * fn_ref[pl.ds(i, 1), cols]
+      acc = put(acc, n + n * n + k, vs[k] * gy)
+      acc = put(acc, k, gv * f)
       pk = post[k] * gv
       gF = pk if gF is None else gF + pk
       for j in range(n):
-        gcomb[j * n + k] = gcomb[j * n + k] + jnp.sum(gv * xs[j], axis=1, keepdims=True)
+        acc = put(acc, n + j * n + k, gv * xs[j])
         t = comb[j][k] * gv
         gX[j] = t if gX[j] is None else gX[j] + t
     for j in range(n):
       gX_ref[:, pl.ds(j * d + c0, bd)] = gX[j].astype(gX_ref.dtype)
     gF_ref[:, pl.ds(c0, bd)] = gF.astype(gF_ref.dtype)
-    return tuple(gpost), tuple(gcomb), tuple(gpre)
+    return acc
 
-  gpost, gcomb, gpre = jax.lax.fori_loop(
-      0, d // bd, chunk, ((zero,) * n, (zero,) * (n * n), (zero,) * n))
-  col = jax.lax.broadcasted_iota(jnp.int32, (bt, q), 1)
-  out = jnp.zeros((bt, q), _F32)
-  for i, v in enumerate((*gpost, *gcomb, *gpre)):
-    out = out + jnp.where(col == i, v, 0.0)
-  gco_ref[...] = out
+  gco_ref[...] = jax.lax.fori_loop(0, d // bd, chunk, jnp.zeros((bt, q), _F32))
 
 
 # --- the op's kernel ---------------------------------------------------------------------------
@@ -265,30 +260,25 @@ def _site_rows_bwd(static, res, g):
                              g_ms * (2.0 / (n * d)), jnp.zeros_like(mean_y)], axis=1)
   g_pad = jnp.pad(g_raw.astype(_F32), ((0, 0), (0, s - m)))
   fn_pad = jnp.pad(fn.astype(_F32), ((0, s - m), (0, 0)))      # [S, n·d]
-  if X.dtype == jnp.bfloat16:
-    gs, fs = _bf16_terms(g_pad, 2), _bf16_terms(fn_pad, 2)
-    terms = ((0, 0, 1), (0, 1, 0))                              # g₁f₁ + g₁f₂ + g₂f₁
-  else:
-    gs, fs, terms = [g_pad], [fn_pad], ((0,), (0,))
   co = _coefficient_rows(post, comb, pre, tokens, q)
   row = lambda width: pl.BlockSpec((bt, width), lambda i: (i, 0))  # noqa: E731
   whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0, 0))  # noqa: E731
   w_row = w.astype(_F32).reshape(1, d)
   gX, gF, gco, gw = pl.pallas_call(
-      functools.partial(_bwd_kernel, n=n, d=d, bd=bd, terms=terms),
+      functools.partial(_bwd_kernel, n=n, d=d, m=m, bd=bd),
       out_shape=(jax.ShapeDtypeStruct((padded, n * d), X.dtype),
                  jax.ShapeDtypeStruct((padded, d), F.dtype),
                  jax.ShapeDtypeStruct((padded, q), _F32),
                  jax.ShapeDtypeStruct((padded // bt, d), _F32)),
       grid=(padded // bt,),
-      in_specs=[row(n * d), row(d), row(n * d), row(d), row(q), row(4), whole(w_row)]
-               + [row(s)] * len(gs) + [whole(f) for f in fs],
+      in_specs=[row(n * d), row(d), row(n * d), row(d), row(q), row(4), whole(w_row), row(s),
+                whole(fn_pad)],
       out_specs=(row(n * d), row(d), row(q), pl.BlockSpec((1, d), lambda i: (i, 0))),
       compiler_params=None if interpret else _triton_params(warps, 1),
       interpret=interpret,
       name="mhc_site_rows_bwd",
   )(*(_pad_rows(a, padded) for a in (X, F, gXn.astype(X.dtype), gx, co, scalars)), w_row,
-    *(_pad_rows(a, padded) for a in gs), *fs)
+    _pad_rows(g_pad, padded), fn_pad)
   gco = gco[:tokens]
   return (gX[:tokens], gF[:tokens], gco[:, :n].astype(post.dtype),
           gco[:, n:n + n * n].reshape(comb.shape).astype(comb.dtype),

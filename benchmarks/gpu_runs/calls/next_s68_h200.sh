@@ -7,7 +7,7 @@ source benchmarks/gpu_runs/calls/prelude.sh
 OUT=$(realpath "$OUT")
 step "site: reference, kernel, rows (+ tiles), copy (bursts)"
 timeout -s TERM 230 python3 -u benchmarks/mhc_moe_gpu.py --only=site --copy --reps 20 --budget-s 190 \
-    --rows-tiles 16x128w8/64x32w8 4x512w4/32x64w4 \
+    --rows-tiles 4x256w4/16x32w4 8x256w8/16x64w8 \
     --json="$OUT/site.json" 2>&1 | grep -v "^WARNING\|DeprecationWarning\|warnings.warn" | grep "^case=\|rror"
 faster=$(python3 - "$OUT/site.json" <<'PY'
 import json, sys

@@ -1,5 +1,5 @@
 # Session 68's first call (any card; ~580 s): the stream-pass site kernel (pallas_kernels/mhc_rows.py)
-# against the registered kernel and -X at s3's shapes in bursts, at its default tiles and four others,
+# against the registered kernel and -X at s3's shapes in bursts, at its default tiles and three others,
 # then s3 accumulated (8 x (4 x 4096)) with the dispatcher's hc_site kernel swapped for it (a tree copy).
 #   run(command="bash benchmarks/gpu_runs/calls/next_s68_rows.sh", carry=[".whl"], timeout_s=600)
 # Then, on the warm machine: next_s68_rows_b.sh (s3 accumulated on main, the same card; s3 by source
@@ -8,7 +8,7 @@ source benchmarks/gpu_runs/calls/prelude.sh
 OUT=$(realpath "$OUT")
 step "site: reference, kernel, rows (+ tiles), copy (bursts)"
 timeout -s TERM 250 python3 -u benchmarks/mhc_moe_gpu.py --only=site --copy --reps 20 --budget-s 210 \
-    --rows-tiles 8x256w8/16x128w8 16x128w8/64x32w8 4x512w4/32x64w4 16x256w8/16x64w4 \
+    --rows-tiles 4x256w4/16x32w4 4x512w4/8x32w2 8x256w8/16x64w8 \
     --json="$OUT/site.json" 2>&1 | grep -v "^WARNING\|DeprecationWarning\|warnings.warn" | grep "^case=\|rror"
 tree_copy rows pallas_kernels/dispatch.py 's|Kernel("pallas_kernels.mhc:hc_site",|Kernel("pallas_kernels.mhc_rows:hc_site",|' || exit 1
 arms s3 $(( 590 - SECONDS )) rows@/tmp/tree_rows
