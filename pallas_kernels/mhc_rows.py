@@ -130,13 +130,12 @@ def _fwd_kernel(x_ref, f_ref, co_ref, w_ref, xo_ref, yo_ref, st_ref, *, n, d, bd
 
 # --- backward ----------------------------------------------------------------------------------
 
-def _bwd_kernel(x_ref, f_ref, gxo_ref, gx_ref, co_ref, sc_ref, w_ref, g_ref, fn_ref, gX_ref,
-                gF_ref, gco_ref, gw_ref, *, n, d, m, bd):
+def _bwd_kernel(x_ref, f_ref, gxo_ref, gmx_ref, gx_ref, co_ref, sc_ref, w_ref, gX_ref, gF_ref,
+                gco_ref, gw_ref, *, n, d, bd):
   dt = x_ref.dtype
   bt, q = gco_ref.shape
   r, kc, a = _col(sc_ref, 0), _col(sc_ref, 1), _col(sc_ref, 2)
   post, comb, pre = _coefficients(co_ref, n)
-  g_raw = [_col(g_ref, i) for i in range(m)]
   col = jax.lax.broadcasted_iota(jnp.int32, (bt, q), 1)
 
   def put(acc, i, v):
@@ -159,9 +158,8 @@ def _bwd_kernel(x_ref, f_ref, gxo_ref, gx_ref, co_ref, sc_ref, w_ref, g_ref, fn_
     gF = None
     for k in range(n):
       cols = pl.ds(k * d + c0, bd)
-      gv = gxo_ref[:, cols].astype(_F32) + pre[k] * gy + a * vs[k]
-      for i in range(m):                    # + (g_raw · fn): float32 FMAs on fn's rows
-        gv = gv + g_raw[i] * fn_ref[pl.ds(i, 1), cols]
+      gv = (gxo_ref[:, cols].astype(_F32) + gmx_ref[:, cols].astype(_F32) + pre[k] * gy
+            + a * vs[k])
       acc = put(acc, n + n * n + k, vs[k] * gy)
       acc = put(acc, k, gv * f)
       pk = post[k] * gv
@@ -198,6 +196,17 @@ def _mix(Xn_rows, fn):
     y3 = _dot_f32(Xn_rows, jnp.concatenate(_bf16_terms(fn.astype(_F32), 3)), "...k,mk->...m")
     return y3[..., :m] + y3[..., m:2 * m] + y3[..., 2 * m:]
   return jnp.einsum("...k,mk->...m", Xn_rows.astype(_F32), fn.astype(_F32), precision=_HIGHEST)
+
+
+def _mix_cotangent(g_raw, fn, dtype):
+  """The mix's cotangent of X' [tokens, n·d] (`ops.mhc._mix_bf16_bwd`'s dx: bfloat16 streams g·fn
+  to 16 bits in one bfloat16 product, rounded to bfloat16; float32 streams one float32 product)."""
+  if dtype == jnp.bfloat16:
+    g1, g2, _ = _bf16_terms(g_raw, 3)
+    f1, f2 = _bf16_terms(fn.astype(_F32), 2)
+    return _dot_f32(jnp.concatenate([g1, g1, g2], -1), jnp.concatenate([f1, f2, f1]),
+                    "...m,mk->...k").astype(dtype)
+  return jnp.einsum("tm,mk->tk", g_raw, fn.astype(_F32), precision=_HIGHEST)
 
 
 def _dfn(g_raw, Xn_rows, fn):
@@ -258,27 +267,25 @@ def _site_rows_bwd(static, res, g):
   s_row = jnp.sum(gx * x, axis=-1, keepdims=True)               # = r · Σ (gx · w) · y
   scalars = jnp.concatenate([jax.lax.rsqrt(mean_y), -s_row / (mean_y * d),
                              g_ms * (2.0 / (n * d)), jnp.zeros_like(mean_y)], axis=1)
-  g_pad = jnp.pad(g_raw.astype(_F32), ((0, 0), (0, s - m)))
-  fn_pad = jnp.pad(fn.astype(_F32), ((0, s - m), (0, 0)))      # [S, n·d]
+  g_raw = g_raw.astype(_F32)
+  g_mix = _mix_cotangent(g_raw, fn, X.dtype)
   co = _coefficient_rows(post, comb, pre, tokens, q)
   row = lambda width: pl.BlockSpec((bt, width), lambda i: (i, 0))  # noqa: E731
   whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0, 0))  # noqa: E731
   w_row = w.astype(_F32).reshape(1, d)
   gX, gF, gco, gw = pl.pallas_call(
-      functools.partial(_bwd_kernel, n=n, d=d, m=m, bd=bd),
+      functools.partial(_bwd_kernel, n=n, d=d, bd=bd),
       out_shape=(jax.ShapeDtypeStruct((padded, n * d), X.dtype),
                  jax.ShapeDtypeStruct((padded, d), F.dtype),
                  jax.ShapeDtypeStruct((padded, q), _F32),
                  jax.ShapeDtypeStruct((padded // bt, d), _F32)),
       grid=(padded // bt,),
-      in_specs=[row(n * d), row(d), row(n * d), row(d), row(q), row(4), whole(w_row), row(s),
-                whole(fn_pad)],
+      in_specs=[row(n * d), row(d), row(n * d), row(n * d), row(d), row(q), row(4), whole(w_row)],
       out_specs=(row(n * d), row(d), row(q), pl.BlockSpec((1, d), lambda i: (i, 0))),
       compiler_params=None if interpret else _triton_params(warps, 1),
       interpret=interpret,
       name="mhc_site_rows_bwd",
-  )(*(_pad_rows(a, padded) for a in (X, F, gXn.astype(X.dtype), gx, co, scalars)), w_row,
-    _pad_rows(g_pad, padded), fn_pad)
+  )(*(_pad_rows(a, padded) for a in (X, F, gXn.astype(X.dtype), g_mix, gx, co, scalars)), w_row)
   gco = gco[:tokens]
   return (gX[:tokens], gF[:tokens], gco[:, :n].astype(post.dtype),
           gco[:, n:n + n * n].reshape(comb.shape).astype(comb.dtype),
