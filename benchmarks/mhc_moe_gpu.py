@@ -22,9 +22,9 @@ projection of all five outputs w.r.t. all nine inputs), for
   (the streaming kernel `pallas_kernels/mhc_stream.py` measured as `stream` was removed after
   session 64: 9.6x slower forward+backward on an H100, RESULTS.md; in git history at e4c11d9);
 - `rows`: `pallas_kernels.mhc_rows.hc_site` (session 68: one Triton pass forward reading X and F,
-  writing X', x and the two means; the mix GEMM over X'; one Triton pass backward with the mix
-  term as float32 FMAs), at its default tiles; `--rows-tiles` adds other tiles
-  (FWDxCHUNKwWARPS/BWDxCHUNKwWARPS, e.g. 4x256w4/16x32w4);
+  writing X', x and the two means; the mix GEMM over X'; one Triton pass backward reading the mix's
+  cotangent of X' from one XLA product), at its default tiles; `--rows-tiles` adds other tiles
+  (FWDxCHUNKwWARPS/BWDxCHUNKwWARPS, e.g. 8x256w8/16x64w8);
 - `--copy`: −X, one read and one write of X, timed the same way (`common.time_calls`: calls back
   to back since session 64; its row then, every call waited on alone, was 0.276 ms against
   0.101 ms back to back on an H100, RESULTS.md);
@@ -354,7 +354,7 @@ def main():
   ap.add_argument("--quick", action="store_true",
                   help="mHC only: the site forward+backward (kernel) and the gates")
   ap.add_argument("--rows-tiles", nargs="*", default=[], metavar="FWD/BWD",
-                  help="site: the rows kernel at these tiles too, e.g. 4x256w4/16x32w4 "
+                  help="site: the rows kernel at these tiles too, e.g. 8x256w8/16x64w8 "
                        "(tokens x channels, warps; forward/backward)")
   ap.add_argument("--copy", action="store_true",
                   help="site: a row timing -X (one read, one write of the streams)")

@@ -11,33 +11,39 @@ its coefficients:
   raw = v · fnᵀ [m = (2+n)n]                     the mix before its RMS factor (one XLA GEMM)
 
 The forward kernel (`_fwd_kernel`) reads X and F once and writes X', x and the two means: a program
-takes `block_tokens` whole rows (d in static chunks of `fwd_chunk`, the rows' y kept in registers
-until the norm's factor is known). The mix `raw` is one GEMM over X' (`ops.mhc._mix_bf16`'s form:
-bfloat16 streams through three exact bfloat16 terms of fn; float32 at HIGHEST); the gates (sigmoids,
+takes `FWD_TILES[0]` whole rows (d in static chunks, the rows' y kept in registers until the
+norm's factor is known). The mix `raw` is one GEMM over X' (`ops.mhc._mix_bf16`'s form: bfloat16
+streams through three exact bfloat16 terms of fn; float32 at HIGHEST); the gates (sigmoids,
 Sinkhorn) are `pallas_kernels.mhc.gates`. The registered kernel (`pallas_kernels.mhc.hc_site`) runs
 the same math as XLA fusions that read X' three more times (collapse, its norm, the mean square).
+On an H100 at s3 this forward kernel took 0.132 ms for its 369 MB (2.8 TB/s, the card's copy rate)
+and the whole forward 0.260 ms against the registered kernel's 0.416 (benchmarks/RESULTS.md,
+session 68).
 
 The backward kernel (`_bwd_kernel`, residuals: X, F, the coefficients, X', x and the means) is one
 pass over d per token block: with the per-token scalars s = Σ_d gx · x (one XLA row sum), the
 forward's r = rsqrt(mean(y²) + eps) and a = 2 g_ms / (n·d),
 
   gy    = (gx · w) · r − y · s / ((mean(y²) + eps) · d)          the norm's VJP
-  gv_k  = gX'_k + pre_k gy + a v_k + (g_raw · fn)_k              float32 (one rounding at the end)
+  gv_k  = gX'_k + (g_raw · fn)_k + pre_k gy + a v_k              float32 (one rounding at the end)
   gX_j  = Σ_k comb[j, k] gv_k,  gF = Σ_k post_k gv_k,  gpost_k = Σ_d gv_k F,
   gcomb[j, k] = Σ_d gv_k X_j,  gpre_k = Σ_d v_k gy,  d w = Σ_tokens gx · y · r (per-block rows)
 
-(g_raw · fn: float32 FMAs of the token's m mix cotangents on fn's rows, which every program reads
-from L2; exact float32 products where the op's `_mix_bf16_bwd` keeps 16 bits. A tensor-core dot
-there took the kernel to 255 registers and spills at every tile tried: ptxas -v for sm_90a through
-Triton 3.6 on the CPU host.) d fn = g_rawᵀ X' is one XLA product over the tokens
-(`_mix_bf16_bwd`'s form). Nothing is rounded between the pieces of gv (the op sums its cotangents
-of a bfloat16 X' in bfloat16), so the kernel's gradients are the reference's or closer to exact.
+g_raw · fn, the mix's cotangent of X', is one XLA product in X's dtype (`_mix_bf16_bwd`'s dx, 16
+bits for bfloat16 streams) that the kernel reads like gX'. Inside the kernel it cost too much: as a
+tensor-core dot the kernel took 255 registers and spilled at every tile tried (ptxas -v for sm_90a
+through Triton 3.6 on the CPU host); as float32 FMAs on fn's rows the backward kernel took 0.92 ms
+on an H100 at s3 (RESULTS.md, session 68). d fn = g_rawᵀ X' is one XLA product over the tokens
+(`_mix_bf16_bwd`'s form). The other pieces of gv are summed in float32 before one rounding (the op
+sums its cotangents of a bfloat16 X' in bfloat16), so the kernel's gradients are the reference's
+or closer to exact.
 
 Bytes at s3 (n = 4, d = 1024, bfloat16 streams, 16,384 tokens): forward 369 MB (X, F read; X', x
-written) + 134 MB for the mix GEMM; backward 535 MB (X, F, gX', gx read; gX, gF written) + 134 MB
-(s: gx and x) + 134 MB (d fn reads X'). `interpret=None` interprets on the CPU and compiles with
-Triton on the GPU. Token counts the blocks do not tile are padded (logged once). Triton blocks are
-powers of two: n, d's chunks and the coefficient rows (`unsupported_reason`).
+written) + 134 MB for the mix GEMM; backward 669 MB (X, F, gX', the mix's cotangent, gx read; gX, gF
+written) + 134 MB written by the mix's cotangent product + 134 MB (s: gx and x) + 134 MB (d fn reads
+X'). `interpret=None` interprets on the CPU and compiles with Triton on the GPU. Token counts the
+blocks do not tile are padded (logged once). Triton blocks are powers of two: n, d's chunks and the
+coefficient rows (`unsupported_reason`).
 """
 
 from __future__ import annotations
@@ -57,10 +63,11 @@ from pallas_kernels.ops.mhc import MIX, _bf16_terms, _dot_f32
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
 
-# Tiles (tokens, channels, warps): the forward keeps a block's y [tokens, d] float32 in registers;
-# the backward reads all of fn's rows once a block. Registers for sm_90a at s3's widths (ptxas -v,
-# Triton 3.6, bfloat16 streams; none spill): forward 8 × 256 × 8 148, 4 × 256 × 4 142, 4 × 512 × 4
-# 168; backward 8 × 64 × 4, 16 × 32 × 4 and 8 × 32 × 2 168 (8 × 128 × 4 and 4 × 256 × 4 spill).
+# Tiles (tokens, channels, warps): the forward keeps a block's y [tokens, d] float32 in registers.
+# Registers for sm_90a at s3's widths (ptxas -v, Triton 3.6, bfloat16 streams; none spill): forward
+# 8 × 256 × 8 148, 4 × 256 × 4 142, 4 × 512 × 4 168; backward 8 × 64 × 4 128, 16 × 64 × 8 128,
+# 32 × 64 × 8 191. (At session 68's H100 call, with the mix term inside the backward, 8 × 256 × 8
+# was the fastest forward of four tiles.)
 FWD_TILES = (8, 256, 8)
 BWD_TILES = (8, 64, 4)
 
