@@ -72,10 +72,9 @@ FWD_TILES = (8, 256, 8)
 BWD_TILES = (8, 64, 4)
 
 
-def _widths(n: int) -> tuple[int, int]:
-  """(Q, S): the coefficient row width (post n | comb n² | pre n, padded) and the mix row width
-  ((2+n)n padded; at least 16, a Triton dot's smallest dimension)."""
-  return _next_pow2(2 * n + n * n), max(16, _next_pow2((2 + n) * n))
+def _row_width(n: int) -> int:
+  """The coefficient row width: post n | comb n² | pre n, padded to a power of two."""
+  return _next_pow2(2 * n + n * n)
 
 
 def _col(ref, i):
@@ -238,7 +237,7 @@ def _site_rows_fwd(X, F, post, comb, pre, w, fn, static):
   bt, bd, warps = fwd_tiles
   bd = min(bd, d)
   tokens = X.shape[0]
-  q, _ = _widths(n)
+  q = _row_width(n)
   padded = _tokens_tiled(tokens, bt, "hc_site (rows)")
   co = _pad_rows(_coefficient_rows(post, comb, pre, tokens, q), padded)
   row = lambda width: pl.BlockSpec((bt, width), lambda i: (i, 0))  # noqa: E731
@@ -267,8 +266,7 @@ def _site_rows_bwd(static, res, g):
   X, F, post, comb, pre, w, fn, Xn, x, mean_y = res
   gXn, gx, g_raw, g_ms = g
   tokens = X.shape[0]
-  q, s = _widths(n)
-  m = fn.shape[0]
+  q = _row_width(n)
   padded = _tokens_tiled(tokens, bt, "hc_site (rows) backward")
   gx = gx.astype(_F32)
   s_row = jnp.sum(gx * x, axis=-1, keepdims=True)               # = r · Σ (gx · w) · y
@@ -297,7 +295,7 @@ def _site_rows_bwd(static, res, g):
   return (gX[:tokens], gF[:tokens], gco[:, :n].astype(post.dtype),
           gco[:, n:n + n * n].reshape(comb.shape).astype(comb.dtype),
           gco[:, n + n * n:2 * n + n * n].astype(pre.dtype),
-          jnp.sum(gw, axis=0).astype(w.dtype), _dfn(g_raw.astype(_F32), Xn, fn))
+          jnp.sum(gw, axis=0).astype(w.dtype), _dfn(g_raw, Xn, fn))
 
 
 _site_rows.defvjp(_site_rows_fwd, _site_rows_bwd)
