@@ -58,7 +58,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.mhc import (_interpret, _next_pow2, _tokens_tiled, _triton_params,
                                  coefficients_of_mix)
-from pallas_kernels.ops.mhc import MIX, _bf16_terms, _dot_f32
+from pallas_kernels.ops.mhc import MIX, _mix_bf16
 
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -196,34 +196,10 @@ def _coefficient_rows(post, comb, pre, tokens, q):
 
 
 def _mix(Xn_rows, fn):
-  """raw = X' · fnᵀ [tokens, m] float32 (`ops.mhc.hc_mix` before its RMS factor)."""
+  """raw = X' · fnᵀ [tokens, m] float32: `ops.mhc.hc_mix`'s product before its RMS factor."""
   if Xn_rows.dtype == jnp.bfloat16:
-    m = fn.shape[0]
-    y3 = _dot_f32(Xn_rows, jnp.concatenate(_bf16_terms(fn.astype(_F32), 3)), "...k,mk->...m")
-    return y3[..., :m] + y3[..., m:2 * m] + y3[..., 2 * m:]
+    return _mix_bf16(Xn_rows, fn.astype(_F32))
   return jnp.einsum("...k,mk->...m", Xn_rows.astype(_F32), fn.astype(_F32), precision=_HIGHEST)
-
-
-def _mix_cotangent(g_raw, fn, dtype):
-  """The mix's cotangent of X' [tokens, n·d] (`ops.mhc._mix_bf16_bwd`'s dx: bfloat16 streams g·fn
-  to 16 bits in one bfloat16 product, rounded to bfloat16; float32 streams one float32 product)."""
-  if dtype == jnp.bfloat16:
-    g1, g2, _ = _bf16_terms(g_raw, 3)
-    f1, f2 = _bf16_terms(fn.astype(_F32), 2)
-    return _dot_f32(jnp.concatenate([g1, g1, g2], -1), jnp.concatenate([f1, f2, f1]),
-                    "...m,mk->...k").astype(dtype)
-  return jnp.einsum("tm,mk->tk", g_raw, fn.astype(_F32), precision=_HIGHEST)
-
-
-def _dfn(g_raw, Xn_rows, fn):
-  """d fn = g_rawᵀ X' over the tokens (`ops.mhc._mix_bf16_bwd`'s form for bfloat16 streams)."""
-  m = fn.shape[0]
-  if Xn_rows.dtype == jnp.bfloat16:
-    g1, g2, g3 = _bf16_terms(g_raw, 3)
-    d3 = jax.lax.dot_general(jnp.concatenate([g1, g2, g3], -1), Xn_rows, ((0, 0), ((), ())),
-                             preferred_element_type=_F32)
-    return (d3[:m] + d3[m:2 * m] + d3[2 * m:]).astype(fn.dtype)
-  return jnp.einsum("tm,tk->mk", g_raw, Xn_rows.astype(_F32), precision=_HIGHEST).astype(fn.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -272,8 +248,9 @@ def _site_rows_bwd(static, res, g):
   s_row = jnp.sum(gx * x, axis=-1, keepdims=True)               # = r · Σ (gx · w) · y
   scalars = jnp.concatenate([jax.lax.rsqrt(mean_y), -s_row / (mean_y * d),
                              g_ms * (2.0 / (n * d)), jnp.zeros_like(mean_y)], axis=1)
-  g_raw = g_raw.astype(_F32)
-  g_mix = _mix_cotangent(g_raw, fn, X.dtype)
+  # The mix's cotangents (of X', in X's dtype, and of fn) by the product's own VJP (`_mix_bf16`'s
+  # for bfloat16 streams); its forward product has no reader here and is left out.
+  g_mix, dfn = jax.vjp(_mix, Xn, fn)[1](g_raw.astype(_F32))
   co = _coefficient_rows(post, comb, pre, tokens, q)
   row = lambda width: pl.BlockSpec((bt, width), lambda i: (i, 0))  # noqa: E731
   whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0, 0))  # noqa: E731
@@ -295,7 +272,7 @@ def _site_rows_bwd(static, res, g):
   return (gX[:tokens], gF[:tokens], gco[:, :n].astype(post.dtype),
           gco[:, n:n + n * n].reshape(comb.shape).astype(comb.dtype),
           gco[:, n + n * n:2 * n + n * n].astype(pre.dtype),
-          jnp.sum(gw, axis=0).astype(w.dtype), _dfn(g_raw, Xn, fn))
+          jnp.sum(gw, axis=0).astype(w.dtype), dfn)
 
 
 _site_rows.defvjp(_site_rows_fwd, _site_rows_bwd)

@@ -63,6 +63,19 @@ def _within_bf16_ulp(got, want):
   assert (g != w).mean() < 0.01
 
 
+def close_site_outputs(got, want, dtype):
+  """A site kernel's (X', x, pre', post', comb') against the reference's: X' in the streams' dtype
+  (bfloat16: within one ulp), the sublayer input x in float32 (its caller casts it once) to float32
+  rounding, the coefficients as `_close_coefficients`."""
+  for g, w, dt in zip(got[:2], want[:2], (dtype, jnp.float32)):
+    assert g.shape == w.shape and g.dtype == w.dtype == dt
+    if dt == jnp.float32:
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=1e-6)
+    else:
+      _within_bf16_ulp(g, w)
+  _close_coefficients(got[2:], want[2:])
+
+
 def _einsum_expand(X, post, comb, F):
   """expand as the einsum over the stream axis (the former reference), for jax.grad."""
   mixed = jnp.einsum("...jk,...jd->...kd", comb.astype(jnp.float32), X.astype(jnp.float32),
@@ -235,15 +248,7 @@ def test_coefficients_match_float64_and_gradients_the_reference():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_site_matches_reference_forward_and_gradients(dtype):
   args = _inputs(4, lead=(2, 9), dtype=dtype)
-  got, want = mhc_kernel.hc_site(*args, **KW), mhc.hc_site(*args, **KW)
-  # X' in the streams' dtype; the sublayer input x in float32 (its caller casts it once).
-  for g, w, dt in zip(got[:2], want[:2], (dtype, jnp.float32)):
-    assert g.shape == w.shape and g.dtype == w.dtype == dt
-    if dt == jnp.float32:
-      np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=1e-6)
-    else:
-      _within_bf16_ulp(g, w)
-  _close_coefficients(got[2:], want[2:])
+  close_site_outputs(mhc_kernel.hc_site(*args, **KW), mhc.hc_site(*args, **KW), dtype)
   if dtype == jnp.float32:
     kw = dict(KW, iters=5)
     _close_grads(_vjp_all(lambda *a: mhc_kernel.hc_site(*a, **kw), args),

@@ -5,10 +5,7 @@
 #       kind="nvidia-h200", needs_h200=true)
 source benchmarks/gpu_runs/calls/prelude.sh
 OUT=$(realpath "$OUT")
-step "site: reference, kernel, rows (+ tiles), copy (bursts)"
-timeout -s TERM 230 python3 -u benchmarks/mhc_moe_gpu.py --only=site --copy --reps 20 --budget-s 190 \
-    --rows-tiles 4x256w4/16x32w4 8x256w8/16x64w8 \
-    --json="$OUT/site.json" 2>&1 | grep -v "^WARNING\|DeprecationWarning\|warnings.warn" | grep "^case=\|rror"
+SITE_SECS=230 site_burst --rows-tiles 4x256w4/16x32w4 8x256w8/16x64w8
 faster=$(python3 - "$OUT/site.json" <<'PY'
 import json, sys
 try:
@@ -22,7 +19,7 @@ PY
 )
 echo "faster site: $faster"
 if [ "$faster" = rows ]; then
-  tree_copy rows pallas_kernels/dispatch.py 's|Kernel("pallas_kernels.mhc:hc_site",|Kernel("pallas_kernels.mhc_rows:hc_site",|' || exit 1
+  rows_tree || exit 1
   (cd /tmp/tree_rows && profile s3 s3_h200_rows)
 else
   profile s3 s3_h200

@@ -6,10 +6,7 @@
 # with the rows kernel).
 source benchmarks/gpu_runs/calls/prelude.sh
 OUT=$(realpath "$OUT")
-step "site: reference, kernel, rows (+ tiles), copy (bursts)"
-timeout -s TERM 250 python3 -u benchmarks/mhc_moe_gpu.py --only=site --copy --reps 20 --budget-s 210 \
-    --rows-tiles 4x256w4/16x32w4 4x512w4/8x32w2 8x256w8/16x64w8 \
-    --json="$OUT/site.json" 2>&1 | grep -v "^WARNING\|DeprecationWarning\|warnings.warn" | grep "^case=\|rror"
-tree_copy rows pallas_kernels/dispatch.py 's|Kernel("pallas_kernels.mhc:hc_site",|Kernel("pallas_kernels.mhc_rows:hc_site",|' || exit 1
+SITE_SECS=250 site_burst --rows-tiles 4x256w4/16x32w4 4x512w4/8x32w2 8x256w8/16x64w8
+rows_tree || exit 1
 arms s3 $(( 590 - SECONDS )) rows@/tmp/tree_rows
 step done

@@ -4,6 +4,6 @@
 source benchmarks/gpu_runs/calls/prelude.sh
 OUT=$(realpath "$OUT")
 arms s3 300 main
-tree_copy rows pallas_kernels/dispatch.py 's|Kernel("pallas_kernels.mhc:hc_site",|Kernel("pallas_kernels.mhc_rows:hc_site",|' || exit 1
+rows_tree || exit 1
 (cd /tmp/tree_rows && profile s3 s3_rows)
 step done

@@ -3,7 +3,4 @@
 #   run(command="bash benchmarks/gpu_runs/calls/next_s68_rows_c.sh", carry=[".whl"], timeout_s=170)
 source benchmarks/gpu_runs/calls/prelude.sh
 OUT=$(realpath "$OUT")
-step "site: reference, kernel, rows (+ tiles), copy (bursts)"
-timeout -s TERM 150 python3 -u benchmarks/mhc_moe_gpu.py --only=site --copy --reps 20 --budget-s 120 \
-    --rows-tiles 8x256w8/16x64w8 8x256w8/32x64w8 \
-    --json="$OUT/site.json" 2>&1 | grep -v "^WARNING\|DeprecationWarning\|warnings.warn" | grep "^case=\|rror"
+SITE_SECS=150 site_burst --rows-tiles 8x256w8/16x64w8 8x256w8/32x64w8

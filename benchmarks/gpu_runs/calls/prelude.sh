@@ -101,12 +101,20 @@ tree_edit() {
   local dir=/tmp/tree_$1
   rm -rf "$dir" && mkdir -p "$dir" && cp -a . "$dir"/ && python3 "$2" "$dir"
 }
-# site_burst: the mHC site rows at s3's shapes (reference, registered kernel, -X copy), timed in bursts
-# by mhc_moe_gpu.py (session 64's change), SITE_SECS (default 150) of the call; writes $OUT/site.json.
+# site_burst [ARGS ...]: the mHC site rows at s3's shapes (reference, registered kernel, rows kernel
+# since session 68, -X copy), timed in bursts by mhc_moe_gpu.py (session 64's change), SITE_SECS
+# (default 150) of the call; ARGS go to mhc_moe_gpu.py (e.g. --rows-tiles 8x256w8/16x64w8); writes
+# $OUT/site.json.
 site_burst() {
   local secs=${SITE_SECS:-150}
-  step "site: reference, kernel, copy (bursts)"
+  step "site: reference, kernel, rows, copy (bursts) $*"
   timeout -s TERM "$secs" python3 -u benchmarks/mhc_moe_gpu.py --only=site --copy --reps 20 \
-      --budget-s $(( secs - 30 )) --json="$OUT/site.json" 2>&1 \
-      | grep -v "^WARNING\|DeprecationWarning\|warnings.warn" | grep "^case="
+      --budget-s $(( secs - 30 )) --json="$OUT/site.json" "$@" 2>&1 \
+      | grep -v "^WARNING\|DeprecationWarning\|warnings.warn" | grep "^case=\|rror"
+}
+# rows_tree: a tree copy at /tmp/tree_rows whose dispatcher runs `pallas_kernels.mhc_rows:hc_site` as
+# the op hc_site's kernel (session 68); use as an arm's @DIR or cd into it for `profile`.
+rows_tree() {
+  tree_copy rows pallas_kernels/dispatch.py \
+      's|Kernel("pallas_kernels.mhc:hc_site",|Kernel("pallas_kernels.mhc_rows:hc_site",|'
 }

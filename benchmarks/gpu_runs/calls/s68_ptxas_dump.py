@@ -3,7 +3,7 @@
 # with FWD/BWD as tokens,channels,warps (e.g. 8,256,8 8,64,4); then s68_ptxas_compile.py on DIR/01.ttir (forward) and
 # DIR/03.ttir (backward) in a venv with pip triton==3.6.*.
 import sys, os; sys.path.insert(0, os.getcwd())
-import jax, jax.numpy as jnp, numpy as np, os
+import jax, jax.numpy as jnp, numpy as np
 from jax._src.pallas.triton import lowering as L
 out_dir = sys.argv[1]; os.makedirs(out_dir, exist_ok=True)
 orig = L.lower_jaxpr_to_triton_module

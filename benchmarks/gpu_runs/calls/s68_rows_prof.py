@@ -1,6 +1,6 @@
 # Session 68 (an H100; run as `PYTHONPATH=$PWD python3 ...` after the prelude's wheels): kernel times of
 # the rows site (pallas_kernels/mhc_rows.py) and the registered one, forward+backward at s3's shapes.
-import subprocess, sys, time
+import collections, glob
 import jax, jax.numpy as jnp, numpy as np
 from benchmarks.mhc_moe_gpu import site_inputs, _loss_grad
 from pallas_kernels import mhc as mhc_kernel, mhc_rows
@@ -15,7 +15,6 @@ for name, f in (("rows", lambda *a: mhc_rows.hc_site(*a, **KW)),
     for _ in range(5):
       out = g(*args)
     jax.block_until_ready(out)
-  import collections, glob
   from benchmarks.trace_summary import load
   from benchmarks.gpu_profile import gpu_kernels
   tr = sorted(glob.glob(d + "/**/*.trace.json.gz", recursive=True) +
