@@ -235,8 +235,8 @@ OPS: dict[str, Op] = {
                 _gpu_only(_MHC_GATES), batched=(True, False, False, False)),)),
     "hc_site": Op(
         "pallas_kernels.ops.mhc:hc_site",
-        (Kernel("pallas_kernels.mhc:hc_site",
-                _module_reason("pallas_kernels.mhc:unsupported_reason"),
+        (Kernel("pallas_kernels.mhc_rows:hc_site",
+                _module_reason("pallas_kernels.mhc_rows:unsupported_reason"),
                 _gpu_only(_MHC_SITE), batched=(True,) * 5 + (False,) * 4),)),
     "sparse_attention": Op(
         "pallas_kernels.ops.sparse_attention:attend",

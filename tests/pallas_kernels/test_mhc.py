@@ -21,7 +21,7 @@ from dsv41_jax import model as M, testing
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layers import mhc
 from pallas_kernels import dispatch
-from pallas_kernels import mhc as mhc_kernel
+from pallas_kernels import mhc as mhc_kernel, mhc_rows
 from tests.dsv41_jax.layers.test_mhc import ref_hc
 from tests.pallas_kernels.cuda_lowering import lower_for_cuda, triton_calls
 
@@ -289,7 +289,7 @@ def test_policies_pick_the_kernels_fall_back_and_refuse(caplog, monkeypatch):
   from pallas_kernels import notices
   notices._NOTED.clear()
   args = _inputs(6, lead=(1, 4))
-  for op, fn, ref, a in (("hc_site", mhc_kernel.hc_site, mhc.hc_site, args),
+  for op, fn, ref, a in (("hc_site", mhc_rows.hc_site, mhc.hc_site, args),
                          ("hc_coefficients", mhc_kernel.hc_coefficients, mhc.hc_coefficients,
                           (args[0], *args[5:8]))):
     assert dispatch.choose(op, "kernel", *a, **KW)[1].__wrapped__ is fn
@@ -306,7 +306,7 @@ def test_policies_pick_the_kernels_fall_back_and_refuse(caplog, monkeypatch):
   # On a GPU "auto" takes the kernel; three streams are not Triton's power-of-two blocks, so
   # "auto" runs the reference and "kernel" is one error naming the reason.
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  assert dispatch.choose("hc_site", "auto", *args, **KW)[0] == "pallas_kernels.mhc:hc_site"
+  assert dispatch.choose("hc_site", "auto", *args, **KW)[0] == "pallas_kernels.mhc_rows:hc_site"
   three = _inputs(6, lead=(1, 4), n=3)
   assert dispatch.choose("hc_site", "auto", *three, **KW)[0] == "pallas_kernels.ops.mhc:hc_site"
   with pytest.raises(dispatch.PolicyError,
