@@ -19,8 +19,9 @@ Cases:
   forward (the backward is the straight-through identity). Also checked on the host against the
   ml_dtypes casts with the spec's scales.
 - `site`: one single-pass mHC site (`hc_site`: previous expand + coefficients + collapse + norm,
-  docs/design.md §3.3) and its kernel `pallas_kernels.mhc.hc_site` (the Sinkhorn gates in Triton;
-  `--sweep` adds 64-token gate blocks), n = 4, bf16 streams, at d = 5120 / 4096 and 8K–32K tokens;
+  docs/design.md §3.3) and its kernels: `pallas_kernels.mhc.hc_site` (the Sinkhorn gates in Triton;
+  `--sweep` adds 64-token gate blocks) and the registered `pallas_kernels.mhc_rows.hc_site` (two
+  Triton stream passes, session 69), n = 4, bf16 streams, at d = 5120 / 4096 and 8K–32K tokens;
   forward, and forward+backward (`jax.vjp` with given cotangents). Minimum traffic: (2n+2)·d
   values per token forward, plus (3n+3)·d backward (X, F, dX', dx read; dX, dF written). The
   model's streams are float32: benchmarks/mhc_moe_gpu.py times the site at s3's shapes that way.
@@ -47,7 +48,7 @@ from benchmarks.common import elapsed, header, log, md_header, median_seconds  #
 from dsv41_jax import quant  # noqa: E402
 from dsv41_jax.layers import mhc  # noqa: E402
 from pallas_kernels import fake_quant as fq_kernel  # noqa: E402
-from pallas_kernels import mhc as mhc_kernel  # noqa: E402
+from pallas_kernels import mhc as mhc_kernel, mhc_rows  # noqa: E402
 
 HC = dict(iters=20, hc_eps=1e-6, norm_eps=1e-20)
 COPY = {"gbs": 4300.0, "source": "docs/design.md §T5 (not measured in this run)"}
@@ -165,6 +166,8 @@ def site_case(tokens: int, n: int, d: int, interpret: bool, sweep: bool, reps: i
   kerns = {f"gate blocks of {bt} tokens": jax.jit(functools.partial(
       mhc_kernel.hc_site, **HC, block_tokens=bt, interpret=interpret))
       for bt in ((16, 64) if sweep else (16,))}
+  kerns["rows (registered)"] = jax.jit(functools.partial(mhc_rows.hc_site, **HC,
+                                                         interpret=interpret))
   moved = (2 * n + 2) * d * 2 * tokens  # X, F read; X', x written (bf16); coefficients ≪
   return bench_pair("mhc site fwd", f"[{tokens}, {n}, {d}] bf16", ref, kerns, args, reps, moved)
 
@@ -184,7 +187,10 @@ def site_grad_case(tokens: int, n: int, d: int, interpret: bool, reps: int):
   kern = functools.partial(mhc_kernel.hc_site, interpret=interpret)
   moved = ((2 * n + 2) + (3 * n + 3)) * d * 2 * tokens
   return bench_pair("mhc site fwd+bwd", f"[{tokens}, {n}, {d}] bf16", fwd_bwd(mhc.hc_site),
-                    {"gates kernel + Sinkhorn-recompute bwd": fwd_bwd(kern)}, args, reps, moved)
+                    {"gates kernel + Sinkhorn-recompute bwd": fwd_bwd(kern),
+                     "rows (registered)": fwd_bwd(functools.partial(mhc_rows.hc_site,
+                                                                    interpret=interpret))},
+                    args, reps, moved)
 
 
 def hc_case(tokens: int, n: int, d: int, interpret: bool, reps: int):

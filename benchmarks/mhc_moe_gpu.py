@@ -15,13 +15,13 @@ this site's coefficients, collapse + norm) forward and forward+backward (the gra
 projection of all five outputs w.r.t. all nine inputs), for
 - `reference`: `dsv41_jax.layers.mhc.hc_site` (HIGHEST einsums for expand/collapse when RESULTS was measured,
   the broadcast forms since; `fori_loop` Sinkhorn; autodiff);
-- `kernel`: `pallas_kernels.mhc.hc_site`, the op's registered kernel ("fast" in RESULTS' first
+- `kernel`: `pallas_kernels.mhc.hc_site`, the op's registered kernel until session 69 ("fast" in RESULTS' first
   rows: broadcast multiply-adds with hand VJPs, the mix GEMM, the Sinkhorn gates as one Triton
   kernel and its recomputing backward; the fused single-pass Triton site measured there as
   `kernel` was retired); `kernel gates block 64`: the same with 64-token gate blocks;
   (the streaming kernel `pallas_kernels/mhc_stream.py` measured as `stream` was removed after
   session 64: 9.6x slower forward+backward on an H100, RESULTS.md; in git history at e4c11d9);
-- `rows`: `pallas_kernels.mhc_rows.hc_site` (session 68: one Triton pass forward reading X and F,
+- `rows`: `pallas_kernels.mhc_rows.hc_site`, the dispatcher's kernel since session 69 (session 68: one Triton pass forward reading X and F,
   writing X', x and the two means; the mix GEMM over X'; one Triton pass backward reading the mix's
   cotangent of X' from one XLA product), at its default tiles; `--rows-tiles` adds other tiles
   (FWDxCHUNKwWARPS/BWDxCHUNKwWARPS, e.g. 8x256w8/16x64w8);

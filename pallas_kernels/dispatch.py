@@ -209,8 +209,9 @@ _FQ = "measured 1.6-1.9x XLA on the H200, RESULTS.md 'Pallas kernels vs XLA'"
 _MHC_GATES = ("the Sinkhorn gates kernel 0.08 / 0.34 ms forward / forward+backward vs the "
               "fori_loop's 0.41-0.67 / 0.77-0.87 at s3 on the H200, RESULTS.md 'mHC site and "
               "routed experts'")
-_MHC_SITE = ("the site 1.85x / 1.21x the reference forward / forward+backward at s3 on the H200, "
-             "RESULTS.md 'mHC site and routed experts'")
+_MHC_SITE = ("the rows site (two Triton stream passes) 0.96-1.05 ms forward+backward vs the earlier "
+             "kernel's 1.20-1.30 and the reference's 2.0 at s3 on an H100, the s3 step 0.6-1.1 % "
+             "shorter, RESULTS.md 'The mHC site as two Triton stream passes' (session 69)")
 
 OPS: dict[str, Op] = {
     "fake_quant_fp4_main_kv": Op(

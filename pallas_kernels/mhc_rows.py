@@ -11,14 +11,16 @@ its coefficients:
   raw = v · fnᵀ [m = (2+n)n]                     the mix before its RMS factor (one XLA GEMM)
 
 The forward kernel (`_fwd_kernel`) reads X and F once and writes X', x and the two means: a program
-takes `FWD_TILES[0]` whole rows (d in static chunks, the rows' y kept in registers until the
-norm's factor is known). The mix `raw` is one GEMM over X' (`ops.mhc._mix_bf16`'s form: bfloat16
+takes up to `FWD_TILES[0]` whole rows (d in static chunks, the rows' y kept in registers until
+the norm's factor is known; `forward_tiles` halves the rows until they hold at most 16,384 float32
+values, so wide hidden sizes do not spill). The mix `raw` is one GEMM over X' (`ops.mhc._mix_bf16`'s form: bfloat16
 streams through three exact bfloat16 terms of fn; float32 at HIGHEST); the gates (sigmoids,
-Sinkhorn) are `pallas_kernels.mhc.gates`. The registered kernel (`pallas_kernels.mhc.hc_site`) runs
-the same math as XLA fusions that read X' three more times (collapse, its norm, the mean square).
-On an H100 at s3 this forward kernel took 0.132 ms for its 369 MB (2.8 TB/s, the card's copy rate)
-and the whole forward 0.260 ms against the registered kernel's 0.416 (benchmarks/RESULTS.md,
-session 68).
+Sinkhorn) are `pallas_kernels.mhc.gates`. The earlier kernel (`pallas_kernels.mhc.hc_site`, the
+dispatcher's until session 69) runs the same math as XLA fusions that read X' three more times
+(collapse, its norm, the mean square). On an H100 at s3 this forward kernel took 0.132 ms for its
+369 MB (2.8 TB/s, the card's copy rate) and the whole forward 0.260 ms against the earlier kernel's
+0.416 (benchmarks/RESULTS.md, session 68); forward + backward 0.96-1.05 ms against its 1.20-1.30 (1.21-1.36x), and
+the s3 step 0.6 / 1.1 % shorter in two paired runs (session 69): the dispatcher's kernel of `hc_site`.
 
 The backward kernel (`_bwd_kernel`, residuals: X, F, the coefficients, X', x and the means) is one
 pass over d per token block: with the per-token scalars s = Σ_d gx · x (one XLA row sum), the
@@ -66,10 +68,25 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 # Tiles (tokens, channels, warps): the forward keeps a block's y [tokens, d] float32 in registers.
 # Registers for sm_90a at s3's widths (ptxas -v, Triton 3.6, bfloat16 streams; none spill): forward
 # 8 × 256 × 8 148, 4 × 256 × 4 142, 4 × 512 × 4 168; backward 8 × 64 × 4 128, 16 × 64 × 8 128,
-# 32 × 64 × 8 191. (At session 68's H100 call, with the mix term inside the backward, 8 × 256 × 8
-# was the fastest forward of four tiles.)
+# 32 × 64 × 8 191. On an H100 at s3 (session 69, bursts, forward + backward of the site): backward
+# 32 × 64 × 8 0.960 / 0.997 ms in two calls against 8 × 64 × 4's 1.045 / 1.024; 16 × 128 × 8 0.934 and
+# 32 × 32 × 8 0.945 once each; 64 × 64 × 8 1.096. The forward's 8 × 256 × 8 was the fastest of four.
 FWD_TILES = (8, 256, 8)
-BWD_TILES = (8, 64, 4)
+BWD_TILES = (32, 64, 8)
+# A forward block's y [tokens, d] float32 at most this many values (8 warps: 64 a thread). ptxas
+# for the forward at 8 warps: d 1536 × 8 tokens 204 registers, d 4096 × 4 232, d 5120 × 2 220, none
+# spilling; d 4096 × 8 and d 5120 × 8 spill (255 registers, ~470 B). Widths above 1024 are not yet
+# timed on a GPU.
+FWD_Y_VALUES = 16384
+
+
+def forward_tiles(d: int, tiles: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
+  """`tiles` (default `FWD_TILES`) with its token rows halved (to 1 at least) until a block's y
+  holds at most `FWD_Y_VALUES` float32 values."""
+  bt, bd, warps = tiles or FWD_TILES
+  while bt > 1 and bt * d > FWD_Y_VALUES:
+    bt //= 2
+  return bt, bd, warps
 
 
 def _row_width(n: int) -> int:
@@ -280,13 +297,14 @@ _site_rows.defvjp(_site_rows_fwd, _site_rows_bwd)
 
 def hc_site(X_BxTxNxD, F_BxTxD, post_BxTxN, comb_BxTxNxN, pre_BxTxN, fn, base, scale,
             norm_weight, *, iters: int, hc_eps: float, norm_eps: float, block_tokens: int = 16,
-            fwd_tiles: tuple[int, int, int] = FWD_TILES,
+            fwd_tiles: tuple[int, int, int] | None = None,
             bwd_tiles: tuple[int, int, int] = BWD_TILES, interpret: bool | None = None):
   """Kernel of the op `hc_site`: (X', x, pre', post', comb') of one single-pass site (module doc)."""
   *lead, n, d = X_BxTxNxD.shape
   tokens = int(np.prod(lead))
   interpret = _interpret(interpret)
-  static = (n, d, norm_eps, tuple(fwd_tiles), tuple(bwd_tiles), interpret)
+  fwd_tiles = forward_tiles(d) if fwd_tiles is None else tuple(fwd_tiles)
+  static = (n, d, norm_eps, fwd_tiles, tuple(bwd_tiles), interpret)
   Xn, x, raw, ms = _site_rows(
       X_BxTxNxD.reshape(tokens, n * d), F_BxTxD.reshape(tokens, d),
       post_BxTxN.reshape(tokens, n), comb_BxTxNxN.reshape(tokens, n, n),
@@ -300,7 +318,7 @@ def hc_site(X_BxTxNxD, F_BxTxD, post_BxTxN, comb_BxTxNxN, pre_BxTxN, fn, base, s
   return (Xn.reshape(X_BxTxNxD.shape), x.reshape(*lead, d), *coefficients)
 
 
-def unsupported_reason(X_BxTxNxD, *_, fwd_tiles=FWD_TILES, bwd_tiles=BWD_TILES,
+def unsupported_reason(X_BxTxNxD, *_, fwd_tiles=None, bwd_tiles=BWD_TILES,
                        **__) -> str | None:
   """Why these kernels cannot take these streams here (None if they can): compiled for the GPU,
   Triton blocks are powers of two, so n must be one and d a multiple of both chunk widths."""
@@ -309,7 +327,7 @@ def unsupported_reason(X_BxTxNxD, *_, fwd_tiles=FWD_TILES, bwd_tiles=BWD_TILES,
     return None
   if n & (n - 1):
     return f"hc_mult {n} is not a power of two (Triton blocks)"
-  for what, (_, bd, _) in (("forward", fwd_tiles), ("backward", bwd_tiles)):
+  for what, (_, bd, _) in (("forward", fwd_tiles or FWD_TILES), ("backward", bwd_tiles)):
     chunk = min(bd, d)
     if d % chunk or chunk & (chunk - 1):
       return (f"hidden size {d} is not a multiple of a power-of-two chunk of at most {bd} channels "

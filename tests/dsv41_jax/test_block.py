@@ -190,7 +190,7 @@ def _model_logits(cfg, seed=0):
 @pytest.mark.parametrize("ops", [{}, {"hc_coefficients": "kernel", "hc_site": "kernel"}],
                          ids=["default", "mhc_kernels"])
 def test_model_logits_equal_the_single_pass_restatement(ops):
-  # Also with the mHC kernels (pallas_kernels/mhc.py, interpreted): the fused site and the
+  # Also with the mHC kernels (pallas_kernels/mhc_rows.py and mhc.py, interpreted): the site and the
   # coefficients in the model against the same float64 schedule, at the same tolerance.
   cfg = _cfg(**ops)
   logits, flat, tokens, pos, seg = _model_logits(cfg)

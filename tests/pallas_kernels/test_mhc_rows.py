@@ -78,6 +78,21 @@ def test_rows_site_padding_and_default_tiles():
                _vjp_all(lambda *a: mhc.hc_site(*a, **kw), args), SITE)
 
 
+def test_rows_forward_blocks_shrink_for_wide_rows(monkeypatch):
+  """The forward's token rows halve until a block's y fits `FWD_Y_VALUES` (widths up to 5120 keep
+  8, 4 or 2 rows); a halved block (the bound lowered so d = 32 takes 2 rows) changes no output."""
+  assert [mhc_rows.forward_tiles(d)[0] for d in (1024, 1536, 2048, 4096, 5120)] == [8, 8, 8, 4, 2]
+  assert mhc_rows.forward_tiles(1 << 20) == (1, 256, 8)
+  args = _inputs(15, lead=(1, 5), d=32)
+  kw = dict(KW, iters=3, bwd_tiles=(16, 16, 4))
+  want = mhc_rows.hc_site(*args, **kw, fwd_tiles=(2, 16, 4))
+  monkeypatch.setattr(mhc_rows, "FWD_Y_VALUES", 64)
+  assert mhc_rows.forward_tiles(32, (8, 16, 4)) == (2, 16, 4)
+  monkeypatch.setattr(mhc_rows, "FWD_TILES", (8, 16, 4))
+  for g, w in zip(mhc_rows.hc_site(*args, **kw), want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_rows_site_lowers_for_cuda_at_s3_width():
   """d = 1024, n = 4, bfloat16 streams, the default tiles: forward and gradient lower to Triton (the
   gradient program: the rows' forward, the gates' backward, the rows' backward)."""

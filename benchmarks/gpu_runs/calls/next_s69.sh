@@ -1,4 +1,4 @@
-# Session 69's first call (any card, ~590 s). On an H200: next_s68_h200.sh (site rows, then s3 by
+# Session 69's first call (ran at 14:15 on an H100; main has run the rows kernel since, so its rows_tree now fails: use next_s70.sh) (any card, ~590 s). On an H200: next_s68_h200.sh (site rows, then s3 by
 # source with the faster site kernel). On an H100: the site rows after the rows backward kernel took
 # the mix's cotangent from one XLA product (session 68's unmeasured change), then, when rows beats the
 # registered kernel forward+backward, s3 accumulated with it swapped in (main's arm on the H100: s67's

@@ -113,8 +113,14 @@ site_burst() {
       | grep -v "^WARNING\|DeprecationWarning\|warnings.warn" | grep "^case=\|rror"
 }
 # rows_tree: a tree copy at /tmp/tree_rows whose dispatcher runs `pallas_kernels.mhc_rows:hc_site` as
-# the op hc_site's kernel (session 68); use as an arm's @DIR or cd into it for `profile`.
+# the op hc_site's kernel (session 68; main does since session 69, so this now fails: "changed nothing").
 rows_tree() {
   tree_copy rows pallas_kernels/dispatch.py \
       's|Kernel("pallas_kernels.mhc:hc_site",|Kernel("pallas_kernels.mhc_rows:hc_site",|'
+}
+# earlier_site_tree: a tree copy at /tmp/tree_earlier_site whose dispatcher runs the kernel of hc_site
+# registered before session 69 (`pallas_kernels.mhc:hc_site`); an arm's @DIR for main-vs-earlier pairs.
+earlier_site_tree() {
+  tree_copy earlier_site pallas_kernels/dispatch.py \
+      's|Kernel("pallas_kernels.mhc_rows:hc_site",|Kernel("pallas_kernels.mhc:hc_site",|'
 }
