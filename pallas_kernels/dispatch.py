@@ -211,7 +211,7 @@ _MHC_GATES = ("the Sinkhorn gates kernel 0.08 / 0.34 ms forward / forward+backwa
               "routed experts'")
 _MHC_SITE = ("the rows site (two Triton stream passes) 0.96-1.05 ms forward+backward vs the earlier "
              "kernel's 1.20-1.30 and the reference's 2.0 at s3 on an H100, the s3 step 0.6-1.1 % "
-             "shorter, RESULTS.md 'The mHC site as two Triton stream passes' (session 69)")
+             "shorter, RESULTS.md 'The rows mHC site registered' (session 69)")
 
 OPS: dict[str, Op] = {
     "fake_quant_fp4_main_kv": Op(

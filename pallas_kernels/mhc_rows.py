@@ -11,16 +11,17 @@ its coefficients:
   raw = v · fnᵀ [m = (2+n)n]                     the mix before its RMS factor (one XLA GEMM)
 
 The forward kernel (`_fwd_kernel`) reads X and F once and writes X', x and the two means: a program
-takes up to `FWD_TILES[0]` whole rows (d in static chunks, the rows' y kept in registers until
-the norm's factor is known; `forward_tiles` halves the rows until they hold at most 16,384 float32
-values, so wide hidden sizes do not spill). The mix `raw` is one GEMM over X' (`ops.mhc._mix_bf16`'s form: bfloat16
-streams through three exact bfloat16 terms of fn; float32 at HIGHEST); the gates (sigmoids,
-Sinkhorn) are `pallas_kernels.mhc.gates`. The earlier kernel (`pallas_kernels.mhc.hc_site`, the
-dispatcher's until session 69) runs the same math as XLA fusions that read X' three more times
-(collapse, its norm, the mean square). On an H100 at s3 this forward kernel took 0.132 ms for its
-369 MB (2.8 TB/s, the card's copy rate) and the whole forward 0.260 ms against the earlier kernel's
-0.416 (benchmarks/RESULTS.md, session 68); forward + backward 0.96-1.05 ms against its 1.20-1.30 (1.21-1.36x), and
-the s3 step 0.6 / 1.1 % shorter in two paired runs (session 69): the dispatcher's kernel of `hc_site`.
+takes up to `FWD_TILES[0]` whole rows (d in static chunks, the rows' y kept in registers until the
+norm's factor is known; `forward_tiles` halves the rows until they hold at most 16,384 float32
+values, so wide hidden sizes do not spill). The mix `raw` is one GEMM over X' (`ops.mhc._mix_bf16`'s
+form: bfloat16 streams through three exact bfloat16 terms of fn; float32 at HIGHEST); the gates
+(sigmoids, Sinkhorn) are `pallas_kernels.mhc.gates`. The earlier kernel
+(`pallas_kernels.mhc.hc_site`, the dispatcher's until session 69) runs the same math as XLA fusions
+that read X' three more times (collapse, its norm, the mean square). On an H100 at s3 this forward
+kernel took 0.132 ms for its 369 MB (2.8 TB/s, the card's copy rate) and the whole forward 0.260 ms
+against the earlier kernel's 0.416 (benchmarks/RESULTS.md, session 68); forward + backward 0.96-1.05
+ms against its 1.20-1.30 (1.21-1.36x), and the s3 step 0.6 / 1.1 % shorter in two paired runs
+(session 69): the dispatcher's kernel of `hc_site` since then.
 
 The backward kernel (`_bwd_kernel`, residuals: X, F, the coefficients, X', x and the means) is one
 pass over d per token block: with the per-token scalars s = Σ_d gx · x (one XLA row sum), the
@@ -66,11 +67,13 @@ _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 # Tiles (tokens, channels, warps): the forward keeps a block's y [tokens, d] float32 in registers.
-# Registers for sm_90a at s3's widths (ptxas -v, Triton 3.6, bfloat16 streams; none spill): forward
-# 8 × 256 × 8 148, 4 × 256 × 4 142, 4 × 512 × 4 168; backward 8 × 64 × 4 128, 16 × 64 × 8 128,
-# 32 × 64 × 8 191. On an H100 at s3 (session 69, bursts, forward + backward of the site): backward
-# 32 × 64 × 8 0.960 / 0.997 ms in two calls against 8 × 64 × 4's 1.045 / 1.024; 16 × 128 × 8 0.934 and
-# 32 × 32 × 8 0.945 once each; 64 × 64 × 8 1.096. The forward's 8 × 256 × 8 was the fastest of four.
+# Registers for sm_90a at s3's widths (ptxas -v, Triton 3.6, bfloat16 streams; none spill):
+#   forward 8 × 256 × 8 148, 4 × 256 × 4 142, 4 × 512 × 4 168;
+#   backward 8 × 64 × 4 128, 16 × 64 × 8 128, 32 × 64 × 8 191.
+# On an H100 at s3 (session 69, bursts, the site's forward + backward), backward tiles:
+#   32 × 64 × 8 0.960 / 0.997 ms in two calls, 8 × 64 × 4 1.045 / 1.024;
+#   16 × 128 × 8 0.934, 32 × 32 × 8 0.945, 64 × 64 × 8 1.096 once each.
+# The forward's 8 × 256 × 8 was the fastest of four (session 68).
 FWD_TILES = (8, 256, 8)
 BWD_TILES = (32, 64, 8)
 # A forward block's y [tokens, d] float32 at most this many values (8 warps: 64 a thread). ptxas

@@ -10,17 +10,7 @@ fi
 source benchmarks/gpu_runs/calls/prelude.sh
 OUT=$(realpath "$OUT")
 SITE_SECS=160 site_burst --rows-tiles 8x256w8/16x64w8 8x256w8/32x64w8
-faster=$(python3 - "$OUT/site.json" <<'PY'
-import json, sys
-try:
-  rows = json.load(open(sys.argv[1]))
-  rows = rows if isinstance(rows, list) else rows.get("rows", [])
-  t = {r["impl"]: r["ms"] for r in rows if r.get("case") == "mhc site fwd+bwd" and "ms" in r}
-  print("rows" if t.get("rows", 1e9) < t.get("kernel", 0) else "main")
-except Exception as e:
-  print("main")
-PY
-)
+faster=$(faster_site "$OUT/site.json")
 echo "faster site: $faster"
 if [ "$faster" = rows ]; then
   rows_tree || exit 1

@@ -112,6 +112,20 @@ site_burst() {
       --budget-s $(( secs - 30 )) --json="$OUT/site.json" "$@" 2>&1 \
       | grep -v "^WARNING\|DeprecationWarning\|warnings.warn" | grep "^case=\|rror"
 }
+# faster_site FILE: "rows" when site_burst's FILE has the rows kernel's forward+backward faster than
+# the earlier kernel's ("kernel"), else "main" (also when FILE is missing or unreadable).
+faster_site() {
+  python3 - "$1" <<'PY'
+import json, sys
+try:
+  rows = json.load(open(sys.argv[1]))
+  rows = rows if isinstance(rows, list) else rows.get("rows", [])
+  t = {r["impl"]: r["ms"] for r in rows if r.get("case") == "mhc site fwd+bwd" and "ms" in r}
+  print("rows" if t.get("rows", 1e9) < t.get("kernel", 0) else "main")
+except Exception:
+  print("main")
+PY
+}
 # rows_tree: a tree copy at /tmp/tree_rows whose dispatcher runs `pallas_kernels.mhc_rows:hc_site` as
 # the op hc_site's kernel (session 68; main does since session 69, so this now fails: "changed nothing").
 rows_tree() {
