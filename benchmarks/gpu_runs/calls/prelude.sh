@@ -73,9 +73,9 @@ arms() {
 # the component table and the last 60 lines.
 profile() {
   local size=$1 name=$2; shift 2
-  step "profile $size 4 x 4096: $name"
+  step "profile $size ${PBATCH:-4} x 4096: $name"
   timeout -s TERM $(( 585 - SECONDS )) python3 -u benchmarks/gpu_profile.py --size "$size" \
-      --batch 4 --seq 4096 --steps 2 --top 30 --out "/tmp/prof_$name" --json "$OUT/prof_$name.json" \
+      --batch "${PBATCH:-4}" --seq 4096 --steps 2 --top 30 --out "/tmp/prof_$name" --json "$OUT/prof_$name.json" \
       $PROFILE_ARGS ${1:+--set "$@"} > "$OUT/profile_$name.txt" 2>&1
   sed -n "/component/,/^$/p" "$OUT/profile_$name.txt"; tail -60 "$OUT/profile_$name.txt"
   # The compiled HLO text (fusion decisions, for reading on the CPU afterwards), gzipped, when it
