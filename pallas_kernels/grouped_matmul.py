@@ -68,6 +68,11 @@ class TileConfig:
   block_k: int = 64
   max_concurrent_steps: int = 4   # TMA pipeline depth (shared memory: see `smem_bytes`)
   grid_block_n: int = 1           # column tiles per snake band (L2 reuse of x's row blocks)
+  # Row-tile kernels only (forward, input gradient). 2: the warp-specialized kernel
+  # (`_gmm_ws_kernel`): a producer warpgroup issues the TMA loads, two consumer warpgroups each own
+  # a block_m x block_n accumulator of a block_m x 2·block_n tile, and consecutive tiles of a
+  # program run as one chained pipeline (loads of the next tile overlap this tile's epilogue).
+  compute_wgs: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +93,20 @@ class Plan:
 SMEM_LIMIT_BYTES = 227 * 1024     # Hopper: the most dynamic shared memory one block may take
 
 
+def _epi_rows(cfg: TileConfig, out_bytes: int) -> int:
+  """Rows of the warp-specialized kernel's output staging tile per consumer: 16 KiB of block_n
+  columns (64 rows of bf16 at block_n 128, 32 of float32), stored a chunk at a time."""
+  return max(8, min(cfg.block_m, 16384 // (cfg.block_n * out_bytes)))
+
+
 def smem_bytes(cfg: TileConfig, in_bytes: int, out_bytes: int) -> int:
   """Shared memory of one program: `max_concurrent_steps` pairs of operand blocks (bm×bk and
-  bk×bn; bk×bm and bk×bn for the weight gradient) + the bm×bn output staging tile."""
+  bk×bn; bk×bm and bk×bn for the weight gradient) + the bm×bn output staging tile (the
+  warp-specialized kernel: bm×bk and bk×2bn blocks, one epilogue chunk per consumer)."""
+  if cfg.compute_wgs == 2:
+    per_step = cfg.block_k * (cfg.block_m + 2 * cfg.block_n) * in_bytes
+    staging = 2 * _epi_rows(cfg, out_bytes) * cfg.block_n * out_bytes
+    return cfg.max_concurrent_steps * per_step + staging
   per_step = cfg.block_k * (cfg.block_m + cfg.block_n) * in_bytes
   return cfg.max_concurrent_steps * per_step + cfg.block_m * cfg.block_n * out_bytes
 
@@ -116,7 +132,9 @@ def unsupported_reason(x_MxK, w_GxKxN, plan: Plan = Plan()) -> str | None:
                                        ("forward_narrow", plan.forward_narrow, (m, n, k)),
                                        ("input_grad", plan.input_grad, (m, k, n)),
                                        ("weight_grad", plan.weight_grad, (k, n, m))):
-    if cols % cfg.block_n or (name == "weight_grad" and rows % cfg.block_m):
+    if cfg.compute_wgs not in (1, 2) or (name == "weight_grad" and cfg.compute_wgs != 1):
+      return f"{name}: compute_wgs {cfg.compute_wgs} (1, or 2 for the row-tile kernels)"
+    if cols % (cfg.block_n * cfg.compute_wgs) or (name == "weight_grad" and rows % cfg.block_m):
       return f"{name}: output dims ({rows}, {cols}) not multiples of blocks {cfg}"
     if name != "weight_grad" and red % cfg.block_k:
       return f"{name}: contracting dim {red} is not a multiple of block_k {cfg.block_k}"
@@ -268,8 +286,10 @@ def _snake(lin, rows: int, cols: int, band: int):
   return row, b * band + lax.rem(within, jnp.int32(band))
 
 
-def _store_rows(o_smem, o_gmem, lo, hi, row0, col0, block_m: int, block_n: int, m: int):
-  """TMA-store rows [lo, hi) of the staged tile to o_gmem[row0 + lo :, col0 :], 2^i rows a copy."""
+def _store_rows(o_smem, o_gmem, lo, hi, row0, col0, block_m: int, block_n: int, m: int,
+                wait: bool = True):
+  """TMA-store rows [lo, hi) of the staged tile to o_gmem[row0 + lo :, col0 :], 2^i rows a copy;
+  `wait`: until the copies have read the tile (else the caller waits before reusing it)."""
   plgpu = _plgpu()
   from jax.experimental import pallas as pl
   size = hi - lo
@@ -285,7 +305,8 @@ def _store_rows(o_smem, o_gmem, lo, hi, row0, col0, block_m: int, block_n: int, 
                               o_gmem.at[pl.ds(row0 + start, step), pl.ds(col0, block_n)])
 
     start = start + (size & step)
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  if wait:
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _gmm_kernel(x_MxK, w, tiles, fill, *, transpose_w: bool, out_dtype, cfg: TileConfig,
@@ -337,6 +358,129 @@ def _gmm_kernel(x_MxK, w, tiles, fill, *, transpose_w: bool, out_dtype, cfg: Til
 
   call = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), **_kernel_kwargs(plan))
   return call(*tiles, fill, x_MxK, w)
+
+
+def _chain_stages(k_steps: int, most: int) -> int:
+  """Pipeline depth of the chained kernel: the largest depth <= `most` dividing the K steps (a
+  chain of pipelines keeps its slots aligned only then)."""
+  return max(d for d in range(1, min(most, k_steps) + 1) if k_steps % d == 0)
+
+
+def _gmm_ws_kernel(x_MxK, w, tiles, n_gemm, fill, *, transpose_w: bool, out_dtype,
+                   cfg: TileConfig, plan: Plan):
+  """`_gmm_kernel`'s product, warp-specialized (TileConfig.compute_wgs == 2).
+
+  Work items are (row tile, column tile of 2·block_n), row-major, so the items of the real groups'
+  row tiles (the first `n_gemm` of the tile map) come first and the tail group's fill tiles after.
+  Warpgroup 2 issues the TMA loads; warpgroups 0 and 1 multiply one block_n half each, add the
+  fill and store their half's rows [lo, hi) in chunks of `_epi_rows`. A program's consecutive
+  product items form one chain of pipelines (START, STEADY..., STOP; a lone item runs a plain
+  pipeline), so the producer fetches the next item's first blocks while the consumers store.
+  """
+  plgpu = _plgpu()
+  from jax.experimental import pallas as pl
+  m, k = x_MxK.shape
+  g = w.shape[0]
+  n = w.shape[1] if transpose_w else w.shape[2]
+  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+  grid_n = n // (2 * bn)
+  n_tiles = tiles[0].shape[0]
+  n_items = n_tiles * grid_n
+  k_steps = k // bk
+  stages = _chain_stages(k_steps, cfg.max_concurrent_steps)
+  out_bytes = jnp.dtype(out_dtype).itemsize
+  epi = _epi_rows(cfg, out_bytes)
+  num_sms = _kernel_kwargs(plan)["grid"][0]
+  state = plgpu.PipelinePipeline
+
+  def pipeline(mma, context, blk, grp, ni, chain):
+    if transpose_w:
+      w_spec = plgpu.BlockSpec((2 * bn, bk), lambda kk: (ni, kk))
+    else:
+      w_spec = plgpu.BlockSpec((bk, 2 * bn), lambda kk: (kk, ni))
+    return plgpu.emit_pipeline_warp_specialized(
+        mma, grid=(k_steps,), memory_registers=40,
+        in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (blk, kk)), w_spec],
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages,
+        compute_context=context, pipeline_state=chain)
+
+  def body(grp_ref, blk_ref, lo_ref, hi_ref, ngemm_ref, fill_ref, x_gmem, w_gmem, o_gmem):
+    zero = jnp.int32(0)   # the allocations depend on the blocks' shapes only
+    allocs = pipeline(None, None, zero, zero, zero, None).get_allocations(x_gmem, w_gmem.at[0])
+
+    # Interpret mode cannot read a transposed block in wgmma (`_wgmma`): there each consumer
+    # stages its transposed half of the w block here (a scoped allocation must span the threads).
+    staged = plgpu.SMEM((2, bk, bn), x_MxK.dtype) if transpose_w and plan.interpret else None
+
+    @functools.partial(pl.run_scoped, pipeline_allocs=allocs,
+                       o_smem=plgpu.SMEM((2, epi, bn), out_dtype), t_smem=staged,
+                       collective_axes="wg")
+    def _(pipeline_allocs, o_smem, t_smem):
+      wg = lax.axis_index("wg")
+      n_live = ngemm_ref[0] * grid_n      # product items: a prefix of the item order
+
+      def store(acc, lo, hi, row0, col0):
+        """Consumer `wg`'s half tile: rows [lo, hi) of acc to o_gmem[row0 :, col0 :]."""
+        for c in range(bm // epi):
+          c_lo = jnp.clip(lo - c * epi, 0, epi)
+          c_hi = jnp.clip(hi - c * epi, 0, epi)
+
+          @pl.when(c_hi > c_lo)
+          def _():
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last chunk's copies read it
+            o_smem[wg] = acc[c * epi:(c + 1) * epi].astype(out_dtype)
+            plgpu.commit_smem()
+            _store_rows(o_smem.at[wg], o_gmem, c_lo, c_hi, row0 + c * epi, col0, epi, bn, m,
+                        wait=False)
+
+      @plgpu.nd_loop((n_items,), collective_axes="sm")
+      def _(info):
+        lin = info.index[0]
+        mi, ni = lax.div(lin, jnp.int32(grid_n)), lax.rem(lin, jnp.int32(grid_n))
+        grp, blk, lo, hi = grp_ref[mi], blk_ref[mi], lo_ref[mi], hi_ref[mi]
+        row0, col0 = blk * bm, ni * (2 * bn) + wg * bn
+
+        def mma(_, x_smem, w_smem, acc_ref):
+          if transpose_w and plan.interpret:
+            t_smem[wg] = w_smem[pl.ds(wg * bn, bn), :].T
+            plgpu.wgmma(acc_ref, x_smem, t_smem.at[wg])
+          elif transpose_w:
+            plgpu.wgmma(acc_ref, x_smem, w_smem.at[pl.ds(wg * bn, bn), :].transpose((1, 0)))
+          else:
+            plgpu.wgmma(acc_ref, x_smem, w_smem.at[:, pl.ds(wg * bn, bn)])
+          plgpu.wgmma_wait(0)
+          return acc_ref
+
+        def context(run):
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+          def _(acc_ref):
+            run(acc_ref)
+            store(acc_ref[...] + fill_ref[0], lo, hi, row0, col0)
+
+        first, last = lin < num_sms, lin + num_sms >= n_live
+        w_g = w_gmem.at[jnp.minimum(grp, g - 1)]
+        chained = jnp.where(first, int(state.START), jnp.where(last, int(state.STOP),
+                                                                 int(state.STEADY)))
+
+        @pl.when((lin < n_live) & ~(first & last))
+        def _():
+          pipeline(mma, context, blk, grp, ni, chained)(x_gmem, w_g, allocations=pipeline_allocs)
+
+        @pl.when((lin < n_live) & first & last)
+        def _():
+          pipeline(mma, context, blk, grp, ni, None)(x_gmem, w_g, allocations=pipeline_allocs)
+
+        @pl.when((lin >= n_live) & (hi > lo) & (wg < 2))
+        def _():   # the tail group's rows: the fill (0, or NaN for bad group sizes)
+          acc = pl.run_scoped(lambda acc_ref: acc_ref[...], plgpu.ACC((bm, bn), jnp.float32))
+          store(acc + fill_ref[0], lo, hi, row0, col0)
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  kwargs = _kernel_kwargs(plan)
+  call = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), num_threads=3,
+                      thread_name="wg", **kwargs)
+  return call(*tiles, n_gemm, fill, x_MxK, w)
 
 
 def _tgmm_kernel(x_MxK, dy_MxN, group_sizes_G, fill, *, out_dtype, cfg: TileConfig, plan: Plan,
@@ -424,19 +568,30 @@ def _tgmm_kernel(x_MxK, dy_MxN, group_sizes_G, fill, *, out_dtype, cfg: TileConf
   return call(starts, ends, first.astype(jnp.int32), n_blocks, fill, x_MxK, dy_MxN)
 
 
-def _mgpu_forward(x_MxK, w_GxKxN, group_sizes_G, plan: Plan, out_dtype=_F32):
-  cfg = plan.forward if jnp.dtype(out_dtype) == _F32 else plan.forward_narrow
+def _row_tile_product(x_MxK, w, group_sizes_G, *, transpose_w: bool, out_dtype, cfg: TileConfig,
+                      plan: Plan):
+  """The forward (w [G, K, N]) or input-gradient (w [G, N, K], transposed) product by row tiles,
+  with the kernel `cfg.compute_wgs` names."""
+  g = group_sizes_G.shape[0]
   bad = _bad_sizes(group_sizes_G, x_MxK.shape[0])
   tiles = _row_tiles(group_sizes_G, x_MxK.shape[0], cfg.block_m, bad)
-  return _gmm_kernel(x_MxK, w_GxKxN, tiles, _fill(bad), transpose_w=False, out_dtype=out_dtype,
+  if cfg.compute_wgs == 2:
+    n_gemm = jnp.sum(tiles[0] < g).astype(jnp.int32).reshape(1)
+    return _gmm_ws_kernel(x_MxK, w, tiles, n_gemm, _fill(bad), transpose_w=transpose_w,
+                          out_dtype=out_dtype, cfg=cfg, plan=plan)
+  return _gmm_kernel(x_MxK, w, tiles, _fill(bad), transpose_w=transpose_w, out_dtype=out_dtype,
                      cfg=cfg, plan=plan)
 
 
+def _mgpu_forward(x_MxK, w_GxKxN, group_sizes_G, plan: Plan, out_dtype=_F32):
+  cfg = plan.forward if jnp.dtype(out_dtype) == _F32 else plan.forward_narrow
+  return _row_tile_product(x_MxK, w_GxKxN, group_sizes_G, transpose_w=False, out_dtype=out_dtype,
+                           cfg=cfg, plan=plan)
+
+
 def _mgpu_input_grad(dy_MxN, w_GxKxN, group_sizes_G, plan: Plan):
-  bad = _bad_sizes(group_sizes_G, dy_MxN.shape[0])
-  tiles = _row_tiles(group_sizes_G, dy_MxN.shape[0], plan.input_grad.block_m, bad)
-  return _gmm_kernel(dy_MxN, w_GxKxN, tiles, _fill(bad), transpose_w=True, out_dtype=dy_MxN.dtype,
-                     cfg=plan.input_grad, plan=plan)
+  return _row_tile_product(dy_MxN, w_GxKxN, group_sizes_G, transpose_w=True,
+                           out_dtype=dy_MxN.dtype, cfg=plan.input_grad, plan=plan)
 
 
 def _mgpu_weight_grad(x_MxK, dy_MxN, group_sizes_G, plan: Plan):

@@ -153,6 +153,46 @@ def test_mosaic_kernels_interpret_match_loop():
   assert np.all(np.asarray(dw, np.float32)[[0, 5]] == 0)
 
 
+@pytest.mark.parametrize("num_sms, n", [(3, 256), (8, 128)])
+def test_warp_specialized_row_kernels_interpret_match_loop(num_sms, n):
+  # TileConfig.compute_wgs=2 for the forward (float32 and bf16 out) and the input gradient, in
+  # interpret mode: two consumer warpgroups on 64-column halves of 128-column tiles, 2 K steps in a
+  # 3-deep budget (so 2-deep chains). 3 programs for 7 product row tiles x 2 column tiles chain
+  # several items (START, STEADY, STOP); 8 programs for 7 x 1 give each at most one (the plain
+  # pipeline).
+  # Groups straddle blocks, a single-row group, empty groups at both ends, a 15-row tail; bad
+  # sizes poison every output.
+  rng = np.random.default_rng(7)
+  m, k, g = 256, 128, 6
+  sizes = np.array([0, 70, 1, 106, 64, 0], np.int32)  # 241 rows in groups
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((g, k, n)), jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+  cfg = gm.TileConfig(block_m=64, block_n=64, block_k=64, max_concurrent_steps=3, compute_wgs=2)
+  plan = gm.Plan(forward=cfg, forward_narrow=cfg, input_grad=cfg, num_sms=num_sms,
+                 interpret=True)
+  assert gm.unsupported_reason(x, w, plan) is None and gm._chain_stages(k // 64, 3) == 2
+  s = jnp.asarray(sizes)
+  (y64, dx64, _), (ya, dxa, _) = _reference(x, w, dy, sizes)
+  y = gm._mgpu_forward(x, w, s, plan)
+  _close(y, y64, ya, k)
+  assert np.all(np.asarray(y)[241:] == 0)
+  narrow = gm._mgpu_forward(x, w, s, plan, out_dtype=jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(narrow, np.float32),
+                                np.asarray(y.astype(jnp.bfloat16), np.float32))
+  dx = gm._mgpu_input_grad(dy, w, s, plan)
+  _close(dx, dx64, dxa, n, jnp.bfloat16)
+  assert np.all(np.asarray(dx, np.float32)[241:] == 0)
+  bad = jnp.asarray([0, 70, 1, 106, 64, 16], jnp.int32)   # 257 > 256 rows
+  assert np.all(np.isnan(np.asarray(gm._mgpu_forward(x, w, bad, plan, out_dtype=jnp.bfloat16),
+                                    np.float32)))
+  assert np.all(np.isnan(np.asarray(gm._mgpu_input_grad(dy, w, bad, plan), np.float32)))
+  odd = dataclasses.replace(plan, input_grad=dataclasses.replace(cfg, block_n=96))
+  assert "input_grad" in gm.unsupported_reason(x, w, odd)
+  tiles = gm._row_tiles(s, m, 64, jnp.asarray(False))
+  assert int(jnp.sum(tiles[0] < g)) == 7
+
+
 @pytest.mark.parametrize("backend", ["xla", "mosaic_gpu"])
 def test_output_in_x_dtype_is_the_float32_output_rounded_once(backend):
   # out_dtype=bf16: the same float32 accumulator rounded once at the store (bit for bit the float32
