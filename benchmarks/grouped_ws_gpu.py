@@ -1,0 +1,165 @@
+"""Grouped GEMM row-tile kernels side by side: one warpgroup vs warp-specialized (issue 27).
+
+  timeout 200 python -u benchmarks/grouped_ws_gpu.py --out=$OUT      # Hopper GPU, ~2 min
+  JAX_PLATFORMS=cpu python benchmarks/grouped_ws_gpu.py --smoke      # CPU: tiny, interpreted
+
+`pallas_kernels.grouped_matmul`'s forward (bf16 out, as the experts run it: `forward_narrow`) and
+input gradient, at the in-step shapes of s3 (16,384 tokens x top-4 over 48 experts: 65,536 rows)
+and m3 (x top-6 over 64: 98,304 rows), skewed routing, 1 % of the rows in no group:
+- `1wg`: the plan's default blocks (`TileConfig.compute_wgs` 1, `_gmm_kernel`);
+- `2wg ...`: `_gmm_ws_kernel` (a producer warpgroup, two consumers of block_m x block_n each,
+  chained pipelines), a few depths and K blocks.
+Then forward + backward through the custom VJP (weight gradient unchanged) with the default plan
+and with each product's fastest `2wg` config. TFLOP/s count useful FLOPs (2·rows·K·N a product);
+ratios are 2wg / 1wg time. Exactness: each kernel's output against float32 `ragged_dot` of the same
+bf16 operands rounded to bf16 (‖got − ref‖ / ‖ref‖), and whether 2wg equals 1wg bit for bit.
+Imports only jax/numpy and this repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.common import header, log, md_header, median_seconds  # noqa: E402
+from benchmarks.moe_gpu import skewed_sizes  # noqa: E402
+from pallas_kernels import grouped_matmul as gm  # noqa: E402
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _rel(got, ref) -> float:
+  got, ref = (np.asarray(jnp.asarray(a, F32), np.float64) for a in (got, ref))
+  return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def configs(smoke: bool):
+  T = gm.TileConfig
+  if smoke:
+    return {"1wg": T(64, 64, 64, 2, 1), "2wg s2": T(64, 64, 64, 2, 1, compute_wgs=2)}
+  return {"1wg": None,   # the plan's default for the product
+          "2wg 128x2x128 k64 s4": T(128, 128, 64, 4, 1, compute_wgs=2),
+          "2wg 128x2x128 k128 s2": T(128, 128, 128, 2, 1, compute_wgs=2),
+          "2wg 128x2x64 k64 s4": T(128, 64, 64, 4, 1, compute_wgs=2)}
+
+
+def case(name, rows, k, n, experts, reps, smoke, results):
+  rng = np.random.default_rng(0)
+  sizes_np = skewed_sizes(rng, rows - rows // 100, experts, 0.9)
+  keys = jax.random.split(jax.random.key(1), 3)
+  x = jax.random.normal(keys[0], (rows, k), F32).astype(BF16)
+  w = (jax.random.normal(keys[1], (experts, k, n), F32) / np.sqrt(k)).astype(BF16)
+  dy = jax.random.normal(keys[2], (rows, n), F32).astype(BF16)
+  sizes = jnp.asarray(sizes_np)
+  flops = 2.0 * float(sizes_np.sum()) * k * n
+  ref = jax.jit(lambda x, w, dy, s: (
+      jax.lax.ragged_dot(x, w, s, precision=HIGHEST, preferred_element_type=F32).astype(BF16),
+      jax.lax.ragged_dot(dy, jnp.swapaxes(w, 1, 2), s, precision=HIGHEST,
+                         preferred_element_type=F32).astype(BF16)))(x, w, dy, sizes)
+  log(f"{name}: {rows} rows ({int(sizes_np.sum())} in groups), {k}->{n}, E={experts}")
+  base = gm.Plan(interpret=smoke)
+  row = dict(case=name, rows=rows, k=k, n=n, experts=experts, gflop=flops / 1e9)
+  results.append(row)
+  best = {}
+  for product, field, args, want in (("forward", "forward_narrow", (x, w, sizes), ref[0]),
+                                     ("input_grad", "input_grad", (dy, w, sizes), ref[1])):
+    first = None
+    for label, cfg in configs(smoke).items():
+      plan = base if cfg is None else dataclasses.replace(base, **{field: cfg})
+      fwd, dxf, _ = gm.products(plan)
+      fn = jax.jit((lambda a, b, s, f=fwd: f(a, b, s, out_dtype=BF16)) if product == "forward"
+                   else dxf)
+      key = f"{product} {label}"
+      try:
+        why = gm.unsupported_reason(x, w, plan)
+        if why:
+          raise ValueError(why)
+        out = fn(*args)
+        ms = 1e3 * median_seconds(fn, *args, reps=reps)
+        same = None if first is None else bool(jnp.array_equal(out, first))
+        first = out if first is None else first
+        row[key] = dict(ms=ms, tflops=flops / ms / 1e9, rel_err=_rel(out, want), bitwise_1wg=same)
+        log(f"  {key}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s rel err {row[key]['rel_err']:.1e}"
+            f" bitwise=1wg {same}")
+        if label != "1wg" and (product not in best or ms < best[product][1]):
+          best[product] = (cfg, ms)
+      except Exception as ex:
+        row[key] = dict(error=f"{type(ex).__name__}: {str(ex)[:400]}")
+        log(f"  {key}: FAILED {row[key]['error']}")
+        if not smoke:
+          traceback.print_exc()
+  # Forward + backward through the custom VJP: default plan vs the fastest 2wg products.
+  r = jax.random.normal(keys[2], (rows, n), F32).astype(BF16)
+  plans = {"1wg": base}
+  if len(best) == 2:
+    plans["2wg"] = dataclasses.replace(base, forward_narrow=best["forward"][0],
+                                       input_grad=best["input_grad"][0])
+  grads = {}
+  for label, plan in plans.items():
+    loss = lambda x, w, plan=plan: jnp.sum(
+        (gm.grouped_matmul(x, w, sizes, plan, out_dtype=BF16) * r).astype(F32))
+    fb = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    try:
+      grads[label] = fb(x, w)[1]
+      ms = 1e3 * median_seconds(fb, x, w, reps=reps)
+      row[f"fwd+bwd {label}"] = dict(ms=ms, tflops=3 * flops / ms / 1e9)
+      log(f"  fwd+bwd {label}: {ms:.3f} ms {3 * flops / ms / 1e9:.0f} TFLOP/s")
+    except Exception as ex:
+      row[f"fwd+bwd {label}"] = dict(error=f"{type(ex).__name__}: {str(ex)[:400]}")
+      log(f"  fwd+bwd {label}: FAILED {row[f'fwd+bwd {label}']['error']}")
+  if len(grads) == 2:
+    row["fwd+bwd grads bitwise"] = all(bool(jnp.array_equal(a, b))
+                                       for a, b in zip(grads["1wg"], grads["2wg"]))
+    log(f"  fwd+bwd gradients 2wg == 1wg bit for bit: {row['fwd+bwd grads bitwise']}")
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--smoke", action="store_true")
+  ap.add_argument("--reps", type=int, default=20)
+  ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  args = ap.parse_args()
+  print(header(), flush=True)
+  results = []
+  cases = ([("s3 gate_up", 65536, 1024, 1024, 48), ("s3 down", 65536, 512, 1024, 48),
+            ("m3 gate_up", 98304, 1536, 1536, 64), ("m3 down", 98304, 768, 1536, 64)]
+           if not args.smoke else [("tiny", 256, 128, 128, 6)])
+  for c in cases:
+    try:
+      case(*c, 1 if args.smoke else args.reps, args.smoke, results)
+    except Exception as ex:
+      results.append(dict(case=c[0], error=f"{type(ex).__name__}: {str(ex)[:400]}"))
+      traceback.print_exc()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "grouped_ws_gpu.json"), "w") as fh:
+      json.dump(dict(jax=jax.__version__, device=str(jax.devices()[0]), results=results), fh,
+                indent=1, default=str)
+  print("\n" + md_header("case", "product", "config", "ms", "TFLOP/s", "ratio to 1wg", "rel err",
+                         "bitwise = 1wg"))
+  for row in results:
+    for key, v in row.items():
+      if not isinstance(v, dict) or "ms" not in v:
+        continue
+      product = key.rsplit(" ", 1)[0] if key.startswith("fwd+bwd") else key.split(" ", 1)[0]
+      label = key[len(product) + 1:]
+      base = row.get(f"{product} 1wg", {}).get("ms")
+      ratio = "—" if not base else f"{v['ms'] / base:.3f}"
+      err = "—" if "rel_err" not in v else f"{v['rel_err']:.1e}"
+      print(f"| {row['case']} | {product} | {label} | {v['ms']:.3f} | {v['tflops']:.0f} | {ratio} |"
+            f" {err} | {v.get('bitwise_1wg', '—')} |")
+  log("done")
+
+
+if __name__ == "__main__":
+  main()
