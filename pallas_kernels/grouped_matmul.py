@@ -28,6 +28,11 @@ Kernels:
   and last row per tile) is computed by XLA from the group sizes, so the kernel has no per-group
   unrolled code and no limit on the number of groups; the tail [Σ n_g, M) is one more "group" whose
   tiles store zeros. At most ceil(M / block_m) + G row tiles exist.
+- `_gmm_ws_kernel` (the same two products when the product's `TileConfig.compute_wgs` is 2):
+  warp-specialized, one producer warpgroup issuing the TMA loads and two consumer warpgroups, each
+  with a block_m × block_n accumulator of a block_m × 2·block_n tile; items run row-major so the
+  real groups' tiles come first, and each program's consecutive product items are one chain of
+  pipelines (the producer loads the next item's first blocks while the consumers store).
 - `_tgmm_kernel` (weight gradient): work items are (group, output tile); the K loop walks the
   group's rows in blocks of `block_k` from the block-aligned start, and the first and last block
   have the rows of neighbouring groups selected to zero in both operands before the wgmma.
