@@ -397,15 +397,22 @@ def _gmm_ws_kernel(x_MxK, w, tiles, n_gemm, fill, *, transpose_w: bool, out_dtyp
   epi = _epi_rows(cfg, out_bytes)
   num_sms = _kernel_kwargs(plan)["grid"][0]
   state = plgpu.PipelinePipeline
+  # The operand blocks' shared-memory layout, as jax's Hopper matmul writes it (rows of 8, the
+  # minor dim in swizzled 128-byte lines), stated rather than inferred: the consumers slice the
+  # w block at a dynamic offset.
+  itemsize = jnp.dtype(x_MxK.dtype).itemsize
+  swizzle = plgpu.find_swizzle(64 * itemsize * 8)
+  transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
   def pipeline(mma, context, blk, grp, ni, chain):
     if transpose_w:
-      w_spec = plgpu.BlockSpec((2 * bn, bk), lambda kk: (ni, kk))
+      w_spec = plgpu.BlockSpec((2 * bn, bk), lambda kk: (ni, kk), transforms=transforms)
     else:
-      w_spec = plgpu.BlockSpec((bk, 2 * bn), lambda kk: (kk, ni))
+      w_spec = plgpu.BlockSpec((bk, 2 * bn), lambda kk: (kk, ni), transforms=transforms)
     return plgpu.emit_pipeline_warp_specialized(
         mma, grid=(k_steps,), memory_registers=40,
-        in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (blk, kk)), w_spec],
+        in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (blk, kk), transforms=transforms),
+                  w_spec],
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages,
         compute_context=context, pipeline_state=chain)
 
