@@ -49,6 +49,9 @@ VJP 349 TFLOP/s (1.995 ms), exact against float32 references (relative errors 1.
 1.4e-4 for y, dx, dw, the last two against bf16-rounded references). The 450 TFLOP/s goal is not
 reached: one warpgroup per 128×128 tile and a float32 output tile that caps the forward pipeline
 at 4 stages are the likely limits (jax's ragged_dot_mgpu, bf16 out, 6 stages: 521 forward).
+The warp-specialized kernel (session 71, one H100, bf16 out, s3's and m3's expert shapes): forward
+387-578 and input gradient 408-526 useful TFLOP/s against the single-warpgroup kernel's 292-429 and
+342-369, the same output bit for bit; the default for both since.
 """
 
 from __future__ import annotations
@@ -86,10 +89,13 @@ class Plan:
   backend: str = "mosaic_gpu"
   # The fastest of each product's sweep on the H200 (benchmarks/RESULTS.md, "Grouped GEMM").
   forward: TileConfig = TileConfig(max_concurrent_steps=4, grid_block_n=2)       # float32 out
-  # The forward with its output in x's dtype (`out_dtype`): the input gradient's blocks (the same
-  # kernel with a 16-bit output tile, so 6 pipeline stages fit); not yet swept on its own.
-  forward_narrow: TileConfig = TileConfig(max_concurrent_steps=6, grid_block_n=2)  # bf16 out
-  input_grad: TileConfig = TileConfig(max_concurrent_steps=6, grid_block_n=2)    # bf16 out
+  # The forward with its output in x's dtype (`out_dtype`, as the experts run it) and the input
+  # gradient: the warp-specialized kernel, 4 deep (benchmarks/grouped_ws_gpu.py, session 71, one
+  # H100: 1.13-1.47x the single-warpgroup kernel's 6-deep, band-2 blocks at s3's and m3's expert
+  # shapes, bit for bit the same output; where n is not a multiple of 256 those blocks run
+  # single-warpgroup, `warp_specialized`).
+  forward_narrow: TileConfig = TileConfig(max_concurrent_steps=4, compute_wgs=2)  # bf16 out
+  input_grad: TileConfig = TileConfig(max_concurrent_steps=4, compute_wgs=2)      # bf16 out
   weight_grad: TileConfig = TileConfig(max_concurrent_steps=6, grid_block_n=1)   # bf16 out
   num_sms: int | None = None      # persistent programs; None = the device's SM count
   interpret: bool = False         # Mosaic GPU interpret mode (CPU tests)
@@ -139,7 +145,7 @@ def unsupported_reason(x_MxK, w_GxKxN, plan: Plan = Plan()) -> str | None:
                                        ("weight_grad", plan.weight_grad, (k, n, m))):
     if cfg.compute_wgs not in (1, 2) or (name == "weight_grad" and cfg.compute_wgs != 1):
       return f"{name}: compute_wgs {cfg.compute_wgs} (1, or 2 for the row-tile kernels)"
-    if cols % (cfg.block_n * cfg.compute_wgs) or (name == "weight_grad" and rows % cfg.block_m):
+    if cols % cfg.block_n or (name == "weight_grad" and rows % cfg.block_m):
       return f"{name}: output dims ({rows}, {cols}) not multiples of blocks {cfg}"
     if name != "weight_grad" and red % cfg.block_k:
       return f"{name}: contracting dim {red} is not a multiple of block_k {cfg.block_k}"
@@ -580,6 +586,13 @@ def _tgmm_kernel(x_MxK, dy_MxN, group_sizes_G, fill, *, out_dtype, cfg: TileConf
   return call(starts, ends, first.astype(jnp.int32), n_blocks, fill, x_MxK, dy_MxN)
 
 
+def warp_specialized(cfg: TileConfig, n: int) -> bool:
+  """Whether a row-tile product with `n` output columns runs `_gmm_ws_kernel`: its config asks
+  for two consumers and n is a multiple of their 2·block_n tile; otherwise `_gmm_kernel` runs
+  with the same blocks (n a multiple of block_n, as `unsupported_reason` requires)."""
+  return cfg.compute_wgs == 2 and n % (2 * cfg.block_n) == 0
+
+
 def _row_tile_product(x_MxK, w, group_sizes_G, *, transpose_w: bool, out_dtype, cfg: TileConfig,
                       plan: Plan):
   """The forward (w [G, K, N]) or input-gradient (w [G, N, K], transposed) product by row tiles,
@@ -587,7 +600,7 @@ def _row_tile_product(x_MxK, w, group_sizes_G, *, transpose_w: bool, out_dtype, 
   g = group_sizes_G.shape[0]
   bad = _bad_sizes(group_sizes_G, x_MxK.shape[0])
   tiles = _row_tiles(group_sizes_G, x_MxK.shape[0], cfg.block_m, bad)
-  if cfg.compute_wgs == 2:
+  if warp_specialized(cfg, w.shape[1] if transpose_w else w.shape[2]):
     n_gemm = jnp.sum(tiles[0] < g).astype(jnp.int32).reshape(1)
     return _gmm_ws_kernel(x_MxK, w, tiles, n_gemm, _fill(bad), transpose_w=transpose_w,
                           out_dtype=out_dtype, cfg=cfg, plan=plan)

@@ -189,6 +189,9 @@ def test_warp_specialized_row_kernels_interpret_match_loop(num_sms, n):
   assert np.all(np.isnan(np.asarray(gm._mgpu_input_grad(dy, w, bad, plan), np.float32)))
   odd = dataclasses.replace(plan, input_grad=dataclasses.replace(cfg, block_n=96))
   assert "input_grad" in gm.unsupported_reason(x, w, odd)
+  # n a multiple of block_n but not of the two consumers' 2·block_n: the single-warpgroup kernel
+  assert gm.warp_specialized(cfg, 128) and not gm.warp_specialized(cfg, 192)
+  assert not gm.warp_specialized(dataclasses.replace(cfg, compute_wgs=1), 128)
   tiles = gm._row_tiles(s, m, 64, jnp.asarray(False))
   assert int(jnp.sum(tiles[0] < g)) == 7
 
