@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
 import traceback
 
@@ -95,6 +96,7 @@ def case(name, rows, k, n, experts, reps, smoke, results):
         if label != "1wg" and (product not in best or ms < best[product][1]):
           best[product] = (cfg, ms)
       except Exception as ex:
+        _stop_if_asked()
         row[key] = dict(error=f"{type(ex).__name__}: {str(ex)[:400]}")
         log(f"  {key}: FAILED {row[key]['error']}")
         if not smoke:
@@ -116,12 +118,33 @@ def case(name, rows, k, n, experts, reps, smoke, results):
       row[f"fwd+bwd {label}"] = dict(ms=ms, tflops=3 * flops / ms / 1e9)
       log(f"  fwd+bwd {label}: {ms:.3f} ms {3 * flops / ms / 1e9:.0f} TFLOP/s")
     except Exception as ex:
+      _stop_if_asked()
       row[f"fwd+bwd {label}"] = dict(error=f"{type(ex).__name__}: {str(ex)[:400]}")
       log(f"  fwd+bwd {label}: FAILED {row[f'fwd+bwd {label}']['error']}")
   if len(grads) == 2:
     row["fwd+bwd grads bitwise"] = all(bool(jnp.array_equal(a, b))
                                        for a, b in zip(grads["1wg"], grads["2wg"]))
     log(f"  fwd+bwd gradients 2wg == 1wg bit for bit: {row['fwd+bwd grads bitwise']}")
+
+
+_STOP = []
+
+
+def _interrupt(*_):
+  _STOP.append(True)   # an interrupt that lands in a callback thread surfaces as a runtime error
+  raise KeyboardInterrupt
+
+
+def _stop_if_asked():
+  if _STOP:
+    raise KeyboardInterrupt
+
+
+def _write(out, results):
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "grouped_ws_gpu.json"), "w") as fh:
+    json.dump(dict(jax=jax.__version__, device=str(jax.devices()[0]), results=results), fh,
+              indent=1, default=str)
 
 
 def main():
@@ -135,16 +158,19 @@ def main():
   cases = ([("s3 gate_up", 65536, 1024, 1024, 48), ("s3 down", 65536, 512, 1024, 48),
             ("m3 gate_up", 98304, 1536, 1536, 64), ("m3 down", 98304, 768, 1536, 64)]
            if not args.smoke else [("tiny", 256, 128, 128, 6)])
-  for c in cases:
-    try:
-      case(*c, 1 if args.smoke else args.reps, args.smoke, results)
-    except Exception as ex:
-      results.append(dict(case=c[0], error=f"{type(ex).__name__}: {str(ex)[:400]}"))
-      traceback.print_exc()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "grouped_ws_gpu.json"), "w") as fh:
-      json.dump(dict(jax=jax.__version__, device=str(jax.devices()[0]), results=results), fh,
-                indent=1, default=str)
+  signal.signal(signal.SIGTERM, _interrupt)   # `timeout` ends the run: keep what was measured
+  try:
+    for c in cases:
+      try:
+        case(*c, 1 if args.smoke else args.reps, args.smoke, results)
+      except Exception as ex:
+        _stop_if_asked()
+        results.append(dict(case=c[0], error=f"{type(ex).__name__}: {str(ex)[:400]}"))
+        traceback.print_exc()
+      _write(args.out, results)
+  except KeyboardInterrupt:
+    log("interrupted: writing what was measured")
+  _write(args.out, results)
   print("\n" + md_header("case", "product", "config", "ms", "TFLOP/s", "ratio to 1wg", "rel err",
                          "bitwise = 1wg"))
   for row in results:
