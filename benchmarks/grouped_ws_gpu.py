@@ -6,11 +6,12 @@
 `pallas_kernels.grouped_matmul`'s forward (bf16 out, as the experts run it: `forward_narrow`) and
 input gradient, at the in-step shapes of s3 (16,384 tokens x top-4 over 48 experts: 65,536 rows)
 and m3 (x top-6 over 64: 98,304 rows), skewed routing, 1 % of the rows in no group:
-- `1wg`: the plan's default blocks (`TileConfig.compute_wgs` 1, `_gmm_kernel`);
+- `1wg`: `_gmm_kernel` with the blocks that were both products' default until session 71
+  (128 x 128 x 64, 6 deep, band 2; `TileConfig.compute_wgs` 1);
 - `2wg ...`: `_gmm_ws_kernel` (a producer warpgroup, two consumers of block_m x block_n each,
   chained pipelines), a few depths and K blocks.
-Then forward + backward through the custom VJP (weight gradient unchanged) with the default plan
-and with each product's fastest `2wg` config. TFLOP/s count useful FLOPs (2·rows·K·N a product);
+Then forward + backward through the custom VJP (weight gradient unchanged) with both products at
+`1wg` and at each product's fastest `2wg` config. TFLOP/s count useful FLOPs (2·rows·K·N a product);
 ratios are 2wg / 1wg time. Exactness: each kernel's output against float32 `ragged_dot` of the same
 bf16 operands rounded to bf16 (‖got − ref‖ / ‖ref‖), and whether 2wg equals 1wg bit for bit.
 Imports only jax/numpy and this repository.
@@ -33,23 +34,22 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import header, log, md_header, median_seconds  # noqa: E402
-from benchmarks.moe_gpu import skewed_sizes  # noqa: E402
+from benchmarks.moe_gpu import _rel, skewed_sizes  # noqa: E402
 from pallas_kernels import grouped_matmul as gm  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _rel(got, ref) -> float:
-  got, ref = (np.asarray(jnp.asarray(a, F32), np.float64) for a in (got, ref))
-  return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+# The single-warpgroup blocks that were both products' default until session 71.
+ONE_WG = gm.TileConfig(128, 128, 64, 6, 2)
 
 
 def configs(smoke: bool):
   T = gm.TileConfig
   if smoke:
     return {"1wg": T(64, 64, 64, 2, 1), "2wg s2": T(64, 64, 64, 2, 1, compute_wgs=2)}
-  return {"1wg": None,   # the plan's default for the product
+  return {"1wg": ONE_WG,
           "2wg 128x2x128 k64 s4": T(128, 128, 64, 4, 1, compute_wgs=2),
           "2wg 128x2x128 k128 s2": T(128, 128, 128, 2, 1, compute_wgs=2),
           "2wg 128x2x64 k64 s4": T(128, 64, 64, 4, 1, compute_wgs=2)}
@@ -77,7 +77,7 @@ def case(name, rows, k, n, experts, reps, smoke, results):
                                      ("input_grad", "input_grad", (dy, w, sizes), ref[1])):
     first = None
     for label, cfg in configs(smoke).items():
-      plan = base if cfg is None else dataclasses.replace(base, **{field: cfg})
+      plan = dataclasses.replace(base, **{field: cfg})
       fwd, dxf, _ = gm.products(plan)
       fn = jax.jit((lambda a, b, s, f=fwd: f(a, b, s, out_dtype=BF16)) if product == "forward"
                    else dxf)
@@ -103,7 +103,8 @@ def case(name, rows, k, n, experts, reps, smoke, results):
           traceback.print_exc()
   # Forward + backward through the custom VJP: default plan vs the fastest 2wg products.
   r = jax.random.normal(keys[2], (rows, n), F32).astype(BF16)
-  plans = {"1wg": base}
+  cfg1 = configs(smoke)["1wg"]
+  plans = {"1wg": dataclasses.replace(base, forward_narrow=cfg1, input_grad=cfg1)}
   if len(best) == 2:
     plans["2wg"] = dataclasses.replace(base, forward_narrow=best["forward"][0],
                                        input_grad=best["input_grad"][0])

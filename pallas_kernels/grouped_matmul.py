@@ -113,13 +113,15 @@ def _epi_rows(cfg: TileConfig, out_bytes: int) -> int:
 def smem_bytes(cfg: TileConfig, in_bytes: int, out_bytes: int) -> int:
   """Shared memory of one program: `max_concurrent_steps` pairs of operand blocks (bm×bk and
   bk×bn; bk×bm and bk×bn for the weight gradient) + the bm×bn output staging tile (the
-  warp-specialized kernel: bm×bk and bk×2bn blocks, one epilogue chunk per consumer)."""
-  if cfg.compute_wgs == 2:
-    per_step = cfg.block_k * (cfg.block_m + 2 * cfg.block_n) * in_bytes
-    staging = 2 * _epi_rows(cfg, out_bytes) * cfg.block_n * out_bytes
-    return cfg.max_concurrent_steps * per_step + staging
+  warp-specialized kernel: bm×bk and bk×2bn blocks, one epilogue chunk per consumer; a config
+  asking for it needs both, since its blocks run single-warpgroup where N is off 2bn)."""
   per_step = cfg.block_k * (cfg.block_m + cfg.block_n) * in_bytes
-  return cfg.max_concurrent_steps * per_step + cfg.block_m * cfg.block_n * out_bytes
+  single = cfg.max_concurrent_steps * per_step + cfg.block_m * cfg.block_n * out_bytes
+  if cfg.compute_wgs != 2:
+    return single
+  per_step = cfg.block_k * (cfg.block_m + 2 * cfg.block_n) * in_bytes
+  staging = 2 * _epi_rows(cfg, out_bytes) * cfg.block_n * out_bytes
+  return max(single, cfg.max_concurrent_steps * per_step + staging)
 
 
 def unsupported_reason(x_MxK, w_GxKxN, plan: Plan = Plan()) -> str | None:
@@ -410,7 +412,7 @@ def _gmm_ws_kernel(x_MxK, w, tiles, n_gemm, fill, *, transpose_w: bool, out_dtyp
   swizzle = plgpu.find_swizzle(64 * itemsize * 8)
   transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
-  def pipeline(mma, context, blk, grp, ni, chain):
+  def pipeline(mma, context, blk, ni, chain):
     if transpose_w:
       w_spec = plgpu.BlockSpec((2 * bn, bk), lambda kk: (ni, kk), transforms=transforms)
     else:
@@ -424,7 +426,7 @@ def _gmm_ws_kernel(x_MxK, w, tiles, n_gemm, fill, *, transpose_w: bool, out_dtyp
 
   def body(grp_ref, blk_ref, lo_ref, hi_ref, ngemm_ref, fill_ref, x_gmem, w_gmem, o_gmem):
     zero = jnp.int32(0)   # the allocations depend on the blocks' shapes only
-    allocs = pipeline(None, None, zero, zero, zero, None).get_allocations(x_gmem, w_gmem.at[0])
+    allocs = pipeline(None, None, zero, zero, None).get_allocations(x_gmem, w_gmem.at[0])
 
     # Interpret mode cannot read a transposed block in wgmma (`_wgmma`): there each consumer
     # stages its transposed half of the w block here (a scoped allocation must span the threads).
@@ -482,11 +484,11 @@ def _gmm_ws_kernel(x_MxK, w, tiles, n_gemm, fill, *, transpose_w: bool, out_dtyp
 
         @pl.when((lin < n_live) & ~(first & last))
         def _():
-          pipeline(mma, context, blk, grp, ni, chained)(x_gmem, w_g, allocations=pipeline_allocs)
+          pipeline(mma, context, blk, ni, chained)(x_gmem, w_g, allocations=pipeline_allocs)
 
         @pl.when((lin < n_live) & first & last)
         def _():
-          pipeline(mma, context, blk, grp, ni, None)(x_gmem, w_g, allocations=pipeline_allocs)
+          pipeline(mma, context, blk, ni, None)(x_gmem, w_g, allocations=pipeline_allocs)
 
         @pl.when((lin >= n_live) & (hi > lo) & (wg < 2))
         def _():   # the tail group's rows: the fill (0, or NaN for bad group sizes)
