@@ -1,18 +1,21 @@
-"""Grouped GEMM row-tile kernels side by side: one warpgroup vs warp-specialized (issue 27).
+"""Grouped GEMM kernels side by side: one warpgroup vs warp-specialized (issue 27).
 
-  timeout 200 python -u benchmarks/grouped_ws_gpu.py --out=$OUT      # Hopper GPU, ~2 min
+  timeout 200 python -u benchmarks/grouped_ws_gpu.py --out=$OUT      # Hopper GPU, ~2 min a case
   JAX_PLATFORMS=cpu python benchmarks/grouped_ws_gpu.py --smoke      # CPU: tiny, interpreted
 
-`pallas_kernels.grouped_matmul`'s forward (bf16 out, as the experts run it: `forward_narrow`) and
-input gradient, at the in-step shapes of s3 (16,384 tokens x top-4 over 48 experts: 65,536 rows)
-and m3 (x top-6 over 64: 98,304 rows), skewed routing, 1 % of the rows in no group:
-- `1wg`: `_gmm_kernel` with the blocks that were both products' default until session 71
-  (128 x 128 x 64, 6 deep, band 2; `TileConfig.compute_wgs` 1);
-- `2wg ...`: `_gmm_ws_kernel` (a producer warpgroup, two consumers of block_m x block_n each,
-  chained pipelines), a few depths and K blocks.
-Then forward + backward through the custom VJP (weight gradient unchanged) with both products at
-`1wg` and at each product's fastest `2wg` config. TFLOP/s count useful FLOPs (2·rows·K·N a product);
-ratios are 2wg / 1wg time. Exactness: each kernel's output against float32 `ragged_dot` of the same
+`pallas_kernels.grouped_matmul`'s forward (bf16 out, as the experts run it: `forward_narrow`),
+input gradient and weight gradient, at the in-step shapes of s3 (16,384 tokens x top-4 over 48
+experts: 65,536 rows) and m3 (x top-6 over 64: 98,304 rows), skewed routing, 1 % of the rows in
+no group:
+- `1wg`: the single-warpgroup kernels (`_gmm_kernel`, `_tgmm_kernel`) with the blocks that were
+  the row products' default until session 71 (128 x 128 x 64, 6 deep, band 2) and the weight
+  gradient's default until session 72 (the same, band 1); `TileConfig.compute_wgs` 1;
+- `2wg ...`: the warp-specialized kernels (`_gmm_ws_kernel`, `_tgmm_ws_kernel`: a producer
+  warpgroup, two consumers of block_m x block_n each), a few depths and blocks.
+Then forward + backward through the custom VJP with every product at `1wg`, with the row products
+at their fastest `2wg` config (the weight gradient at `1wg`), and with all three at their fastest
+`2wg`. TFLOP/s count useful FLOPs (2·rows·K·N a product); ratios are 2wg / 1wg time. Exactness:
+each kernel's output against float32 `ragged_dot` (its VJP for the weight gradient) of the same
 bf16 operands rounded to bf16 (‖got − ref‖ / ‖ref‖), and whether 2wg equals 1wg bit for bit.
 Imports only jax/numpy and this repository.
 """
@@ -39,23 +42,31 @@ from pallas_kernels import grouped_matmul as gm  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 HIGHEST = jax.lax.Precision.HIGHEST
+PRODUCTS = ("forward", "input_grad", "weight_grad")
 
 
-# The single-warpgroup blocks that were both products' default until session 71.
+# The single-warpgroup blocks that were the row products' default until session 71, and the
+# weight gradient's until session 72.
 ONE_WG = gm.TileConfig(128, 128, 64, 6, 2)
+ONE_WG_WEIGHT = gm.TileConfig(128, 128, 64, 6, 1)
 
 
-def configs(smoke: bool):
+def configs(smoke: bool, product: str = "forward"):
   T = gm.TileConfig
   if smoke:
     return {"1wg": T(64, 64, 64, 2, 1), "2wg s2": T(64, 64, 64, 2, 1, compute_wgs=2)}
+  if product == "weight_grad":
+    return {"1wg": ONE_WG_WEIGHT,
+            "2wg 128x2x128 k64 s4": T(128, 128, 64, 4, 1, compute_wgs=2),
+            "2wg 128x2x128 k64 s3": T(128, 128, 64, 3, 1, compute_wgs=2),
+            "2wg 128x2x64 k64 s6": T(128, 64, 64, 6, 1, compute_wgs=2)}
   return {"1wg": ONE_WG,
           "2wg 128x2x128 k64 s4": T(128, 128, 64, 4, 1, compute_wgs=2),
           "2wg 128x2x128 k128 s2": T(128, 128, 128, 2, 1, compute_wgs=2),
           "2wg 128x2x64 k64 s4": T(128, 64, 64, 4, 1, compute_wgs=2)}
 
 
-def case(name, rows, k, n, experts, reps, smoke, results):
+def case(name, rows, k, n, experts, reps, smoke, results, products=PRODUCTS):
   rng = np.random.default_rng(0)
   sizes_np = skewed_sizes(rng, rows - rows // 100, experts, 0.9)
   keys = jax.random.split(jax.random.key(1), 3)
@@ -64,23 +75,31 @@ def case(name, rows, k, n, experts, reps, smoke, results):
   dy = jax.random.normal(keys[2], (rows, n), F32).astype(BF16)
   sizes = jnp.asarray(sizes_np)
   flops = 2.0 * float(sizes_np.sum()) * k * n
-  ref = jax.jit(lambda x, w, dy, s: (
-      jax.lax.ragged_dot(x, w, s, precision=HIGHEST, preferred_element_type=F32).astype(BF16),
-      jax.lax.ragged_dot(dy, jnp.swapaxes(w, 1, 2), s, precision=HIGHEST,
-                         preferred_element_type=F32).astype(BF16)))(x, w, dy, sizes)
+  def reference(x, w, dy, s):
+    fwd = lambda w: jax.lax.ragged_dot(x, w, s, precision=HIGHEST, preferred_element_type=F32)
+    y, vjp = jax.vjp(fwd, w.astype(F32))
+    return (y.astype(BF16),
+            jax.lax.ragged_dot(dy, jnp.swapaxes(w, 1, 2), s, precision=HIGHEST,
+                               preferred_element_type=F32).astype(BF16),
+            vjp(dy.astype(F32))[0].astype(BF16))
+
+  ref = jax.jit(reference)(x, w, dy, sizes)
   log(f"{name}: {rows} rows ({int(sizes_np.sum())} in groups), {k}->{n}, E={experts}")
   base = gm.Plan(interpret=smoke)
   row = dict(case=name, rows=rows, k=k, n=n, experts=experts, gflop=flops / 1e9)
   results.append(row)
   best = {}
   for product, field, args, want in (("forward", "forward_narrow", (x, w, sizes), ref[0]),
-                                     ("input_grad", "input_grad", (dy, w, sizes), ref[1])):
+                                     ("input_grad", "input_grad", (dy, w, sizes), ref[1]),
+                                     ("weight_grad", "weight_grad", (x, dy, sizes), ref[2])):
+    if product not in products:
+      continue
     first = None
-    for label, cfg in configs(smoke).items():
+    for label, cfg in configs(smoke, product).items():
       plan = dataclasses.replace(base, **{field: cfg})
-      fwd, dxf, _ = gm.products(plan)
+      fwd, dxf, dwf = gm.products(plan)
       fn = jax.jit((lambda a, b, s, f=fwd: f(a, b, s, out_dtype=BF16)) if product == "forward"
-                   else dxf)
+                   else dxf if product == "input_grad" else dwf)
       key = f"{product} {label}"
       try:
         why = gm.unsupported_reason(x, w, plan)
@@ -101,13 +120,21 @@ def case(name, rows, k, n, experts, reps, smoke, results):
         log(f"  {key}: FAILED {row[key]['error']}")
         if not smoke:
           traceback.print_exc()
-  # Forward + backward through the custom VJP: default plan vs the fastest 2wg products.
+  # Forward + backward through the custom VJP: every product single-warpgroup, the row products
+  # at their fastest 2wg (the weight gradient single-warpgroup), and all three at their fastest.
   r = jax.random.normal(keys[2], (rows, n), F32).astype(BF16)
-  cfg1 = configs(smoke)["1wg"]
-  plans = {"1wg": dataclasses.replace(base, forward_narrow=cfg1, input_grad=cfg1)}
-  if len(best) == 2:
-    plans["2wg"] = dataclasses.replace(base, forward_narrow=best["forward"][0],
-                                       input_grad=best["input_grad"][0])
+  cfg1, cfg1_w = configs(smoke)["1wg"], configs(smoke, "weight_grad")["1wg"]
+  plans = {"1wg": dataclasses.replace(base, forward_narrow=cfg1, input_grad=cfg1,
+                                      weight_grad=cfg1_w)}
+  # A product not measured here takes the plan's default (the smoke run: its 2wg config).
+  two = configs(smoke)["2wg s2"] if smoke else None
+  default = gm.Plan() if not smoke else gm.Plan(forward_narrow=two, input_grad=two)
+  pick = lambda product, field: best.get(product, (getattr(default, field),))[0]
+  plans["2wg rows"] = dataclasses.replace(plans["1wg"], forward_narrow=pick("forward",
+                                                                           "forward_narrow"),
+                                          input_grad=pick("input_grad", "input_grad"))
+  if "weight_grad" in best:
+    plans["2wg"] = dataclasses.replace(plans["2wg rows"], weight_grad=best["weight_grad"][0])
   grads = {}
   for label, plan in plans.items():
     loss = lambda x, w, plan=plan: jnp.sum(
@@ -122,10 +149,11 @@ def case(name, rows, k, n, experts, reps, smoke, results):
       _stop_if_asked()
       row[f"fwd+bwd {label}"] = dict(error=f"{type(ex).__name__}: {str(ex)[:400]}")
       log(f"  fwd+bwd {label}: FAILED {row[f'fwd+bwd {label}']['error']}")
-  if len(grads) == 2:
-    row["fwd+bwd grads bitwise"] = all(bool(jnp.array_equal(a, b))
-                                       for a, b in zip(grads["1wg"], grads["2wg"]))
-    log(f"  fwd+bwd gradients 2wg == 1wg bit for bit: {row['fwd+bwd grads bitwise']}")
+  for label in grads:
+    if label != "1wg" and "1wg" in grads:
+      same = all(bool(jnp.array_equal(a, b)) for a, b in zip(grads["1wg"], grads[label]))
+      row[f"fwd+bwd grads bitwise {label}"] = same
+      log(f"  fwd+bwd gradients {label} == 1wg bit for bit: {same}")
 
 
 _STOP = []
@@ -153,17 +181,30 @@ def main():
   ap.add_argument("--smoke", action="store_true")
   ap.add_argument("--reps", type=int, default=20)
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+  ap.add_argument("--products", default=",".join(PRODUCTS),
+                  help=f"comma-separated, of {','.join(PRODUCTS)}")
   args = ap.parse_args()
+  products = tuple(p for p in args.products.split(",") if p)
+  unknown = set(products) - set(PRODUCTS)
+  if unknown:
+    ap.error(f"--products: unknown {sorted(unknown)}; known: {list(PRODUCTS)}")
   print(header(), flush=True)
   results = []
-  cases = ([("s3 gate_up", 65536, 1024, 1024, 48), ("s3 down", 65536, 512, 1024, 48),
-            ("m3 gate_up", 98304, 1536, 1536, 64), ("m3 down", 98304, 768, 1536, 64)]
+  cases = ([("s3_gate_up", 65536, 1024, 1024, 48), ("s3_down", 65536, 512, 1024, 48),
+            ("m3_gate_up", 98304, 1536, 1536, 64), ("m3_down", 98304, 768, 1536, 64)]
            if not args.smoke else [("tiny", 256, 128, 128, 6)])
+  if args.cases:
+    wanted = args.cases.split(",")
+    missing = set(wanted) - {c[0] for c in cases}
+    if missing:
+      ap.error(f"--cases: unknown {sorted(missing)}; known: {[c[0] for c in cases]}")
+    cases = [c for c in cases if c[0] in wanted]
   signal.signal(signal.SIGTERM, _interrupt)   # `timeout` ends the run: keep what was measured
   try:
     for c in cases:
       try:
-        case(*c, 1 if args.smoke else args.reps, args.smoke, results)
+        case(*c, 1 if args.smoke else args.reps, args.smoke, results, products)
       except Exception as ex:
         _stop_if_asked()
         results.append(dict(case=c[0], error=f"{type(ex).__name__}: {str(ex)[:400]}"))
@@ -178,7 +219,7 @@ def main():
     for key, v in row.items():
       if not isinstance(v, dict) or "ms" not in v:
         continue
-      product = key.rsplit(" ", 1)[0] if key.startswith("fwd+bwd") else key.split(" ", 1)[0]
+      product = "fwd+bwd" if key.startswith("fwd+bwd") else key.split(" ", 1)[0]
       label = key[len(product) + 1:]
       base = row.get(f"{product} 1wg", {}).get("ms")
       ratio = "—" if not base else f"{v['ms'] / base:.3f}"

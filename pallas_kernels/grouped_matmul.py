@@ -36,6 +36,10 @@ Kernels:
 - `_tgmm_kernel` (weight gradient): work items are (group, output tile); the K loop walks the
   group's rows in blocks of `block_k` from the block-aligned start, and the first and last block
   have the rows of neighbouring groups selected to zero in both operands before the wgmma.
+- `_tgmm_ws_kernel` (the weight gradient when `TileConfig.compute_wgs` is 2): the same items with
+  block_m × 2·block_n output tiles, a producer warpgroup and two consumers of one half each; one
+  pipeline per item (groups differ in their number of row blocks), the same sums in the same
+  order as `_tgmm_kernel` (bit for bit the same output).
 
 Bad input never gives a silently wrong product: group sizes that are negative or sum past M make
 every output NaN (concrete sizes raise a ValueError before that). What the kernels cannot take
@@ -76,10 +80,10 @@ class TileConfig:
   block_k: int = 64
   max_concurrent_steps: int = 4   # TMA pipeline depth (shared memory: see `smem_bytes`)
   grid_block_n: int = 1           # column tiles per snake band (L2 reuse of x's row blocks)
-  # Row-tile kernels only (forward, input gradient). 2: the warp-specialized kernel
-  # (`_gmm_ws_kernel`): a producer warpgroup issues the TMA loads, two consumer warpgroups each own
-  # a block_m x block_n accumulator of a block_m x 2·block_n tile, and consecutive tiles of a
-  # program run as one chained pipeline (loads of the next tile overlap this tile's epilogue).
+  # 2: the warp-specialized kernels (`_gmm_ws_kernel`, `_tgmm_ws_kernel`): a producer warpgroup
+  # issues the TMA loads, two consumer warpgroups each own a block_m x block_n accumulator of a
+  # block_m x 2·block_n tile; in the row-tile products consecutive tiles of a program run as one
+  # chained pipeline (loads of the next tile overlap this tile's epilogue).
   compute_wgs: int = 1
 
 
@@ -145,8 +149,8 @@ def unsupported_reason(x_MxK, w_GxKxN, plan: Plan = Plan()) -> str | None:
                                        ("forward_narrow", plan.forward_narrow, (m, n, k)),
                                        ("input_grad", plan.input_grad, (m, k, n)),
                                        ("weight_grad", plan.weight_grad, (k, n, m))):
-    if cfg.compute_wgs not in (1, 2) or (name == "weight_grad" and cfg.compute_wgs != 1):
-      return f"{name}: compute_wgs {cfg.compute_wgs} (1, or 2 for the row-tile kernels)"
+    if cfg.compute_wgs not in (1, 2):
+      return f"{name}: compute_wgs {cfg.compute_wgs} (1, or 2: warp-specialized)"
     if cols % cfg.block_n or (name == "weight_grad" and rows % cfg.block_m):
       return f"{name}: output dims ({rows}, {cols}) not multiples of blocks {cfg}"
     if name != "weight_grad" and red % cfg.block_k:
@@ -588,10 +592,135 @@ def _tgmm_kernel(x_MxK, dy_MxN, group_sizes_G, fill, *, out_dtype, cfg: TileConf
   return call(starts, ends, first.astype(jnp.int32), n_blocks, fill, x_MxK, dy_MxN)
 
 
+def _tgmm_ws_kernel(x_MxK, dy_MxN, group_sizes_G, fill, *, out_dtype, cfg: TileConfig,
+                    plan: Plan, bad):
+  """`_tgmm_kernel`'s dw[g] = x_gᵀ · dy_g, warp-specialized (TileConfig.compute_wgs == 2).
+
+  Work items are (group, K tile of block_m, N tile of 2·block_n). Warpgroup 2 issues the TMA
+  loads of each group's rows (x's bk × bm block and dy's bk × 2·bn block a step); warpgroups 0 and
+  1 each own a bm × bn accumulator, one half of the dy block, and store their half of the output
+  tile in chunks of `_epi_rows`. A group's first and last blocks hold rows of its neighbours:
+  both consumers zero those rows of the x block (the same values, so the order of their writes
+  does not matter) and each its own half of the dy block, before the product reads them. Groups
+  have different row counts, so each item runs its own pipeline (no chain); an empty group's
+  items store zeros (+ the fill).
+  """
+  plgpu = _plgpu()
+  from jax.experimental import pallas as pl
+  m, k = x_MxK.shape
+  n = dy_MxN.shape[1]
+  g = group_sizes_G.shape[0]
+  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+  grid_m, grid_n = k // bm, n // (2 * bn)
+  band = cfg.grid_block_n if grid_n % cfg.grid_block_n == 0 else 1
+  starts, ends = _bounds(group_sizes_G, bad)
+  first = starts // bk * bk
+  n_blocks = jnp.where(ends > starts, -(-ends // bk) - starts // bk, 0).astype(jnp.int32)
+  out_bytes = jnp.dtype(out_dtype).itemsize
+  epi = _epi_rows(cfg, out_bytes)
+  itemsize = jnp.dtype(x_MxK.dtype).itemsize
+  swizzle = plgpu.find_swizzle(64 * itemsize * 8)
+  transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+  def row_ids(shape):
+    ids = lax.broadcasted_iota(jnp.int32, shape, 0)
+    return ids if plan.interpret else plgpu.layout_cast(ids, plgpu.Layout.WGMMA)
+
+  def keep_rows(smem, keep):
+    """Zero the rows of a staged block for which keep(row) is False (select: NaN can't leak)."""
+    vals = smem[...]
+    smem[...] = jnp.where(keep(row_ids(vals.shape)), vals, jnp.zeros_like(vals))
+    plgpu.commit_smem()
+
+  def pipeline(mma, context, nblk, mi, ni):
+    return plgpu.emit_pipeline_warp_specialized(
+        mma, grid=(nblk,), memory_registers=40,
+        in_specs=[plgpu.BlockSpec((bk, bm), lambda i: (i, mi), transforms=transforms),
+                  plgpu.BlockSpec((bk, 2 * bn), lambda i: (i, ni), transforms=transforms)],
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=cfg.max_concurrent_steps,
+        compute_context=context)
+
+  def body(start_ref, end_ref, first_ref, nblk_ref, fill_ref, x_gmem, dy_gmem, o_gmem):
+    one = jnp.int32(1)    # the allocations depend on the blocks' shapes only
+    allocs = pipeline(None, None, one, jnp.int32(0), jnp.int32(0)).get_allocations(
+        x_gmem, dy_gmem)
+    # Interpret mode cannot read a transposed block in wgmma (`_wgmma`): there each consumer
+    # stages its transposed x block here (a scoped allocation must span the threads).
+    staged = plgpu.SMEM((2, bm, bk), x_MxK.dtype) if plan.interpret else None
+
+    @functools.partial(pl.run_scoped, pipeline_allocs=allocs,
+                       o_smem=plgpu.SMEM((2, epi, bn), out_dtype), t_smem=staged,
+                       collective_axes="wg")
+    def _(pipeline_allocs, o_smem, t_smem):
+      wg = lax.axis_index("wg")
+
+      def store(acc, gi, row0, col0):
+        """Consumer `wg`'s half tile to o_gmem[gi, row0 :, col0 :], a chunk of rows at a time."""
+        for c in range(bm // epi):
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last chunk's copy read it
+          o_smem[wg] = acc[c * epi:(c + 1) * epi].astype(out_dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(
+              o_smem.at[wg], o_gmem.at[gi, pl.ds(row0 + c * epi, epi), pl.ds(col0, bn)])
+
+      @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
+      def _(info):
+        gi = info.index[0]
+        mi, ni = _snake(info.index[1], grid_m, grid_n, band)
+        nblk = nblk_ref[gi]
+        lo = lax.rem(start_ref[gi], bk)
+        last = lax.rem(end_ref[gi] - 1, bk)
+        rows = pl.ds(pl.multiple_of(first_ref[gi], bk), m)  # may run past M; never read there
+        row0, col0 = mi * bm, ni * (2 * bn) + wg * bn
+
+        def mask(x_smem, dy_smem, keep):
+          keep_rows(x_smem, keep)
+          for h in range(2):   # each consumer its own half, sliced statically
+            pl.when(wg == h)(lambda: keep_rows(dy_smem.at[:, pl.ds(h * bn, bn)], keep))
+
+        def mma(idx, x_smem, dy_smem, acc_ref):
+          i = idx[0]
+          dy_half = dy_smem.at[:, pl.ds(wg * bn, bn)]
+          pl.when(i == 0)(lambda: mask(x_smem, dy_smem, lambda r: r >= lo))
+          pl.when(i == nblk - 1)(lambda: mask(x_smem, dy_smem, lambda r: r <= last))
+
+          if plan.interpret:
+            t_smem[wg] = x_smem[...].T
+            plgpu.wgmma(acc_ref, t_smem.at[wg], dy_half)
+          else:
+            plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_half)
+          plgpu.wgmma_wait(0)
+          return acc_ref
+
+        def context(run):
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+          def _(acc_ref):
+            run(acc_ref)
+            store(acc_ref[...] + fill_ref[0], gi, row0, col0)
+
+        @pl.when(nblk > 0)
+        def _():
+          pipeline(mma, context, nblk, mi, ni)(x_gmem.at[rows, :], dy_gmem.at[rows, :],
+                                              allocations=pipeline_allocs)
+
+        @pl.when((nblk == 0) & (wg < 2))
+        def _():   # an empty group: zeros (+ the fill: NaN for bad group sizes)
+          acc = pl.run_scoped(lambda acc_ref: acc_ref[...], plgpu.ACC((bm, bn), jnp.float32))
+          store(acc + fill_ref[0], gi, row0, col0)
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  kwargs = _kernel_kwargs(plan)
+  call = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype), num_threads=3,
+                      thread_name="wg", **kwargs)
+  return call(starts, ends, first.astype(jnp.int32), n_blocks, fill, x_MxK, dy_MxN)
+
+
 def warp_specialized(cfg: TileConfig, n: int) -> bool:
-  """Whether a row-tile product with `n` output columns runs `_gmm_ws_kernel`: its config asks
-  for two consumers and n is a multiple of their 2·block_n tile; otherwise `_gmm_kernel` runs
-  with the same blocks (n a multiple of block_n, as `unsupported_reason` requires)."""
+  """Whether a product with `n` output columns runs its warp-specialized kernel (`_gmm_ws_kernel`,
+  `_tgmm_ws_kernel`): its config asks for two consumers and n is a multiple of their 2·block_n
+  tile; otherwise the single-warpgroup kernel runs with the same blocks (n a multiple of block_n,
+  as `unsupported_reason` requires)."""
   return cfg.compute_wgs == 2 and n % (2 * cfg.block_n) == 0
 
 
@@ -623,8 +752,10 @@ def _mgpu_input_grad(dy_MxN, w_GxKxN, group_sizes_G, plan: Plan):
 
 def _mgpu_weight_grad(x_MxK, dy_MxN, group_sizes_G, plan: Plan):
   bad = _bad_sizes(group_sizes_G, x_MxK.shape[0])
-  return _tgmm_kernel(x_MxK, dy_MxN, group_sizes_G, _fill(bad), out_dtype=x_MxK.dtype,
-                      cfg=plan.weight_grad, plan=plan, bad=bad)
+  kernel = (_tgmm_ws_kernel if warp_specialized(plan.weight_grad, dy_MxN.shape[1])
+            else _tgmm_kernel)
+  return kernel(x_MxK, dy_MxN, group_sizes_G, _fill(bad), out_dtype=x_MxK.dtype,
+                cfg=plan.weight_grad, plan=plan, bad=bad)
 
 
 def products(plan: Plan):

@@ -196,6 +196,46 @@ def test_warp_specialized_row_kernels_interpret_match_loop(num_sms, n):
   assert int(jnp.sum(tiles[0] < g)) == 7
 
 
+@pytest.mark.parametrize("num_sms", [3, 16])
+def test_warp_specialized_weight_grad_interpret_matches_loop(num_sms):
+  # TileConfig.compute_wgs=2 for the weight gradient, in interpret mode: two consumers on 64-column
+  # halves of 128-column tiles, over each group's rows in 64-row blocks from the block-aligned
+  # start (groups straddle blocks: both ends masked, both in one block for the single-row group;
+  # rows of a neighbouring group hold NaN in x and dy, which must not leak), a 3-deep pipeline on
+  # groups of 1 to 3 blocks (dynamic step counts, shorter than the depth), 2 K tiles x 1 N tile a
+  # group; empty groups store zeros; 3 programs (several items each, one pipeline after another)
+  # and 16 (at most one). Bad sizes poison every output.
+  rng = np.random.default_rng(11)
+  m, k, n, g = 256, 128, 128, 6
+  sizes = np.array([0, 70, 1, 106, 64, 0], np.int32)  # 241 rows in groups, a 15-row tail
+  x = rng.standard_normal((m, k))
+  dy = rng.standard_normal((m, n))
+  cfg = gm.TileConfig(block_m=64, block_n=64, block_k=64, max_concurrent_steps=3, compute_wgs=2)
+  plan = gm.Plan(weight_grad=cfg, num_sms=num_sms, interpret=True)
+  xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
+  w = jnp.zeros((g, k, n), jnp.bfloat16)
+  assert gm.unsupported_reason(xb, w, plan) is None and gm.warp_specialized(cfg, n)
+  s = jnp.asarray(sizes)
+  (_, _, dw64), (_, _, dwa) = _reference(xb, w, dyb, sizes)
+  dw = gm._mgpu_weight_grad(xb, dyb, s, plan)
+  _close(dw, dw64, dwa, int(sizes.max()), jnp.bfloat16)
+  assert np.all(np.asarray(dw, np.float32)[[0, 5]] == 0)
+  # The single-warpgroup kernel with the same blocks: the same sums in the same order
+  one = gm._mgpu_weight_grad(xb, dyb, s, dataclasses.replace(plan, weight_grad=dataclasses.replace(
+      cfg, compute_wgs=1)))
+  np.testing.assert_array_equal(np.asarray(dw, np.float32), np.asarray(one, np.float32))
+  # NaN in the rows of group 3 (rows 71..176) stays in group 3's gradient
+  poisoned = x.copy()
+  poisoned[100] = np.nan
+  dw_p = np.asarray(gm._mgpu_weight_grad(jnp.asarray(poisoned, jnp.bfloat16), dyb, s, plan),
+                    np.float32)
+  assert np.all(np.isnan(dw_p[3])) and not np.any(np.isnan(np.delete(dw_p, 3, axis=0)))
+  np.testing.assert_array_equal(np.delete(dw_p, 3, axis=0),
+                                np.delete(np.asarray(dw, np.float32), 3, axis=0))
+  bad = jnp.asarray([0, 70, 1, 106, 64, 16], jnp.int32)   # 257 > 256 rows
+  assert np.all(np.isnan(np.asarray(gm._mgpu_weight_grad(xb, dyb, bad, plan), np.float32)))
+
+
 @pytest.mark.parametrize("backend", ["xla", "mosaic_gpu"])
 def test_output_in_x_dtype_is_the_float32_output_rounded_once(backend):
   # out_dtype=bf16: the same float32 accumulator rounded once at the store (bit for bit the float32
