@@ -292,6 +292,26 @@ def _wgmma(acc_ref, a_smem, b_smem, *, transpose_a: bool, transpose_b: bool, int
   pl.run_scoped(staged, plgpu.SMEM(src.shape[::-1], src.dtype))
 
 
+def _operand_transforms(dtype):
+  """The operand blocks' shared-memory layout, as jax's Hopper matmul writes it (rows of 8, the
+  minor dim in swizzled 128-byte lines), stated rather than inferred."""
+  plgpu = _plgpu()
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(64 * itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _keep_rows(smem, keep, interpret: bool):
+  """Zero the rows of a staged block for which keep(row) is False (a select, so NaN can't leak)."""
+  plgpu = _plgpu()
+  vals = smem[...]
+  ids = lax.broadcasted_iota(jnp.int32, vals.shape, 0)
+  if not interpret:
+    ids = plgpu.layout_cast(ids, plgpu.Layout.WGMMA)
+  smem[...] = jnp.where(keep(ids), vals, jnp.zeros_like(vals))
+  plgpu.commit_smem()
+
+
 def _snake(lin, rows: int, cols: int, band: int):
   """Work item -> (row, col): bands of `band` columns (band | cols), rows walked down one band and
   up the next, columns fastest inside a band, so consecutive items share row blocks in L2."""
@@ -409,12 +429,8 @@ def _gmm_ws_kernel(x_MxK, w, tiles, n_gemm, fill, *, transpose_w: bool, out_dtyp
   epi = _epi_rows(cfg, out_bytes)
   num_sms = _kernel_kwargs(plan)["grid"][0]
   state = plgpu.PipelinePipeline
-  # The operand blocks' shared-memory layout, as jax's Hopper matmul writes it (rows of 8, the
-  # minor dim in swizzled 128-byte lines), stated rather than inferred: the consumers slice the
-  # w block at a dynamic offset.
-  itemsize = jnp.dtype(x_MxK.dtype).itemsize
-  swizzle = plgpu.find_swizzle(64 * itemsize * 8)
-  transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+  # The layout stated (the consumers slice the w block at a dynamic offset).
+  transforms = _operand_transforms(x_MxK.dtype)
 
   def pipeline(mma, context, blk, ni, chain):
     if transpose_w:
@@ -521,19 +537,7 @@ def _tgmm_kernel(x_MxK, dy_MxN, group_sizes_G, fill, *, out_dtype, cfg: TileConf
   starts, ends = _bounds(group_sizes_G, bad)
   first = starts // bk * bk
   n_blocks = jnp.where(ends > starts, -(-ends // bk) - starts // bk, 0).astype(jnp.int32)
-  itemsize = jnp.dtype(x_MxK.dtype).itemsize
-  swizzle = plgpu.find_swizzle(64 * itemsize * 8)
-  transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-
-  def row_ids(shape):
-    ids = lax.broadcasted_iota(jnp.int32, shape, 0)
-    return ids if plan.interpret else plgpu.layout_cast(ids, plgpu.Layout.WGMMA)
-
-  def keep_rows(smem, keep):
-    """Zero the rows of a staged block for which keep(row) is False (select, so NaN can't leak)."""
-    vals = smem[...]
-    smem[...] = jnp.where(keep(row_ids(vals.shape)), vals, jnp.zeros_like(vals))
-    plgpu.commit_smem()
+  transforms = _operand_transforms(x_MxK.dtype)
 
   def body(start_ref, end_ref, first_ref, nblk_ref, fill_ref, x_gmem, dy_gmem, o_gmem):
     @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
@@ -551,13 +555,13 @@ def _tgmm_kernel(x_MxK, dy_MxN, group_sizes_G, fill, *, out_dtype, cfg: TileConf
 
           @pl.when(i == 0)
           def _():
-            keep_rows(x_smem, lambda r: r >= lo)
-            keep_rows(dy_smem, lambda r: r >= lo)
+            _keep_rows(x_smem, lambda r: r >= lo, plan.interpret)
+            _keep_rows(dy_smem, lambda r: r >= lo, plan.interpret)
 
           @pl.when(i == nblk - 1)
           def _():
-            keep_rows(x_smem, lambda r: r <= last)
-            keep_rows(dy_smem, lambda r: r <= last)
+            _keep_rows(x_smem, lambda r: r <= last, plan.interpret)
+            _keep_rows(dy_smem, lambda r: r <= last, plan.interpret)
 
           _wgmma(acc_ref, x_smem, dy_smem, transpose_a=True, transpose_b=False,
                  interpret=plan.interpret)
@@ -618,19 +622,7 @@ def _tgmm_ws_kernel(x_MxK, dy_MxN, group_sizes_G, fill, *, out_dtype, cfg: TileC
   n_blocks = jnp.where(ends > starts, -(-ends // bk) - starts // bk, 0).astype(jnp.int32)
   out_bytes = jnp.dtype(out_dtype).itemsize
   epi = _epi_rows(cfg, out_bytes)
-  itemsize = jnp.dtype(x_MxK.dtype).itemsize
-  swizzle = plgpu.find_swizzle(64 * itemsize * 8)
-  transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-
-  def row_ids(shape):
-    ids = lax.broadcasted_iota(jnp.int32, shape, 0)
-    return ids if plan.interpret else plgpu.layout_cast(ids, plgpu.Layout.WGMMA)
-
-  def keep_rows(smem, keep):
-    """Zero the rows of a staged block for which keep(row) is False (select: NaN can't leak)."""
-    vals = smem[...]
-    smem[...] = jnp.where(keep(row_ids(vals.shape)), vals, jnp.zeros_like(vals))
-    plgpu.commit_smem()
+  transforms = _operand_transforms(x_MxK.dtype)
 
   def pipeline(mma, context, nblk, mi, ni):
     return plgpu.emit_pipeline_warp_specialized(
@@ -674,9 +666,10 @@ def _tgmm_ws_kernel(x_MxK, dy_MxN, group_sizes_G, fill, *, out_dtype, cfg: TileC
         row0, col0 = mi * bm, ni * (2 * bn) + wg * bn
 
         def mask(x_smem, dy_smem, keep):
-          keep_rows(x_smem, keep)
+          _keep_rows(x_smem, keep, plan.interpret)
           for h in range(2):   # each consumer its own half, sliced statically
-            pl.when(wg == h)(lambda: keep_rows(dy_smem.at[:, pl.ds(h * bn, bn)], keep))
+            pl.when(wg == h)(lambda: _keep_rows(dy_smem.at[:, pl.ds(h * bn, bn)], keep,
+                                                plan.interpret))
 
         def mma(idx, x_smem, dy_smem, acc_ref):
           i = idx[0]

@@ -4,6 +4,7 @@ bad-input behaviour of the swap point `dsv41_jax.layers.moe_dispatch.grouped_mat
 
 import dataclasses
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -234,6 +235,27 @@ def test_warp_specialized_weight_grad_interpret_matches_loop(num_sms):
                                 np.delete(np.asarray(dw, np.float32), 3, axis=0))
   bad = jnp.asarray([0, 70, 1, 106, 64, 16], jnp.int32)   # 257 > 256 rows
   assert np.all(np.isnan(np.asarray(gm._mgpu_weight_grad(xb, dyb, bad, plan), np.float32)))
+
+
+def test_kernels_lower_for_cuda_at_the_expert_shapes():
+  # What interpret mode cannot see: the Pallas -> Mosaic GPU lowering of every product at s3's
+  # expert shapes, single-warpgroup and warp-specialized, for an H200 (no GPU needed; ptxas and the
+  # run itself stay the GPU's to check). One Mosaic GPU kernel a product.
+  from tests.pallas_kernels.cuda_lowering import lower_for_cuda
+  m, k, n, g = 65536, 1024, 512, 48
+  x, dy = (jax.ShapeDtypeStruct((m, c), jnp.bfloat16) for c in (k, n))
+  w = jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16)
+  s = jax.ShapeDtypeStruct((g,), jnp.int32)
+  one = gm.TileConfig(128, 128, 64, 6, 1)
+  two = gm.TileConfig(128, 128, 64, 4, 1, compute_wgs=2)
+  for cfg in (one, two):
+    plan = gm.Plan(forward=cfg, forward_narrow=cfg, input_grad=cfg, weight_grad=cfg, num_sms=132)
+    for fn, args in ((lambda a, b, c: gm._mgpu_forward(a, b, c, plan, out_dtype=jnp.bfloat16),
+                      (x, w, s)),
+                     (lambda a, b, c: gm._mgpu_input_grad(a, b, c, plan), (dy, w, s)),
+                     (lambda a, b, c: gm._mgpu_weight_grad(a, b, c, plan), (x, dy, s))):
+      text = lower_for_cuda(fn, *args).as_text()
+      assert len(re.findall(r"custom_call @mosaic_gpu\w*\(", text)) == 1, cfg
 
 
 @pytest.mark.parametrize("backend", ["xla", "mosaic_gpu"])
