@@ -1,18 +1,17 @@
 # Session 72's second call (any card, ~590 s): m3, last timed at session 47 (15.5 % MFU on an H200,
 # before the expert products in bf16 were the only change since; every later kernel and fusion is
-# untimed at m3). On an H200: m3 at 8 x (4 x 4096), issue 28's setting, and 16 x (4 x 4096), then by source at one
+# untimed at m3). On an H200: m3 at 8 x (4 x 4096), issue 28's setting, then by source at one
 # 4 x 4096 micro-batch. On an H100 (m3 at 4 x 4096 needs ~81 GiB): 16 x (2 x 4096) (131,072 tokens
 # a step), then by source at one 1 x 4096 micro-batch.
 #   run(command="bash benchmarks/gpu_runs/calls/next_s72b.sh", carry=[".whl"], timeout_s=600)
 source benchmarks/gpu_runs/calls/prelude.sh
 OUT=$(realpath "$OUT")
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr -cd 'A-Za-z0-9')
-# Both at 8 and at 16 micro-batches: issue 28 allows a 131K+-token step, and at m3 the optimizer's
-# ~300 ms (session 46) is ~11 % of an 8-micro-batch step.
+# On an H100 at 16 micro-batches: issue 28 allows a 131K+-token step; at m3 the optimizer's ~300 ms
+# (session 46) is ~11 % of an 8-micro-batch step, so next_s72f.sh also times 16 x (4 x 4096) on an H200.
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-  accum m3 "k8_$card" 170
-  ( K=16 accum m3 "k16_$card" 190 )
-  ( PBATCH=4 profile m3 "m3_b4_$card" )
+  accum m3 "k8_$card" 230
+  ( PBATCH=4 profile m3 "m3_b4_$card" )   # 16 x (4 x 4096): next_s72f.sh
 else
   # 2 x 4096 needs ~76 GiB by the analytic plan (0.99 of the measured peak at 4 x 4096): 97 % of
   # the card. Not at 1 row: each micro-batch adds its gradient tree to the accumulator (~35 GB
