@@ -1,6 +1,5 @@
-# Session 72's second call (any card, ~590 s): m3, last timed at session 47 (15.5 % MFU on an H200,
-# before the expert products in bf16 were the only change since; every later kernel and fusion is
-# untimed at m3). On an H200: m3 at 8 x (4 x 4096), issue 28's setting, then by source at one
+# The next session's first call (any card, ~590 s): m3, last timed at session 47 (15.5 % MFU on an
+# H200, with the expert products in bf16; every later kernel and fusion is untimed at m3). On an H200: m3 at 8 x (4 x 4096), issue 28's setting, then by source at one
 # 4 x 4096 micro-batch. On an H100 (m3 at 4 x 4096 needs ~81 GiB): 16 x (2 x 4096) (131,072 tokens
 # a step), then by source at one 1 x 4096 micro-batch.
 #   run(command="bash benchmarks/gpu_runs/calls/next_s72b.sh", carry=[".whl"], timeout_s=600)
