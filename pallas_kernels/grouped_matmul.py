@@ -215,6 +215,23 @@ def _row_tiles(group_sizes_G, m: int, block_m: int, bad):
   return grp, jnp.where(live, blk, zero), jnp.where(live, lo, zero), jnp.where(live, hi, zero)
 
 
+def _group_blocks(group_sizes_G, bad, block_k: int):
+  """The weight-gradient kernels' per-group rows, int32 [G] each: first row, end row, the first
+  row rounded down to a block, and the number of `block_k`-row blocks from there (0: empty)."""
+  starts, ends = _bounds(group_sizes_G, bad)
+  n_blocks = jnp.where(ends > starts, -(-ends // block_k) - starts // block_k, 0)
+  return starts, ends, (starts // block_k * block_k).astype(jnp.int32), n_blocks.astype(jnp.int32)
+
+
+def _group_rows(start_ref, end_ref, first_ref, nblk_ref, gi, block_k: int, m: int):
+  """Inside a weight-gradient kernel, group `gi`'s (blocks, first kept row of its first block,
+  last kept row of its last block, the rows from its block-aligned start: may run past M, never
+  read there)."""
+  from jax.experimental import pallas as pl
+  return (nblk_ref[gi], lax.rem(start_ref[gi], block_k), lax.rem(end_ref[gi] - 1, block_k),
+          pl.ds(pl.multiple_of(first_ref[gi], block_k), m))
+
+
 # --- the "xla" products --------------------------------------------------------------------------
 
 _F32 = jnp.float32
@@ -534,9 +551,7 @@ def _tgmm_kernel(x_MxK, dy_MxN, group_sizes_G, fill, *, out_dtype, cfg: TileConf
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   grid_m, grid_n = k // bm, n // bn
   band = cfg.grid_block_n if grid_n % cfg.grid_block_n == 0 else 1
-  starts, ends = _bounds(group_sizes_G, bad)
-  first = starts // bk * bk
-  n_blocks = jnp.where(ends > starts, -(-ends // bk) - starts // bk, 0).astype(jnp.int32)
+  blocks = _group_blocks(group_sizes_G, bad, bk)
   transforms = _operand_transforms(x_MxK.dtype)
 
   def body(start_ref, end_ref, first_ref, nblk_ref, fill_ref, x_gmem, dy_gmem, o_gmem):
@@ -544,10 +559,7 @@ def _tgmm_kernel(x_MxK, dy_MxN, group_sizes_G, fill, *, out_dtype, cfg: TileConf
     def _(info):
       gi = info.index[0]
       mi, ni = _snake(info.index[1], grid_m, grid_n, band)
-      nblk = nblk_ref[gi]
-      lo = lax.rem(start_ref[gi], bk)
-      last = lax.rem(end_ref[gi] - 1, bk)
-      rows = pl.ds(pl.multiple_of(first_ref[gi], bk), m)  # may run past M; never read there
+      nblk, lo, last, rows = _group_rows(start_ref, end_ref, first_ref, nblk_ref, gi, bk, m)
 
       def acc_scope(acc_ref):
         def step(idx, x_smem, dy_smem):
@@ -593,7 +605,7 @@ def _tgmm_kernel(x_MxK, dy_MxN, group_sizes_G, fill, *, out_dtype, cfg: TileConf
 
   call = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
                       **_kernel_kwargs(plan))
-  return call(starts, ends, first.astype(jnp.int32), n_blocks, fill, x_MxK, dy_MxN)
+  return call(*blocks, fill, x_MxK, dy_MxN)
 
 
 def _tgmm_ws_kernel(x_MxK, dy_MxN, group_sizes_G, fill, *, out_dtype, cfg: TileConfig,
@@ -617,9 +629,7 @@ def _tgmm_ws_kernel(x_MxK, dy_MxN, group_sizes_G, fill, *, out_dtype, cfg: TileC
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   grid_m, grid_n = k // bm, n // (2 * bn)
   band = cfg.grid_block_n if grid_n % cfg.grid_block_n == 0 else 1
-  starts, ends = _bounds(group_sizes_G, bad)
-  first = starts // bk * bk
-  n_blocks = jnp.where(ends > starts, -(-ends // bk) - starts // bk, 0).astype(jnp.int32)
+  blocks = _group_blocks(group_sizes_G, bad, bk)
   out_bytes = jnp.dtype(out_dtype).itemsize
   epi = _epi_rows(cfg, out_bytes)
   transforms = _operand_transforms(x_MxK.dtype)
@@ -659,10 +669,7 @@ def _tgmm_ws_kernel(x_MxK, dy_MxN, group_sizes_G, fill, *, out_dtype, cfg: TileC
       def _(info):
         gi = info.index[0]
         mi, ni = _snake(info.index[1], grid_m, grid_n, band)
-        nblk = nblk_ref[gi]
-        lo = lax.rem(start_ref[gi], bk)
-        last = lax.rem(end_ref[gi] - 1, bk)
-        rows = pl.ds(pl.multiple_of(first_ref[gi], bk), m)  # may run past M; never read there
+        nblk, lo, last, rows = _group_rows(start_ref, end_ref, first_ref, nblk_ref, gi, bk, m)
         row0, col0 = mi * bm, ni * (2 * bn) + wg * bn
 
         def mask(x_smem, dy_smem, keep):
@@ -706,7 +713,7 @@ def _tgmm_ws_kernel(x_MxK, dy_MxN, group_sizes_G, fill, *, out_dtype, cfg: TileC
   kwargs = _kernel_kwargs(plan)
   call = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype), num_threads=3,
                       thread_name="wg", **kwargs)
-  return call(starts, ends, first.astype(jnp.int32), n_blocks, fill, x_MxK, dy_MxN)
+  return call(*blocks, fill, x_MxK, dy_MxN)
 
 
 def warp_specialized(cfg: TileConfig, n: int) -> bool:
