@@ -1,5 +1,5 @@
 # Session 72, low budget (~470 s): next_s72d.sh's weight-gradient comparison cut to 200 s (s3's two
-# shapes, then m3's as time allows), then next_s72g.sh's m3 step (H200: 8 x (4 x 4096); H100:
+# shapes, then m3's as time allows), then m3's step (H200: 8 x (4 x 4096); H100:
 # 16 x (2 x 4096)) in the rest.
 #   run(command="bash benchmarks/gpu_runs/calls/next_s72h.sh", carry=[".whl"], timeout_s=500)
 source benchmarks/gpu_runs/calls/prelude.sh
