@@ -253,7 +253,8 @@ def time_engram_sinkhorn(run, model, grads) -> float:
   flat = dict(table_lib.flatten_params(grads))
   o = run.optim
   fn = jax.jit(lambda gs: [sinkhorn_direction(g, o.sinkhorn_iters, o.sinkhorn_tau, o.sinkhorn_eps,
-                                              o.update_rms, layouts[p]) for p, g in gs.items()])
+                                              o.update_rms, layouts[p], o.sinkhorn_stat_dtype)
+                          for p, g in gs.items()])
   return median_seconds(fn, {p: flat[p] for p in layouts}, reps=5)
 
 

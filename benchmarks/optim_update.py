@@ -155,8 +155,9 @@ def programs(names) -> dict:
 
   def sinkhorn_program():
     layouts = engram_sub_tables(model_lib.abstract_model(run.model))
+    stat = (o.sinkhorn_stat_dtype,) if hasattr(o, "sinkhorn_stat_dtype") else ()  # older trees
     return _flat(lambda gs: [sinkhorn.sinkhorn_direction(
-        g, o.sinkhorn_iters, o.sinkhorn_tau, o.sinkhorn_eps, o.update_rms, layouts[p])
+        g, o.sinkhorn_iters, o.sinkhorn_tau, o.sinkhorn_eps, o.update_rms, layouts[p], *stat)
         for p, g in gs.items()], {p: flat[p] for p in sorted(layouts)})
 
   def newton_schulz_program():

@@ -256,7 +256,8 @@ def build_optimizer(cfg: OptimConfig, params, table: Sequence[Row] = TABLE,
         "adamw": adamw(cfg.weight_decay),
         "sinkhorn": optax.chain(
             scale_by_sinkhorn(cfg.sinkhorn_momentum, cfg.sinkhorn_iters, cfg.sinkhorn_tau,
-                              cfg.sinkhorn_eps, cfg.update_rms, sub_tables),
+                              cfg.sinkhorn_eps, cfg.update_rms, sub_tables,
+                              cfg.sinkhorn_stat_dtype),
             optax.add_decayed_weights(cfg.sinkhorn_weight_decay)),
     }
   else:  # "adamw": the groups keep their weight decay and learning-rate multipliers

@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from optim.muon import NS_SCHEDULES
+from optim.sinkhorn import STAT_DTYPES
 from pallas_kernels import dispatch
 
 
@@ -74,6 +75,10 @@ class OptimConfig:
   sinkhorn_iters: int = 11
   sinkhorn_tau: float = 1e-3        # relative floor on row / column RMS (docs/design.md §T2)
   sinkhorn_eps: float = 1e-20
+  # The dtype of X₀² that each row and column step reads (optim/sinkhorn.py): "float32" squares
+  # the float32 direction where read; "bfloat16" stores the squares once at half the bytes (the
+  # steps read the table ~26 times an update), the direction then within ~2⁻⁸ relative.
+  sinkhorn_stat_dtype: str = "float32"
   # The spec names no weight decay for embeddings, head and Engram tables; decaying the rarely
   # hit Engram rows every step would shrink them for no gradient reason.
   sinkhorn_weight_decay: float = 0.0
@@ -111,6 +116,9 @@ class OptimConfig:
       need(0 <= getattr(self, name) < 1, f"{name} must lie in [0, 1) (got {getattr(self, name)})")
     need(self.vision_lr_mult >= 0, f"vision_lr_mult must be >= 0 (got {self.vision_lr_mult})")
     need(self.sinkhorn_iters >= 1, f"sinkhorn_iters must be >= 1 (got {self.sinkhorn_iters})")
+    need(self.sinkhorn_stat_dtype in STAT_DTYPES,
+         f"sinkhorn_stat_dtype must be one of {', '.join(map(repr, STAT_DTYPES))} "
+         f"(got {self.sinkhorn_stat_dtype!r})")
     need(self.newton_schulz in dispatch.POLICIES,
          f"newton_schulz: policy {self.newton_schulz!r} is not one of {', '.join(dispatch.POLICIES)}")
     need(self.ns_split in ("items", "xla"),

@@ -319,3 +319,51 @@ def test_tables_no_small_chunk_fits_take_a_larger_divisor_not_the_one_hot_produc
   ref = refs.sinkhorn_sub_tables(d, blocks, K, TAU, EPS, 0.18)
   np.testing.assert_allclose(out, ref, rtol=2e-5, atol=1e-9)
   assert np.all(out[[3, 20011, 60000]] == 0) and np.all(out[68022:] == 0)
+
+
+def test_bfloat16_statistics_stay_within_the_rounding_bound_and_read_half_the_table():
+  """`stat_dtype="bfloat16"`: the squares X₀² stored once in bfloat16 (each within 2⁻⁸ relative,
+  so each factor within ~2⁻⁹ and the direction within ~2⁻⁸ of the float64 restatement) on the
+  chunked table with starved, zero and padding rows and a zero column, whole and over 4 row
+  shards; zeros stay exactly zero; the loop reads a bfloat16 table, no float32 one; the chain
+  passes the config's choice, and a bad name is refused when the chain is built."""
+  rng = np.random.default_rng(12)
+  d = _big_table(rng).astype(np.float32)
+  fn = lambda x: sinkhorn.sinkhorn_direction(x, K, TAU, EPS, 0.18, BIG_BLOCKS, "bfloat16")
+  out = np.asarray(jax.jit(fn)(d), np.float64)
+  ref = refs.sinkhorn_sub_tables(d, BIG_BLOCKS, K, TAU, EPS, 0.18)
+  np.testing.assert_allclose(out, ref, rtol=2.0 ** -8, atol=0)
+  f32 = np.asarray(jax.jit(lambda x: sinkhorn.sinkhorn_direction(x, K, TAU, EPS, 0.18,
+                                                                 BIG_BLOCKS))(d), np.float64)
+  assert not np.array_equal(out, f32)     # the switch is on: bfloat16 squares move the factors
+  assert np.all(out[[5, 3005, 9000]] == 0) and np.all(out[9100:] == 0)
+  assert np.all(out[7100:9100, 4] == 0) and np.all(np.delete(out[:7100, 4], [5, 3005]) != 0)
+  x = _skewed(rng, (3, 120, 40))
+  x[0, 5] *= 1e-6
+  np.testing.assert_allclose(
+      np.asarray(sinkhorn.sinkhorn_balance(jnp.asarray(x, jnp.float32), K, TAU, EPS,
+                                           stat_dtype="bfloat16"), np.float64),
+      refs.sinkhorn(x.astype(np.float32), K, TAU, EPS), rtol=2.0 ** -8, atol=0)
+  mesh = testing.cpu_mesh({"engram": 4})
+  rows = NamedSharding(mesh, P("engram", None))
+  f = jax.jit(fn, in_shardings=rows, out_shardings=rows)
+  np.testing.assert_allclose(np.asarray(f(jax.device_put(d, rows))), out, rtol=1e-6, atol=1e-12)
+  # The loop's invariant table is bfloat16 (the statistics' reads), the float32 one is read after.
+  text = jax.jit(fn).lower(jax.ShapeDtypeStruct(d.shape, d.dtype)).as_text()
+  loop = text[text.index("stablehlo.while"):]
+  assert f"tensor<{BIG_ROWS}x12xbf16>" in loop
+  # Through the chain, from the config.
+  params = {"tab": jnp.asarray(d)}
+
+  def chain_update(stat_dtype):
+    tx = build_optimizer(_cfg(sinkhorn_stat_dtype=stat_dtype), params, (Row("tab", "sinkhorn"),),
+                         sub_tables={"tab": BIG_BLOCKS})
+    return np.asarray(tx.update(params, tx.init(params), params)[0]["tab"], np.float64)
+
+  f32_update, bf16_update = chain_update("float32"), chain_update("bfloat16")
+  assert not np.array_equal(bf16_update, f32_update)
+  np.testing.assert_allclose(bf16_update, f32_update, rtol=2.0 ** -8, atol=0)
+  with pytest.raises(Exception, match="sinkhorn_stat_dtype"):
+    _cfg(sinkhorn_stat_dtype="float16")
+  with pytest.raises(ValueError, match="stat_dtype 'fp8'"):
+    sinkhorn.scale_by_sinkhorn(0.9, K, TAU, EPS, 0.18, stat_dtype="fp8")
