@@ -44,7 +44,11 @@ from dsv41_jax.layers.types import CompressedKV
 
 
 class StreamState(NamedTuple):
-  """The carry between layers: residual streams, pending pre-coefficients, shared CSA2 state."""
+  """The carry between layers: residual streams, pending pre-coefficients, shared CSA2 state.
+
+  With `pending` = (F, post, comb) the streams are expand(X, post, comb, F): the last sublayer's
+  output and its site's coefficients, not yet written into X (`defer_output`); the next layer
+  writes them in its attention site's single pass, `settle` before anything else reads X."""
 
   X_BxTxNxD: jax.Array
   pre_mix_BxTxN: jax.Array
@@ -52,6 +56,7 @@ class StreamState(NamedTuple):
   topk_BxTxK: jax.Array | None = None   # the latest Full/Reindex layer's selection
   candidate: Any = None                 # the hierarchical candidate pool, when enabled
   attn_plan: Any = None                 # the attention op's plan of that selection, or None
+  pending: Any = None                   # (F [B,T,D], post [B,T,n], comb [B,T,n,n]) or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +154,29 @@ def next_site(cfg: ModelConfig, site: str, norm: RMSNorm, core: LayerCore, X_BxT
   return X, x.astype(cfg.dtype), pre, post, comb
 
 
+def settle(state: StreamState) -> StreamState:
+  """The state with its pending sublayer output written into X (`site_output`); as it is when
+  nothing is pending."""
+  if state.pending is None:
+    return state
+  F, post, comb = state.pending
+  X = site_output(state.X_BxTxNxD, post, comb, F).astype(state.X_BxTxNxD.dtype)
+  return state._replace(X_BxTxNxD=X, pending=None)
+
+
+def defer_output(cfg: ModelConfig, state: StreamState) -> StreamState:
+  """The state with an identity pending output (F = 0, post = 0, comb = I: expand gives X back
+  exactly), so that a run's layers write each MoE output in the next layer's attention site
+  (`ModelConfig.single_pass_boundary`); as it is when something is pending already."""
+  if state.pending is not None:
+    return state
+  B, T, n, d = state.X_BxTxNxD.shape
+  f32 = jnp.float32
+  return state._replace(pending=(
+      jnp.zeros((B, T, d), cfg.dtype), jnp.zeros((B, T, n), f32),
+      jnp.broadcast_to(jnp.eye(n, dtype=f32), (B, T, n, n))))
+
+
 def _compressed_kv(core: LayerCore, pub: Publisher, src_BxTxD, ctx: Context) -> CompressedKV:
   inv_freq = core.attn.inv_freq
   main_kv, latent, seg, last, pos = pub.compressor(src_BxTxD, ctx.positions_BxT,
@@ -236,15 +264,25 @@ def layer_forward(cfg: ModelConfig, kinds: Sequence[LayerSpec], core: LayerCore,
   kinds that publish nothing). With one kind the CSA2 step is static; with several,
   `kind_index` may be traced and the step is a `lax.switch` over the kinds. An Engram layer's
   injection comes before, on the streams it is given (the caller's: the model injects before the
-  run the layer starts, decode before the layer); its aux `engram_gate_N` is zeros here."""
+  run the layer starts, decode before the layer); its aux `engram_gate_N` is zeros here.
+
+  With a `pending` output in `state` (`defer_output`), the attention site is one single pass
+  (`next_site`: the previous MoE output written, this site's coefficients and input read) and
+  the layer leaves its own MoE output pending; the same values as writing it here and reading
+  the site apart (`ModelConfig.single_pass_boundary`)."""
   X = state.X_BxTxNxD
   real = ctx.segment_ids_BxT > 0
   gate = jnp.zeros((cfg.hc_mult,), jnp.float32)
   global_branch = kinds[0].reads_global_kv    # one compression ratio per run: all or none
 
-  # --- attention site ---
-  a_pre, a_post, a_comb = site_coefficients(cfg, "attn_hc", core, X, state.pre_mix_BxTxN)
-  x = site_input(cfg, core.attn_norm, X, state.pre_mix_BxTxN)
+  # --- attention site: the previous MoE output written here when it is pending ---
+  if state.pending is None:
+    a_pre, a_post, a_comb = site_coefficients(cfg, "attn_hc", core, X, state.pre_mix_BxTxN)
+    x = site_input(cfg, core.attn_norm, X, state.pre_mix_BxTxN)
+  else:
+    F, post, comb = state.pending
+    X, x, a_pre, a_post, a_comb = next_site(cfg, "attn_hc", core.attn_norm, core, X, F, post,
+                                            comb, state.pre_mix_BxTxN)
   c_q = core.attn.q_latent(x)
   kv, topk, candidate, plan = state.kv, state.topk_BxTxK, state.candidate, state.attn_plan
   if global_branch:
@@ -261,9 +299,13 @@ def layer_forward(cfg: ModelConfig, kinds: Sequence[LayerSpec], core: LayerCore,
                                           a_comb, a_pre)
   y, moe_aux = core.moe(x, segment_ids_BxT=ctx.segment_ids_BxT,
                         image_mask_BxT=ctx.image_mask_BxT, bias_2xE=moe_bias_2xE)
-  X = site_output(X, f_post, f_comb, y)
+  if state.pending is None:
+    X, pending = site_output(X, f_post, f_comb, y), None
+  else:       # written by the next layer's attention site, or by `settle`
+    pending = (y.astype(cfg.dtype), f_post, f_comb)
 
-  new_state = StreamState(X.astype(state.X_BxTxNxD.dtype), f_pre, kv, topk, candidate, plan)
+  new_state = StreamState(X.astype(state.X_BxTxNxD.dtype), f_pre, kv, topk, candidate, plan,
+                          pending)
   aux = LayerAux(moe_aux["balance_loss"], idx_loss, moe_aux["load_2xE"],
                  moe_aux["dropped_fraction"], gate, jnp.zeros((), jnp.float32))
   return new_state, aux

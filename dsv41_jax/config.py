@@ -118,6 +118,11 @@ class ModelConfig:
   # in float32 either way and rounds once when it writes X; bfloat16 halves the streams' bytes
   # (what DeepSeek's own V4 code stores) and their cotangents travel in bfloat16 too.
   hc_stream_dtype: Literal["float32", "bfloat16"] = "float32"
+  # Each layer's MoE output written into the streams by the next layer's attention site, as one
+  # single pass (the op `hc_site`: expand, coefficients, collapse and norm), instead of by XLA at
+  # the layer's end and read apart at the next layer's start (`block.defer_output`; docs/design.md
+  # §3.3). The same values; on the GPU it puts the layer boundary through the rows site kernel.
+  single_pass_boundary: bool = False
   engram_layer_ids: tuple[int, ...] = (1, 14)
   engram_max_ngram_size: int = 4
   engram_n_heads: int = 8

@@ -24,7 +24,7 @@ from flax import nnx
 
 from dsv41_jax import sharding
 from dsv41_jax.block import (ATTENTION_PLAN, Context, LayerAux, LayerCore, Publisher, StreamState,
-                             layer_forward, prefill_kv, site_input)
+                             defer_output, layer_forward, prefill_kv, settle, site_input)
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.layer_plan import LayerPlan, Run, build_layer_plan
 from dsv41_jax.layers import mhc
@@ -185,9 +185,12 @@ class Transformer(nnx.Module):
         inject = jax.checkpoint(inject, policy=layer_remat_policy(cfg.remat_saves))
       # Before the scan: no Engram branch in the body (a `lax.cond` on every layer cost ~5 ms a
       # micro-batch of s3 on the H200) and no slice of the run's stacks around the injection (an
-      # injection inside a run cost 42 ms a step of s3 on an H100).
+      # injection inside a run cost 42 ms a step of s3 on an H100). It reads the streams whole.
+      state = settle(state)
       X, gate = inject(state.X_BxTxNxD)
       state = state._replace(X_BxTxNxD=X)
+    if cfg.single_pass_boundary and cfg.residual == "mhc":
+      state = defer_output(cfg, state)
     pubs = stack.publishers(run)
     core_def, core_state = nnx.split(stack.core)
     pub_defs = [None if p is None else nnx.split(p)[0] for p in pubs]
@@ -239,7 +242,7 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     first = run.layers[0]
     if not first.reads_global_kv:
-      return StreamState(state.X_BxTxNxD, state.pre_mix_BxTxN)
+      return StreamState(state.X_BxTxNxD, state.pre_mix_BxTxN, pending=state.pending)
     B, T = ctx.segment_ids_BxT.shape
     n_entries = first.entries(T)
     kv, topk, cand, plan = state.kv, state.topk_BxTxK, state.candidate, state.attn_plan
@@ -262,7 +265,7 @@ class Transformer(nnx.Module):
     if cand is None and any(l.candidate_role == "source" for l in run.layers):
       from dsv41_jax.layers.indexer import empty_candidate
       cand = empty_candidate(cfg, B, T, n_entries)
-    return StreamState(state.X_BxTxNxD, state.pre_mix_BxTxN, kv, topk, cand, plan)
+    return StreamState(state.X_BxTxNxD, state.pre_mix_BxTxN, kv, topk, cand, plan, state.pending)
 
   # --- forward ------------------------------------------------------------------------------
 
@@ -294,6 +297,7 @@ class Transformer(nnx.Module):
     n_enc = self.plan.num_encoder_layers
     for r, run in enumerate(self.plan.runs):
       if run.first_layer == n_enc:
+        state = settle(state)
         enc_state = StreamState(state.X_BxTxNxD, state.pre_mix_BxTxN)
         if stop_after_encoder:
           return self._prefill_outputs(enc_state, ctx), _collect(auxes)
@@ -303,6 +307,7 @@ class Transformer(nnx.Module):
                       encoder_final=enc_state if cfg.kv_source_input == "encoder_final" else None)
       state, aux = self.run_layers(r, state, ctx, moe_bias_Lx2xE)
       auxes.append(aux)
+    state = settle(state)
     x = site_input(cfg, self.final_norm, state.X_BxTxNxD, state.pre_mix_BxTxN)
     if return_hidden:
       return (x, self.head[...]), _collect(auxes)

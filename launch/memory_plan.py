@@ -237,8 +237,10 @@ def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int],
   With layer remat (cfg.remat) every layer keeps only its input carry for the backward pass; the
   largest layer is then recomputed with all its intermediates live, values and their cotangents
   both. Terms (a = itemsize of cfg.dtype, tp = the tensor axis size, N = hc_mult):
-    carries      (L + 1) · b·T·N·D·s                      residual streams saved per layer
-                 (s = itemsize of cfg.hc_stream_dtype: 4, or 2 for bfloat16 streams)
+    carries      (L + 1) · b·T·(N·D·s + p)                residual streams saved per layer
+                 (s = itemsize of cfg.hc_stream_dtype: 4, or 2 for bfloat16 streams; p = D·a
+                 + 4·N·(N + 1), the pending MoE output and its site's coefficients, with
+                 `single_pass_boundary`, else 0)
                  (without remat: every layer's working set below is kept instead)
     layer work   max over layers of 2·(attention + moe + mhc) + SCORE_COPIES·scores, per layer
       attention  b·T·(H/tp)·Dh·a  (q)  +  b·(H/tp)·T·(P+1)·S·4  (window scores, S = min(W, T),
@@ -263,6 +265,8 @@ def activation_bytes(cfg: ModelConfig, b: int, T: int, sizes: Mapping[str, int],
   plan = build_layer_plan(cfg)
   stream = b * T * N * D * 4
   stored = b * T * N * D * jnp.dtype(cfg.hc_stream_dtype).itemsize
+  if cfg.single_pass_boundary and cfg.residual == "mhc":
+    stored += b * T * (D * a + 4 * N * (N + 1))      # the carry's pending output (block.StreamState)
   S = min(cfg.sliding_window, T)
   prev = -(-(cfg.sliding_window - 1) // S)
 

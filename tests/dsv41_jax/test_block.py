@@ -187,26 +187,32 @@ def _model_logits(cfg, seed=0):
   return np.asarray(logits, np.float64), flat, tokens, pos, seg
 
 
+BOUNDARY = pytest.mark.parametrize("boundary", [False, True], ids=["split", "single_pass_boundary"])
+
+
+@BOUNDARY
 @pytest.mark.parametrize("ops", [{}, {"hc_coefficients": "kernel", "hc_site": "kernel"}],
                          ids=["default", "mhc_kernels"])
-def test_model_logits_equal_the_single_pass_restatement(ops):
+def test_model_logits_equal_the_single_pass_restatement(ops, boundary):
   # Also with the mHC kernels (pallas_kernels/mhc_rows.py and mhc.py, interpreted): the site and the
-  # coefficients in the model against the same float64 schedule, at the same tolerance.
-  cfg = _cfg(**ops)
+  # coefficients in the model against the same float64 schedule, at the same tolerance; and with
+  # each MoE output written by the next layer's attention site (`single_pass_boundary`).
+  cfg = dataclasses.replace(_cfg(**ops), single_pass_boundary=boundary)
   logits, flat, tokens, pos, seg = _model_logits(cfg)
   want = reference_logits(flat, cfg, tokens, pos, seg)
   scale = np.abs(want).max()
   np.testing.assert_allclose(logits, want, rtol=0, atol=3e-6 * scale)
 
 
+@BOUNDARY
 @pytest.mark.parametrize("ops", [{}, {"hc_coefficients": "kernel", "hc_site": "kernel"}],
                          ids=["default", "mhc_kernels"])
-def test_bfloat16_streams_are_rounded_where_the_model_writes_them(ops):
+def test_bfloat16_streams_are_rounded_where_the_model_writes_them(ops, boundary):
   # hc_stream_dtype="bfloat16": X⁰ and every expand's X' rounded to bfloat16 once, everything else
   # (coefficients, collapse, norms, sublayers) as in float32. The restatement rounds at the same
   # three places, and the float32 test's tolerance holds (1.6e-7 measured: float32 arithmetic moved
   # no value across a bfloat16 rounding boundary here); the unrounded restatement is 8e-3 off.
-  cfg = dataclasses.replace(_cfg(**ops), hc_stream_dtype="bfloat16")
+  cfg = dataclasses.replace(_cfg(**ops), hc_stream_dtype="bfloat16", single_pass_boundary=boundary)
   logits, flat, tokens, pos, seg = _model_logits(cfg)
   want = reference_logits(flat, cfg, tokens, pos, seg, store=_bf16)
   unrounded = reference_logits(flat, cfg, tokens, pos, seg)
@@ -351,3 +357,53 @@ def test_reuse_reads_the_latest_top_k_of_its_run(reads):
   np.testing.assert_array_equal(aux1["balance_loss"][:after], aux0["balance_loss"][:after])
   assert aux1["balance_loss"][after] != aux0["balance_loss"][after]
   assert np.abs(logits1 - logits0).max() > 1e-3
+
+
+def test_single_pass_boundary_same_model_through_the_site_op(monkeypatch):
+  """`single_pass_boundary`: each layer's MoE output written by the next layer's attention site
+  (the op `hc_site`) instead of at the layer's end. On tiny_config (Engram runs, which settle the
+  streams before their injection; the encoder's end; the head) the logits are bitwise those of
+  the split form; on the small stack with layer remat the loss is bitwise and every gradient within
+  2e-6 of the largest of its parameter (float32 sums in another order); and the unrolled forward
+  calls `hc_site` at both sites of every layer where the split form calls it at the MoE site only."""
+  def loss_grads(cfg, batch):
+    graphdef, params = nnx.split(Transformer(cfg, nnx.Rngs(3)))
+    def loss(p):
+      logits, _ = nnx.merge(graphdef, p)(batch, zero_moe_bias(cfg))
+      return jnp.mean(jnp.square(logits)), logits
+    (l, logits), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(nnx.as_pure(params))
+    return np.asarray(l), np.asarray(logits), dict(flatten_params(jax.tree.map(np.asarray, g)))
+
+  rng = np.random.default_rng(21)
+  tokens, pos, seg = _inputs(_cfg(), rng)
+  batch = dict(tokens=jnp.asarray(tokens), positions=jnp.asarray(pos), segment_ids=jnp.asarray(seg))
+  split, fused = (loss_grads(dataclasses.replace(_cfg(), remat=True, single_pass_boundary=b), batch)
+                  for b in (False, True))
+  np.testing.assert_array_equal(fused[0], split[0])
+  np.testing.assert_array_equal(fused[1], split[1])
+  for path, g in split[2].items():
+    np.testing.assert_allclose(fused[2][path], g, rtol=0, atol=2e-6 * np.abs(g).max(), err_msg=path)
+
+  cfg = testing.tiny_config()
+  params = nnx.as_pure(nnx.split(Transformer(cfg, nnx.Rngs(5)))[1])
+  tiny = testing.packed_batch(cfg, np.random.default_rng(6))
+  bias = zero_moe_bias(cfg)
+
+  def forward(c):        # the model of config `c` on `params` (the configs differ in no parameter)
+    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(c, nnx.Rngs(5))))[0]
+    return lambda p: nnx.merge(graphdef, p)(tiny, bias)[0]
+
+  logits = {b: np.asarray(jax.jit(forward(dataclasses.replace(cfg, single_pass_boundary=b)))(
+      params)) for b in (False, True)}
+  np.testing.assert_array_equal(logits[True], logits[False])
+
+  from pallas_kernels import dispatch
+  calls = []
+  real_call = dispatch.call
+  monkeypatch.setattr(dispatch, "call", lambda name, *a, **k: calls.append(name) or
+                      real_call(name, *a, **k))
+  for b in (False, True):
+    c = dataclasses.replace(cfg, scan_layers=False, single_pass_boundary=b)
+    calls.clear()
+    jax.eval_shape(forward(c), params)
+    assert calls.count("hc_site") == (2 if b else 1) * c.num_hidden_layers, (b, calls)
