@@ -10,6 +10,10 @@ top-k; SWA: window only), then the MoE, each through an mHC site:
   f_pre, f_post, f_comb = hc_ffn(X)
   X = f_postᵀ·MoE(ffn_norm(collapse(X, a_pre))) + f_combᵀ X ;   pre_mix ← f_pre
 
+With `cfg.single_pass_boundary` the last line's write is deferred: the layer leaves f_post, f_comb
+and the MoE output pending in its `StreamState`, and the next layer's attention site writes them
+and reads its own coefficients and input in one single pass (`next_site`), as the MoE site does.
+
 With `cfg.residual == "plain"` (the ablation baseline) there are no sites: one stream, pre_mix = 1
 throughout (so collapse reads the stream as it is), and each sublayer adds its output,
 X ← X + F(norm(X)) — the standard pre-norm residual.
