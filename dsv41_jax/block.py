@@ -175,10 +175,10 @@ def defer_output(cfg: ModelConfig, state: StreamState) -> StreamState:
   if state.pending is not None:
     return state
   B, T, n, d = state.X_BxTxNxD.shape
-  f32 = jnp.float32
+  dt = state.pre_mix_BxTxN.dtype      # the coefficients' dtype (float32; a float64 program's own)
   return state._replace(pending=(
-      jnp.zeros((B, T, d), cfg.dtype), jnp.zeros((B, T, n), f32),
-      jnp.broadcast_to(jnp.eye(n, dtype=f32), (B, T, n, n))))
+      jnp.zeros((B, T, d), cfg.dtype), jnp.zeros((B, T, n), dt),
+      jnp.broadcast_to(jnp.eye(n, dtype=dt), (B, T, n, n))))
 
 
 def _compressed_kv(core: LayerCore, pub: Publisher, src_BxTxD, ctx: Context) -> CompressedKV:
