@@ -122,6 +122,7 @@ class ModelConfig:
   # single pass (the op `hc_site`: expand, coefficients, collapse and norm), instead of by XLA at
   # the layer's end and read apart at the next layer's start (`block.defer_output`; docs/design.md
   # §3.3). The same values; on the GPU it puts the layer boundary through the rows site kernel.
+  # The plain residual has no sites: nothing to defer, the switch changes nothing there.
   single_pass_boundary: bool = False
   engram_layer_ids: tuple[int, ...] = (1, 14)
   engram_max_ngram_size: int = 4

@@ -364,7 +364,7 @@ def test_single_pass_boundary_same_model_through_the_site_op(monkeypatch):
   (the op `hc_site`) instead of at the layer's end. On tiny_config (Engram runs, which settle the
   streams before their injection; the encoder's end; the head) the logits are bitwise those of
   the split form; on the small stack with layer remat the loss is bitwise and every gradient within
-  2e-6 of the largest of its parameter (float32 sums in another order); and the unrolled forward
+  1e-6 of the largest of its parameter (3.4e-7 measured: float32 sums in another order); and the unrolled forward
   calls `hc_site` at both sites of every layer where the split form calls it at the MoE site only."""
   def loss_grads(cfg, batch):
     graphdef, params = nnx.split(Transformer(cfg, nnx.Rngs(3)))
@@ -382,7 +382,7 @@ def test_single_pass_boundary_same_model_through_the_site_op(monkeypatch):
   np.testing.assert_array_equal(fused[0], split[0])
   np.testing.assert_array_equal(fused[1], split[1])
   for path, g in split[2].items():
-    np.testing.assert_allclose(fused[2][path], g, rtol=0, atol=2e-6 * np.abs(g).max(), err_msg=path)
+    np.testing.assert_allclose(fused[2][path], g, rtol=0, atol=1e-6 * np.abs(g).max(), err_msg=path)
 
   cfg = testing.tiny_config()
   params = nnx.as_pure(nnx.split(Transformer(cfg, nnx.Rngs(5)))[1])
